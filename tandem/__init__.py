@@ -1,0 +1,3 @@
+"""Tandem: PyTorch-native asynchronous reinforcement learning for LLMs."""
+
+__version__ = "0.1.0"
