@@ -1,0 +1,164 @@
+"""Allocation mode: how the GPUs are split between inference servers and trainers.
+
+The language is AReaL-compatible, e.g. ``sglang:d4t2+archon:d4p2t2``::
+
+    spec      := group ('+' group)*             '+': separate devices, assigned in order
+    group     := component ('|' component)*     '|': colocated on the first member's devices
+    component := backend ['[' name ']'] ':' (dims | hybrid)
+    dims      := (letter size)+                 any order, each letter once, omitted = 1
+    hybrid    := ['('] 'attn:' dims '|' 'ffn:' dims [')']     MoE layout, archon/megatron only
+
+`|` binds tighter than `+`, and whitespace is ignored anywhere. Letters: d (data), t (tensor),
+p (pipeline), c (context), e (expert) parallel sizes; inference backends take d, t, p; fsdp
+takes d, t, c. Scheduling follows AReaL: every component is "separation" except the members of a
+`|` group after the first, which are "colocation" with `target` = the first member's name (its
+backend when unnamed). Megatron parses, so AReaL strings keep working, but is not launchable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.config.alloc_rules import check_colocation, check_names, resolve_layout
+from tandem.config.alloc_syntax import INFERENCE_BACKENDS, parse_syntax
+from tandem.errors import AllocationError
+
+__all__ = ["AllocationMode", "Component", "parse_allocation"]
+
+MEGATRON_NOTE = (
+    "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
+)
+_JSON_KEYS = (
+    "backend", "name", "dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size", "scheduling", "target",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Component:
+    """One inference server group or trainer, with its parallel sizes and devices."""
+
+    backend: str
+    name: str | None
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    edp: int  # expert data parallel size; equals dp without experts
+    world_size: int  # dp * tp * pp * cp
+    scheduling: str  # "separation" | "colocation"
+    target: str | None  # label of the component whose devices a colocated one shares
+    devices: range
+    hybrid: bool = False  # written in the attn/ffn form
+
+    @property
+    def is_inference(self) -> bool:
+        return self.backend in INFERENCE_BACKENDS
+
+    @property
+    def launch_error(self) -> str | None:
+        return MEGATRON_NOTE if self.backend == "megatron" else None
+
+    @property
+    def launchable(self) -> bool:
+        return self.launch_error is None
+
+    @property
+    def label(self) -> str:
+        """The name, or the backend for an unnamed component (what `target` refers to)."""
+        return self.name or self.backend
+
+    def to_json(self) -> dict[str, object]:
+        return {key: getattr(self, key) for key in _JSON_KEYS}
+
+    def explain(self) -> str:
+        kind = "inference" if self.is_inference else "training"
+        head = f"{self.backend}[{self.name}]" if self.name else self.backend
+        first, last = self.devices[0], self.devices[-1]
+        where = f"device {first}" if first == last else f"devices {first}-{last}"
+        sched = f"colocation with {self.target}" if self.scheduling == "colocation" else "separation"
+        text = (
+            f"{head} ({kind}): dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep} "
+            f"etp={self.etp}, expert dp={self.edp}, world size {self.world_size}, {where}, {sched}"
+        )
+        if self.launch_error:
+            text += f"\n  note: {self.launch_error}"
+        return text
+
+
+@dataclass(frozen=True)
+class AllocationMode:
+    """A parsed allocation-mode string; `components` are in the order written."""
+
+    spec: str
+    components: tuple[Component, ...]
+
+    @property
+    def inference(self) -> tuple[Component, ...]:
+        return tuple(c for c in self.components if c.is_inference)
+
+    @property
+    def train(self) -> tuple[Component, ...]:
+        return tuple(c for c in self.components if not c.is_inference)
+
+    @property
+    def total_devices(self) -> int:
+        return max(c.devices.stop for c in self.components)
+
+    @property
+    def launchable(self) -> bool:
+        return all(c.launchable for c in self.components)
+
+    def __getitem__(self, name: str) -> Component:
+        for comp in self.components:
+            if comp.name == name:
+                return comp
+        raise KeyError(f"no component named {name!r} in {self.spec!r}")
+
+    def to_json(self) -> dict[str, list[dict[str, object]]]:
+        return {"components": [c.to_json() for c in self.components]}
+
+    def explain(self) -> str:
+        lines = [c.explain() for c in self.components]
+        lines.append(f"total devices: {self.total_devices}")
+        return "\n".join(lines)
+
+
+def parse_allocation(spec: str) -> AllocationMode:
+    """Parse an allocation-mode string; raises `AllocationError` pointing at the problem."""
+    if not isinstance(spec, str):
+        raise AllocationError(f"allocation mode must be a string, got {type(spec).__name__}")
+    groups = parse_syntax(spec)
+    layouts = [[resolve_layout(raw, spec) for raw in group] for group in groups]
+    check_names(groups, spec)
+    for group, group_layouts in zip(groups, layouts, strict=True):
+        check_colocation(group, group_layouts, spec)
+
+    components: list[Component] = []
+    next_device = 0
+    for group, group_layouts in zip(groups, layouts, strict=True):
+        # The whole group lives on the first member's devices, right after the previous group.
+        devices = range(next_device, next_device + group_layouts[0].world_size)
+        next_device = devices.stop
+        anchor = group[0].name or group[0].backend
+        for index, (raw, lay) in enumerate(zip(group, group_layouts, strict=True)):
+            components.append(
+                Component(
+                    backend=raw.backend,
+                    name=raw.name,
+                    dp=lay.dp,
+                    tp=lay.tp,
+                    pp=lay.pp,
+                    cp=lay.cp,
+                    ep=lay.ep,
+                    etp=lay.etp,
+                    edp=lay.edp,
+                    world_size=lay.world_size,
+                    scheduling="colocation" if index else "separation",
+                    target=anchor if index else None,
+                    devices=devices,
+                    hybrid=raw.attn is not None,
+                )
+            )
+    return AllocationMode(spec=spec, components=tuple(components))

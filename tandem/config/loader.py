@@ -1,0 +1,178 @@
+"""Load a config: schema defaults <- YAML file <- `key.sub=value` overrides, then validate.
+
+OmegaConf does the merging and type conversion. Before merging we walk the user's keys against the
+schema ourselves, so an unknown key is reported with its full dotted path and the closest valid
+keys anywhere in the schema (a user who writes `lr=1e-5` at the top level learns about
+`actor.optimizer.lr`). After merging, field metadata (`choices`, `min`) and each section's optional
+`check()` method validate values. Every failure is a `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tandem.config.schema import TandemConfig
+from tandem.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), schema: type[T] = TandemConfig) -> T:
+    """Return a validated `schema` instance from an optional YAML file and dotted overrides."""
+    layers: list[tuple[str, dict]] = []
+    if path is not None:
+        layers.append((f"config file {str(path)!r}", _read_yaml(Path(path))))
+    if overrides:
+        layers.append(("command-line overrides", _parse_overrides(overrides)))
+
+    for source, data in layers:
+        _check_keys(schema, data, prefix="", source=source, root=schema)
+
+    merged = OmegaConf.structured(schema)
+    for source, data in layers:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(data))
+        except OmegaConfBaseException as exc:
+            raise _type_error(schema, exc, source) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:  # e.g. an interpolation that names a missing key
+        raise ConfigError(f"cannot resolve config: {_first_line(exc)}") from None
+    validate(cfg)
+    return cfg  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (what a run records next to its outputs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: Any, prefix: str = "") -> None:
+    """Check field metadata (`choices`, `min`) and run each section's `check()`, depth first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            validate(value, prefix=f"{key}.")
+            continue
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        floor = f.metadata.get("min")
+        if floor is not None and value < floor:
+            raise ConfigError(f"{key}: {value!r} is below the minimum {floor!r}")
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check(prefix)
+
+
+def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every leaf key of a schema as (dotted path, dataclass field), in declaration order."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        ftype = hints[f.name]
+        if dataclasses.is_dataclass(ftype):
+            yield from schema_keys(ftype, prefix=f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_overrides(overrides: Sequence[str]) -> dict:
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. actor.optimizer.lr=1e-5)")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides: {_first_line(exc)}") from None
+
+
+# --- key and type checks -----------------------------------------------------------------------
+
+
+def _check_keys(schema: type, data: Mapping, prefix: str, source: str, root: type) -> None:
+    hints = typing.get_type_hints(schema)
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(str(key), prefix, fields, source, root))
+        ftype = hints[key]
+        if dataclasses.is_dataclass(ftype):
+            if isinstance(value, Mapping):
+                _check_keys(ftype, value, prefix=f"{full}.", source=source, root=root)
+            elif value is not None:
+                raise ConfigError(
+                    f"{full}: expected a section (a mapping of keys such as "
+                    f"{', '.join(f.name for f in dataclasses.fields(ftype))}), got {value!r} in {source}"
+                )
+
+
+def _unknown_key_message(key: str, prefix: str, siblings: list[str], source: str, root: type) -> str:
+    # Near-misses among the siblings first, then the same name in another section (a key written
+    # in the wrong place), as full dotted paths.
+    suggestions = [prefix + c for c in difflib.get_close_matches(key, siblings, n=3, cutoff=0.6)]
+    suggestions += [p for p, _ in schema_keys(root) if p.rsplit(".", 1)[-1] == key and p not in suggestions]
+    msg = f"unknown config key {prefix + key!r} in {source}"
+    if suggestions:
+        msg += f"; did you mean {' or '.join(map(repr, suggestions))}?"
+    where = f"under {prefix[:-1]!r}" if prefix else "at the top level"
+    return msg + f" (valid keys {where}: {', '.join(siblings)})"
+
+
+def _type_error(schema: type, exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None)
+    value = getattr(exc, "value", None)
+    if not key:
+        return ConfigError(f"invalid value in {source}: {_first_line(exc)}")
+    expected = _describe_type(_field_type(schema, key))
+    return ConfigError(f"{key}: expected {expected}, got {value!r} (from {source})")
+
+
+def _field_type(schema: type, dotted: str) -> Any:
+    ftype: Any = schema
+    for part in dotted.split("."):
+        part = part.split("[", 1)[0]
+        if not dataclasses.is_dataclass(ftype):
+            break
+        ftype = typing.get_type_hints(ftype)[part]
+    return ftype
+
+
+def _describe_type(ftype: Any) -> str:
+    names = {int: "an integer", float: "a number (float)", bool: "a boolean (true/false)", str: "a string"}
+    if ftype in names:
+        return names[ftype]
+    return getattr(ftype, "__name__", None) or str(ftype)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+

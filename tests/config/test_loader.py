@@ -1,0 +1,169 @@
+"""Config loading: defaults, YAML, overrides, and a clear error for every kind of mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.cli import main
+from tandem.config.loader import load_config, schema_keys, to_yaml
+from tandem.config.schema import TandemConfig
+from tandem.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    cfg = load_config(None)
+    assert isinstance(cfg, TandemConfig)
+    assert cfg.actor.optimizer.lr == 1e-6
+    assert cfg.rollout.backend == "tandem:d1"
+
+
+def test_yaml_then_overrides_win(tmp_path):
+    path = write(tmp_path, "experiment:\n  name: gsm\n  seed: 3\nactor:\n  optimizer:\n    lr: 2.0e-5\n")
+    cfg = load_config(path, ["actor.optimizer.lr=3e-5", "rollout.backend=tandem:d2"])
+    assert cfg.experiment.name == "gsm"
+    assert cfg.experiment.seed == 3
+    assert cfg.actor.optimizer.lr == 3e-5
+    assert cfg.rollout.backend == "tandem:d2"
+
+
+def test_interpolation_resolves(tmp_path):
+    path = write(tmp_path, "experiment:\n  name: gsm\n  trial: ${experiment.name}-a\n")
+    assert load_config(path).experiment.trial == "gsm-a"
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["actor.dtype=bfloat16", "experiment.seed=7", "actor.backend=archon:d2t2"])
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["actor.optimizer.lrr=1"], ["'actor.optimizer.lrr'", "did you mean 'actor.optimizer.lr'"]),
+        (["lr=1e-5"], ["'lr'", "'actor.optimizer.lr'", "valid keys at the top level"]),
+        (["actr.path=x"], ["'actr'", "did you mean 'actor'"]),
+        (["rollout.seed=1"], ["'rollout.seed'", "'experiment.seed'", "valid keys under 'rollout': backend"]),
+    ],
+)
+def test_unknown_key_names_key_and_closest(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    path = write(tmp_path, "actor:\n  optimzer:\n    lr: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.optimzer' in config file .*cfg.yaml.*'actor.optimizer'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("actor.optimizer.lr=fast", ["actor.optimizer.lr: expected a number (float), got 'fast'"]),
+        ("experiment.seed=1.5", ["experiment.seed: expected an integer, got 1.5"]),
+    ],
+)
+def test_wrong_type_names_field_value_and_type(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_section_given_a_scalar(tmp_path):
+    with pytest.raises(ConfigError, match=r"actor: expected a section .*path, dtype, backend, optimizer.*got 3"):
+        load_config(write(tmp_path, "actor: 3\n"))
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("actor.dtype=fp8", r"actor.dtype: 'fp8' is not one of 'float32', 'bfloat16', 'float16'"),
+        ("actor.optimizer.lr_scheduler=step", r"lr_scheduler: 'step' is not one of 'constant', 'linear', 'cosine'"),
+        ("actor.optimizer.lr=-1", r"actor.optimizer.lr: -1.0 is below the minimum 0.0"),
+    ],
+)
+def test_choices_and_minimum(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_allocation_fields_are_checked():
+    with pytest.raises(ConfigError, match=r"actor.backend: 'sglang' is an inference backend but actor.backend takes a training allocation \(archon or fsdp\)"):
+        load_config(None, ["actor.backend=sglang:d2"])
+    with pytest.raises(ConfigError, match=r"rollout.backend: 'archon' is a training backend but rollout.backend takes an inference allocation"):
+        load_config(None, ["rollout.backend=archon:d2"])
+    with pytest.raises(ConfigError, match=r"rollout.backend: invalid allocation mode 'tandem:d0'"):
+        load_config(None, ["rollout.backend=tandem:d0"])
+
+
+@pytest.mark.parametrize("override", ["actor.lr", "=3", "actor..lr=1"])
+def test_malformed_override(override):
+    with pytest.raises(ConfigError, match=r"must look like key.sub=value"):
+        load_config(None, [override])
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(write(tmp_path, "actor: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"must hold a mapping"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_every_schema_key_is_documented():
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    missing = [key for key, _ in schema_keys(TandemConfig) if f"`{key}`" not in doc]
+    assert not missing, f"document these keys in docs/configuration.md: {missing}"
+
+
+# --- through the command line -------------------------------------------------------------------
+
+
+def test_cli_show_config_prints_resolved(capsys, tmp_path):
+    assert main(["show-config", str(write(tmp_path, "experiment:\n  name: x\n")), "experiment.seed=5"]) == 0
+    out = capsys.readouterr().out
+    assert "name: x" in out
+    assert "seed: 5" in out
+
+
+def test_cli_bad_key_exits_2(capsys):
+    assert main(["show-config", "actor.optimizer.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'actor.optimizer.lrr'" in err
+    assert "did you mean 'actor.optimizer.lr'" in err
+
+
+def test_cli_bad_type_exits_2(capsys):
+    assert main(["show-config", "experiment.seed=abc"]) == 2
+    assert "experiment.seed: expected an integer, got 'abc' (from command-line overrides)" in capsys.readouterr().err
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed `tandem` entry point, as a real process."""
+    exe = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(exe), "show-config", "actor.dtype=int3"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "actor.dtype: 'int3' is not one of" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load(path):
+    load_config(path)
