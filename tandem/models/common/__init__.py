@@ -1,0 +1,18 @@
+"""Model-agnostic building blocks shared by the model families."""
+
+from tandem.models.common.attention import packed_causal_attention, packed_document_mask
+from tandem.models.common.mlp import SwiGLU
+from tandem.models.common.norm import RMSNorm
+from tandem.models.common.packing import positions_from_cu_seqlens, sequence_ids
+from tandem.models.common.rope import RotaryEmbedding, apply_rotary_emb
+
+__all__ = [
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "apply_rotary_emb",
+    "packed_causal_attention",
+    "packed_document_mask",
+    "positions_from_cu_seqlens",
+    "sequence_ids",
+]

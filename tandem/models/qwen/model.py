@@ -1,0 +1,139 @@
+"""Qwen2 / Qwen3 dense decoder over packed variable-length sequences.
+
+Input is a flat token stream `[T]` with `cu_seqlens [B+1]` marking sequence boundaries (no padding,
+no batch dimension). Parameter names follow torchtitan; `state_dict_adapter` maps them to HF names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tandem.models.common import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary_emb,
+    packed_causal_attention,
+    positions_from_cu_seqlens,
+)
+from tandem.models.qwen.args import QwenArgs
+
+if TYPE_CHECKING:
+    from tandem.models.registry import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # Qwen3 normalises each head of q and k (before RoPE) to keep attention logits bounded.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.wq(x).view(num_tokens, self.n_heads, self.head_dim)
+        k = self.wk(x).view(num_tokens, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(num_tokens, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        out = packed_causal_attention(q, k, v, cu_seqlens, scale=self.head_dim**-0.5)
+        return self.wo(out.reshape(num_tokens, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = SwiGLU(args.dim, args.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cu_seqlens)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class QwenModel(nn.Module):
+    """Causal LM. `hf_config` is the source config.json (kept so saving writes a faithful one)."""
+
+    def __init__(self, args: QwenArgs, hf_config: dict[str, Any] | None = None):
+        super().__init__()
+        self.args = args
+        self.hf_config = dict(hf_config) if hf_config is not None else args.to_hf_config()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
+        # A ModuleDict keyed by str(i), so pipeline stages can delete layers and keep the others' names.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def model_type(self) -> str:
+        return self.args.model_type
+
+    @property
+    def spec(self) -> ModelSpec:
+        from tandem.models.registry import get_model_spec
+
+        return get_model_spec(self.model_type)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head. Call again after `to_empty`/`_apply`, which
+        materialise each module's parameters separately and so break the sharing."""
+        if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[T]` token ids -> `[T, dim]` final-normed hidden states."""
+        if positions is None:
+            positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        h = self.tok_embeddings(input_ids)
+        rope = self.rope(positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, cu_seqlens)
+        return self.norm(h)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Apply the output head; callers may pass token chunks to bound logits memory."""
+        return self.output(h)
+
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[T]` token ids of packed sequences -> `[T, vocab]` logits (model dtype)."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, cu_seqlens, positions))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init in place: normal(0, initializer_range) for linear and embedding weights,
+        zeros for biases, ones for norms. Deterministic for a given seed and device."""
+        generator = None
+        if seed is not None:
+            device = next(self.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(seed)
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, nn.Linear | nn.Embedding):
+                if module is self.output and self.args.tie_word_embeddings:
+                    continue  # shares the embedding, already initialised
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
