@@ -1,0 +1,113 @@
+"""The `tandem` command line.
+
+Each sub-command is a small function; the work lives in the library. Problems a user can fix
+(`TandemError`) print one clear message to stderr and exit with code 2, like argparse's own usage
+errors; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from tandem.errors import TandemError
+
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TandemError as exc:
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for LLMs, PyTorch-native.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("alloc", help="explain an allocation-mode string such as 'sglang:d4t2+archon:d4p2t2'")
+    p.add_argument("spec", help="allocation-mode string (quote it in the shell)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_alloc)
+
+    p = sub.add_parser("show-config", help="validate a config (YAML + key=value overrides) and print it resolved")
+    add_config_arguments(p)
+    p.set_defaults(func=_cmd_show_config)
+
+    p = sub.add_parser("init-model", help="write a randomly initialised HF-format model with a local tokenizer")
+    p.add_argument("out_dir", help="directory to create")
+    p.add_argument("--arch", choices=["qwen3", "qwen2"], default="qwen3")
+    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
+    p.set_defaults(func=_cmd_init_model)
+
+    p = sub.add_parser("model-info", help="load an HF model directory and summarise it")
+    p.add_argument("path", help="HF model directory (config.json + safetensors)")
+    p.set_defaults(func=_cmd_model_info)
+    return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`CONFIG.yaml key.sub=value ...`, shared by every command that runs from a config."""
+    parser.add_argument(
+        "config",
+        nargs="*",
+        metavar="CONFIG.yaml | key=value",
+        help="an optional YAML file first, then dotted overrides such as actor.optimizer.lr=1e-5",
+    )
+
+
+def config_from_args(args: argparse.Namespace):
+    from tandem.config.loader import load_config
+
+    items = list(args.config)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    return load_config(path, items)
+
+
+def _cmd_alloc(args: argparse.Namespace) -> int:
+    from tandem.config.alloc import parse_allocation
+
+    mode = parse_allocation(args.spec)
+    print(json.dumps(mode.to_json(), indent=2) if args.json else mode.explain())
+    return 0
+
+
+def _cmd_show_config(args: argparse.Namespace) -> int:
+    from tandem.config.loader import to_yaml
+
+    print(to_yaml(config_from_args(args)), end="")
+    return 0
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from tandem.models.tiny import init_model
+
+    out = init_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
+    print(f"wrote {args.arch} preset {args.preset!r} (seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_model_info(args: argparse.Namespace) -> int:
+    from tandem.models import load_model
+
+    model = load_model(args.path)
+    n_params = sum(p.numel() for p in model.parameters())
+    a = model.args
+    print(f"{args.path}: {model.hf_config.get('model_type')} with {n_params:,} parameters")
+    print(
+        f"  layers {a.n_layers}, dim {a.dim}, heads {a.n_heads} (kv {a.n_kv_heads}, head_dim {a.head_dim}), "
+        f"ffn {a.intermediate_size}, vocab {a.vocab_size}, tied embeddings {a.tie_word_embeddings}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The `tandem` command as a real process: user mistakes exit 2 with one clear line, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("m") / "qwen3-tiny"
+    assert run("init-model", str(out), "--preset", "tiny").returncode == 0
+    return out
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr
+
+
+def test_help_lists_commands():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for command in ("alloc", "show-config", "init-model", "model-info"):
+        assert command in proc.stdout
+
+
+def test_model_info(model_dir):
+    proc = run("model-info", str(model_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "qwen3 with 106,880 parameters" in proc.stdout
+
+
+def test_missing_model_path(tmp_path):
+    assert_user_error(run("model-info", str(tmp_path / "nope")), "model path", "does not exist")
+
+
+def test_corrupt_safetensors(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated mid-tensor
+    assert_user_error(run("model-info", str(broken)), "model.safetensors")
+
+
+def test_bad_config_key_and_type():
+    assert_user_error(run("show-config", "actor.optimizer.lrr=1"), "unknown config key 'actor.optimizer.lrr'")
+    assert_user_error(run("show-config", "experiment.seed=x"), "experiment.seed: expected an integer, got 'x'")
+
+
+def test_bad_allocation_string():
+    proc = run("alloc", "sglang:d4e2+archon:d2")
+    assert_user_error(proc, "dimension 'e' is not valid for inference backend 'sglang'")
+    assert "           ^" in proc.stderr  # the caret points at the offending 'e'
+
+
+def test_alloc_json():
+    import json
+
+    proc = run("alloc", "sglang[rollout]:d2+archon[actor]:d2t2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    comps = json.loads(proc.stdout)["components"]
+    assert [(c["name"], c["world_size"]) for c in comps] == [("rollout", 2), ("actor", 4)]
