@@ -19,7 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tandem tests bench
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
