@@ -6,7 +6,9 @@ no batch dimension). Parameter names follow torchtitan; `state_dict_adapter` map
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +27,19 @@ if TYPE_CHECKING:
     from tandem.models.registry import ModelSpec
 
 
+class AttentionBackend(Protocol):
+    """Replaces packed causal attention, e.g. with paged attention over an inference KV cache.
+
+    Called as `attn(layer_index, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]` with q/k
+    already normed and rotated; the backend owns everything else (cache writes, which keys to attend).
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
     def __init__(self, args: QwenArgs):
         super().__init__()
@@ -38,7 +53,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: torch.Tensor,
+        attn: LayerAttention | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.wq(x).view(num_tokens, self.n_heads, self.head_dim)
@@ -47,7 +66,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
-        out = packed_causal_attention(q, k, v, cu_seqlens, scale=self.head_dim**-0.5)
+        if attn is None:
+            out = packed_causal_attention(q, k, v, cu_seqlens, scale=self.head_dim**-0.5)
+        else:
+            out = attn(q, k, v)
         return self.wo(out.reshape(num_tokens, -1))
 
 
@@ -60,9 +82,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward = SwiGLU(args.dim, args.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: torch.Tensor,
+        attn: LayerAttention | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cu_seqlens)
+        h = x + self.attention(self.attention_norm(x), rope, cu_seqlens, attn)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -98,15 +124,23 @@ class QwenModel(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def hidden_states(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """`[T]` token ids -> `[T, dim]` final-normed hidden states."""
+        """`[T]` token ids -> `[T, dim]` final-normed hidden states.
+
+        `attn` (inference) replaces packed causal attention in every layer; it is called with the
+        layer's index, so pass `positions` too when the tokens do not start at position 0.
+        """
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         h = self.tok_embeddings(input_ids)
         rope = self.rope(positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope, cu_seqlens)
+        for key, layer in self.layers.items():
+            h = layer(h, rope, cu_seqlens, None if attn is None else partial(attn, int(key)))
         return self.norm(h)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
@@ -114,10 +148,14 @@ class QwenModel(nn.Module):
         return self.output(h)
 
     def forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """`[T]` token ids of packed sequences -> `[T, vocab]` logits (model dtype)."""
-        return self.logits_from_hidden(self.hidden_states(input_ids, cu_seqlens, positions))
+        return self.logits_from_hidden(self.hidden_states(input_ids, cu_seqlens, positions, attn))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -1,0 +1,245 @@
+"""`LLMEngine`: requests in, one scheduled model step at a time, finished outputs out.
+
+Single-threaded by design: a server calls `add_request` / `abort` / `load_weights` and `step()`
+from one thread (or under one lock). Aborted requests are answered by the next `step()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.inference.block_manager import BlockManager
+from tandem.inference.errors import EngineBusyError, RequestError
+from tandem.inference.model_runner import ModelRunner
+from tandem.inference.outputs import Detokenizer, RequestOutput, TokenDelta, make_output
+from tandem.inference.sampler import sample
+from tandem.inference.sampling_params import SamplingParams
+from tandem.inference.scheduler import Scheduler
+from tandem.inference.sequence import Sequence
+from tandem.inference.weights import get_weight, stage_weights, swap_weights
+from tandem.models import load_model, read_hf_config
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | os.PathLike[str], *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 32768, block_size: int = 16,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+        self.model_path = str(model_path)
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = load_model(model_path, dtype=dtype, device=device).eval()
+        self.max_model_len = int(self.model.args.max_seq_len)
+        self.vocab_size = int(self.model.args.vocab_size)
+        self.eos_ids = _eos_ids(model_path)
+        self.detokenizer = Detokenizer(_load_tokenizer(model_path))
+        num_blocks = kv_cache_tokens // block_size
+        if num_blocks < 1:
+            raise RequestError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {block_size} tokens")
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype)
+        self.weight_version = "default"
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._live: dict[str, list[Sequence]] = {}  # rid -> its sequences (one until forked)
+        self._streaming: set[str] = set()
+        self._deltas: list[TokenDelta] = []
+        self._done: list[RequestOutput] = []  # aborted between steps, answered by the next step
+        self.num_generated_tokens = 0
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    # --------------------------------------------------------------------------- requests
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | None = None,
+                    return_logprob: bool = False, stream: bool = False) -> None:
+        params = params or SamplingParams()
+        if rid in self._live:
+            raise RequestError(f"request id {rid!r} is already in flight")
+        self.check_request(input_ids, params)
+        seeds = [params.seed + i if params.seed is not None else self._draw_seed() for i in range(params.n)]
+        seq = Sequence(rid, list(input_ids), params, self._generator(seeds[0]), return_logprob,
+                       sibling_seeds=seeds[1:], arrival_time=time.monotonic())
+        self._live[rid] = [seq]
+        if stream:
+            self._streaming.add(rid)
+        self.scheduler.add(seq)
+
+    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        if not input_ids:
+            raise RequestError("input_ids is empty; send at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+            raise RequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
+        total = len(input_ids) + params.max_new_tokens
+        limit = min(self.max_model_len, self.max_total_num_tokens)
+        if total > limit:
+            raise RequestError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
+                f"the context limit {limit} (max_position_embeddings {self.max_model_len}, "
+                f"KV cache {self.max_total_num_tokens} tokens)"
+            )
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError(f"sampling_params.n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        if params.stop and self.detokenizer.tokenizer is None:
+            raise RequestError("sampling_params.stop needs a tokenizer; the model directory has none")
+
+    def abort(self, rid_prefix: str | None = None, abort_all: bool = False) -> list[str]:
+        """Abort requests whose rid starts with `rid_prefix` (or all); -> the aborted rids.
+
+        Their outputs (partial tokens and logprobs if they ran) come from the next `step()`."""
+        rids = [r for r in self._live if abort_all or (rid_prefix is not None and r.startswith(rid_prefix))]
+        reason = {"type": "abort", "message": "aborted by request"}
+        for rid in rids:
+            for seq in [s for s in self._live[rid] if not s.is_finished]:
+                # A request with n samples still queued is one sequence: answer for each sample.
+                for i, seed in enumerate(seq.sibling_seeds):
+                    self._done.append(self._output(seq.fork(i + 1, self._generator(seed)), reason))
+                self._finish(seq, reason)
+        return rids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._done)
+
+    # --------------------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; -> outputs of requests that finished (or were aborted) since the last."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if seqs:
+            copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+            logits = self.runner.run(seqs, is_prefill, copies)
+            rows, batch = [], []
+            for row, seq in enumerate(seqs):
+                if not seq.was_started:
+                    seq.cached_tokens, seq.was_started = seq.num_computed_tokens, True
+                for s in self._fork(seq):
+                    rows.append(row)
+                    batch.append(s)
+            tokens, logprobs = sample(logits[rows], batch, self.eos_ids)
+            for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
+                seq.append(token, logprob)
+                seq.num_computed_tokens = len(seq) - 1
+                self.num_generated_tokens += 1
+                if seq.rid in self._streaming:
+                    self._deltas.append(TokenDelta(seq.rid, seq.index, [token], [logprob]))
+                if (reason := self._finish_reason(seq)) is not None:
+                    self._finish(seq, reason)
+        done, self._done = self._done, []
+        return done
+
+    def pop_deltas(self) -> list[TokenDelta]:
+        """Tokens produced by streaming requests since the last call, in order."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 return_logprob: bool = True) -> list[RequestOutput]:
+        """Offline: run `prompts` to completion; -> outputs ordered by prompt, then sample index."""
+        if self.has_unfinished():
+            raise EngineBusyError("generate() needs an idle engine; requests are in flight")
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        for i, (ids, p) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(f"generate-{i}", ids, p, return_logprob)
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            outputs += self.step()
+        return sorted(outputs, key=lambda o: (int(o.rid.rsplit("-", 1)[1]), o.index))
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """After its prompt's prefill, a request with n samples becomes n sequences sharing blocks."""
+        if seq.fork_n == 1:
+            return [seq]
+        children = [seq.fork(i + 1, self._generator(s)) for i, s in enumerate(seq.sibling_seeds)]
+        seq.sibling_seeds = []
+        for child in children:
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child)
+        self._live[seq.rid] += children
+        return [seq, *children]
+
+    def _finish_reason(self, seq: Sequence) -> dict[str, Any] | None:
+        # SGLang's order: the length budget first, then nothing before min_new_tokens, then stops.
+        p, token = seq.params, seq.token_ids[-1]
+        if seq.num_output_tokens >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if seq.num_output_tokens < p.min_new_tokens:
+            return None
+        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if (matched := self.detokenizer.matched_stop_string(seq)) is not None:
+            return {"type": "stop", "matched": matched}
+        return None
+
+    def _output(self, seq: Sequence, reason: dict[str, Any]) -> RequestOutput:
+        seq.finish_reason = reason
+        return make_output(seq, self.weight_version, self.detokenizer.final_text(seq))
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        self.scheduler.finish(seq)
+        self._done.append(self._output(seq, reason))
+        siblings = self._live.get(seq.rid, [])
+        if seq in siblings and all(s.is_finished for s in siblings):
+            del self._live[seq.rid]
+            self._streaming.discard(seq.rid)
+
+    def _draw_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # --------------------------------------------------------------------------- control
+    def flush_cache(self) -> None:
+        """Drop the prefix cache. Raises EngineBusyError while requests are in flight."""
+        if self.has_unfinished():
+            raise EngineBusyError("cannot flush the cache while requests are in flight")
+        self.block_manager.flush()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
+                     strict_dtype: bool = True) -> None:
+        """Replace all weights atomically (HF names); flushes the prefix cache, which is now stale."""
+        staged = stage_weights(self.model, weights, strict_dtype)
+        swap_weights(self.model, staged)
+        self.block_manager.flush()
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return get_weight(self.model, name, truncate_size)
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
+            "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+            "max_total_num_tokens": self.max_total_num_tokens, "generated_tokens": self.num_generated_tokens,
+            "preemptions": self.scheduler.num_preemptions, "weight_version": self.weight_version,
+        }
+
+
+def _eos_ids(model_path: str | os.PathLike[str]) -> frozenset[int]:
+    """EOS ids from generation_config.json and config.json (each may be an int or a list)."""
+    ids: set[int] = set()
+    gen_file = Path(model_path) / "generation_config.json"
+    sources = [read_hf_config(model_path)]
+    if gen_file.is_file():
+        sources.append(json.loads(gen_file.read_text()))
+    for cfg in sources:
+        eos = cfg.get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def _load_tokenizer(model_path: str | os.PathLike[str]) -> Any | None:
+    root = Path(model_path)
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root))

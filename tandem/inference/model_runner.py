@@ -1,0 +1,83 @@
+"""Runs the trainer's native model over a step's sequences with a paged KV cache.
+
+Owns the KV tensors (one `[num_blocks, block_size, n_kv_heads, head_dim]` k and v per layer),
+turns a scheduled batch into packed inputs + attention metadata, and returns float32 logits of
+each sequence's last position (the only ones sampling needs).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend
+from tandem.inference.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        args = model.args
+        shape = (args.n_layers, 2, num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.attn = PagedAttentionBackend(
+            [self.kv_cache[i, 0] for i in range(args.n_layers)],
+            [self.kv_cache[i, 1] for i in range(args.n_layers)],
+            scale=args.head_dim**-0.5,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (all layers, k and v) before they are written."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (input_ids [T], positions [T]); sets the attention metadata for this step."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q = [0]
+        for seq in seqs:
+            start = seq.num_computed_tokens if is_prefill else len(seq) - 1
+            input_ids += seq.token_ids[start:]
+            positions += range(start, len(seq))
+            slots += self._slots(seq, start, len(seq))
+            cu_q.append(len(input_ids))
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        dev = self.device
+        self.attn.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            max_query_len=max(b - a for a, b in itertools.pairwise(cu_q)),
+            max_context_len=max(len(s) for s in seqs),
+            no_cached_prefix=is_prefill and all(s.num_computed_tokens == 0 for s in seqs),
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool, copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Forward the step's new tokens; -> `[len(seqs), vocab]` float32 next-token logits."""
+        self.copy_blocks(copies)
+        input_ids, positions = self.prepare(seqs, is_prefill)
+        meta = self.attn.meta
+        assert meta is not None
+        hidden = self.model.hidden_states(input_ids, meta.cu_seqlens_q, positions, attn=self.attn)
+        last = meta.cu_seqlens_q[1:].to(torch.long) - 1
+        logits = self.model.logits_from_hidden(hidden[last]).float()
+        self.attn.meta = None
+        return logits

@@ -1,0 +1,86 @@
+"""What the engine hands back: finished requests, streamed token deltas, and detokenisation.
+
+Text follows SGLang: `output_ids` and logprobs always hold every sampled token (including the stop
+token or the token that completed a stop string), while `text` drops a matched stop token and is cut
+just before the first occurrence of a matched stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.inference.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    index: int  # which of the request's n samples
+    output_ids: list[int]
+    output_logprobs: list[float] | None  # None without return_logprob, or when aborted while queued
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    e2e_latency: float
+    text: str | None = None  # None when the engine has no tokenizer
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a streaming request produced in one step."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Detokenizer:
+    """Wraps an HF tokenizer (or nothing): decodes outputs and finds stop strings."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def matched_stop_string(self, seq: Sequence) -> str | None:
+        """The first of `stop` (in the request's order) present in the decoded output so far."""
+        if not seq.params.stop or self.tokenizer is None:
+            return None
+        text = self.decode(seq.output_ids, seq.params.skip_special_tokens)
+        return next((s for s in seq.params.stop if s in text), None)
+
+    def final_text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        ids, matched = seq.output_ids, (seq.finish_reason or {}).get("matched")
+        if isinstance(matched, int) and ids:
+            ids = ids[:-1]
+        text = self.decode(ids, seq.params.skip_special_tokens)
+        if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+            text = text[:pos]
+        return text
+
+
+def make_output(seq: Sequence, weight_version: str, text: str | None) -> RequestOutput:
+    aborted_in_queue = not seq.was_started and (seq.finish_reason or {}).get("type") == "abort"
+    return RequestOutput(
+        rid=seq.rid,
+        index=seq.index,
+        output_ids=list(seq.output_ids),
+        output_logprobs=list(seq.output_logprobs) if seq.return_logprob and not aborted_in_queue else None,
+        finish_reason=dict(seq.finish_reason or {}),
+        prompt_tokens=seq.num_prompt_tokens,
+        cached_tokens=seq.cached_tokens,
+        weight_version=weight_version,
+        e2e_latency=time.monotonic() - seq.arrival_time,
+        text=text,
+    )

@@ -1,0 +1,73 @@
+"""Weight updates for a serving model: validate the whole set, then swap (all or nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem.errors import CheckpointError
+from tandem.inference.errors import WeightUpdateError
+
+
+def _native_params(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
+    adapter = model.spec.state_dict_adapter_cls(model.args)
+    return adapter, dict(model.named_parameters())  # tied weights appear once
+
+
+def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                  strict_dtype: bool = True) -> dict[str, torch.Tensor]:
+    """Check a full set of HF-named tensors against `model`; -> native name -> tensor.
+
+    Every parameter must be present exactly once with its shape; with `strict_dtype` its dtype too
+    (else any floating dtype, cast when copied). Raises WeightUpdateError naming the first bad tensor.
+    """
+    adapter, params = _native_params(model)
+    staged: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in weights:
+        try:
+            native = adapter.hf_to_native(hf_name)
+        except CheckpointError:
+            native = ""
+        if native is None:
+            continue  # known and harmless (a tied lm_head, stale rotary buffers)
+        if native not in params:
+            raise WeightUpdateError(f"weight update has unknown tensor {hf_name!r} for {model.args.model_type}")
+        if native in staged:
+            raise WeightUpdateError(f"weight update sends tensor {hf_name!r} twice")
+        param = params[native]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightUpdateError(
+                f"weight update tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        if (strict_dtype and tensor.dtype != param.dtype) or not tensor.is_floating_point():
+            raise WeightUpdateError(
+                f"weight update tensor {hf_name!r} has dtype {tensor.dtype}, expected {param.dtype}"
+            )
+        staged[native] = tensor
+    missing = sorted(adapter.native_to_hf(n) for n in params.keys() - staged.keys())
+    if missing:
+        raise WeightUpdateError(f"weight update is missing tensor(s): {', '.join(missing)}")
+    return staged
+
+
+@torch.no_grad()
+def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for name, tensor in staged.items():
+        params[name].copy_(tensor)
+
+
+def get_weight(model: nn.Module, hf_name: str, truncate_size: int = 100) -> list[float]:
+    """The first `truncate_size` elements (flattened) of one parameter, by its HF name."""
+    adapter, params = _native_params(model)
+    try:
+        native = adapter.hf_to_native(hf_name)
+    except CheckpointError:
+        native = None
+    if native is None and hf_name == "lm_head.weight":
+        native = "tok_embeddings.weight"  # tied: the head is the embedding
+    if native not in params:
+        raise WeightUpdateError(f"no parameter named {hf_name!r}")
+    return params[native].detach().flatten()[:truncate_size].float().tolist()

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny local models whose weights are scaled up so outputs are varied.
+
+`init_model`'s 0.02 init gives near-uniform logits and a model that repeats its last token; weights
+of unit-ish scale (as in tests/models/hf_oracle.py) make greedy paths, EOS and stop strings matter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.models import load_model, save_model
+from tandem.models.tiny import init_model
+
+
+@torch.no_grad()
+def make_model_dir(root: Path, arch: str = "qwen3", seed: int = 0) -> Path:
+    base = init_model(root / f"{arch}-base", arch=arch, preset="tiny", seed=seed)
+    model = load_model(base)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        if "norm" in name:
+            param.copy_(1.0 + 0.2 * noise)
+        elif name.endswith("bias"):
+            param.copy_(0.5 * noise)
+        else:
+            param.copy_(noise / param.shape[-1] ** 0.5)
+    return save_model(model, root / arch, tokenizer_dir=base)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen2")
+
+
+def prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the low ids: the tiny tokenizer's special tokens (pad 0, eos 2, ...) live there.
+    return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
