@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,30 @@ def save_hf_checkpoint(
     `config` is written as given except `dtype`/`torch_dtype`, set from the tensors. Tensors may
     live on any device; each shard is copied to CPU only while it is written.
     """
+    if not tensors:
+        raise ValueError("no tensors to save")
+    return save_hf_checkpoint_stream(
+        out_dir,
+        config,
+        tensors.items(),
+        tokenizer_dir=tokenizer_dir,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def save_hf_checkpoint_stream(
+    out_dir: str | os.PathLike[str],
+    config: dict[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """`save_hf_checkpoint` for `(name, tensor)` pairs produced one at a time (e.g. gathered from
+    sharded parameters): only the shard being filled is held, as CPU copies, and the iterator is
+    consumed exactly once, in order. Same files, shard split and config as `save_hf_checkpoint`."""
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir():
@@ -165,8 +189,8 @@ def save_hf_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is normally world-readable
-        _write_weights(tmp, tensors, max_shard_bytes)
-        _write_json(tmp / CONFIG_NAME, _with_dtype(config, tensors))
+        dtypes = _write_weights(tmp, tensors, max_shard_bytes)
+        _write_json(tmp / CONFIG_NAME, _with_dtype(config, dtypes))
         generation = {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
         _write_json(tmp / GENERATION_CONFIG_NAME, generation)
         if tokenizer_dir is not None:
@@ -182,8 +206,8 @@ def _write_json(file: Path, obj: Any) -> None:
     file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _with_dtype(config: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    floating = Counter(t.dtype for t in tensors.values() if t.is_floating_point())
+def _with_dtype(config: dict[str, Any], floating: Counter[torch.dtype]) -> dict[str, Any]:
+    """`floating` counts the floating-point tensors per dtype; the most common one is declared."""
     config = dict(config)
     if floating:
         dtype = str(floating.most_common(1)[0][0]).removeprefix("torch.")
@@ -192,35 +216,53 @@ def _with_dtype(config: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> 
     return config
 
 
-def _plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy, in order; a tensor larger than the limit gets a shard of its own."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _write_weights(root: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> None:
-    if not tensors:
-        raise ValueError("no tensors to save")
-    shards = _plan_shards(tensors, max_shard_bytes)
+def _write_weights(
+    root: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> Counter[torch.dtype]:
+    """Greedy, in order: a shard is closed when the next tensor would overflow it; a tensor larger
+    than the limit gets a shard of its own. Shards are written under provisional names and renamed
+    once their count is known. Returns the count of floating tensors per dtype."""
+    files: list[Path] = []
     weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards, start=1):
-        file = SINGLE_FILE_NAME if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    floating: Counter[torch.dtype] = Counter()
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        file = root / f".shard-{len(files):05d}.safetensors"
+        save_file(shard, str(file), metadata={"format": "pt"})
+        file.chmod(0o644)  # safetensors writes owner-only files; servers may run as others
+        weight_map.update(dict.fromkeys(shard, str(len(files))))
+        files.append(file)
+        shard.clear()
+
+    for name, tensor in tensors:
+        if name in weight_map or name in shard:
+            raise ValueError(f"tensor {name!r} given twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
         # Copy: breaks storage sharing between tensors (which safetensors refuses) and moves to CPU.
-        shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
-        save_file(shard, str(root / file), metadata={"format": "pt"})
-        (root / file).chmod(0o644)  # safetensors writes owner-only files; servers may run as others
-        weight_map.update(dict.fromkeys(names, file))
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += nbytes
+        total += nbytes
+        if tensor.is_floating_point():
+            floating[tensor.dtype] += 1
+    if shard:
+        flush()
+    if not files:
+        raise ValueError("no tensors to save")
+    names = [
+        SINGLE_FILE_NAME if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        for i in range(1, len(files) + 1)
+    ]
+    for file, name in zip(files, names, strict=True):
+        file.rename(root / name)
+    if len(files) > 1:
+        weight_map = {n: names[int(i)] for n, i in weight_map.items()}
         _write_json(root / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return floating
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -18,7 +18,7 @@ QWEN_SPEC = ModelSpec(
     model_cls=QwenModel,
     state_dict_adapter_cls=QwenStateDictAdapter,
     hf_architecture=_hf_architecture,
-    parallelize=None,  # the training engine sets this (see parallelize.py)
+    parallelize=parallelize_qwen,
 )
 register_model_spec(QWEN_SPEC)
 

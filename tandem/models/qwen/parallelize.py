@@ -1,17 +1,53 @@
-"""Parallelism plan for Qwen dense models (FSDP2 / TP / activation checkpointing / compile)."""
+"""Parallelism plan for Qwen dense models.
+
+Order (fixed; each step assumes the previous ones):
+1. tensor parallel (later issue) — changes the shapes of the block's linear layers;
+2. activation checkpointing — wraps each chosen block's forward in a recompute;
+3. per-block `torch.compile` — compiles the (checkpointed) block, so AC regions are traced too;
+4. FSDP2 — per block, then the root; it must be last, because it wraps whatever the block has
+   become and registers its all-gather / reduce-scatter hooks around it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tandem.parallel import (
+    ParallelDims,
+    ParallelizeConfig,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+)
 
 
-def parallelize_qwen(model: nn.Module, parallel_dims: Any, **options: Any) -> nn.Module:
-    """Apply the parallel layout described by `parallel_dims` to `model` in place and return it.
+def parallelize_qwen(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    *,
+    mesh: DeviceMesh | None = None,
+    config: ParallelizeConfig | None = None,
+    root: nn.Module | None = None,
+) -> nn.Module:
+    """Apply the layout of `parallel_dims` to `model` (on the meta device) in place; return it.
 
-    Placeholder: the training-engine work fills this in and sets `ModelSpec.parallelize`.
+    `mesh`: from `parallel_dims.build_mesh` (default: built here for the current accelerator, or
+    CPU). `root` is the module whose forward the trainer calls (e.g. a wrapper computing log-probs
+    around `model`); FSDP's root unit goes there so that its forward hooks fire. Default: `model`.
     """
-    raise NotImplementedError(
-        "parallelize_qwen is not implemented yet; run the model unsharded (single process) for now"
-    )
+    config = config or ParallelizeConfig()
+    if not parallel_dims.only_data_parallel:
+        raise NotImplementedError(
+            f"only data parallelism is implemented; got {parallel_dims.sizes()} (ep={parallel_dims.ep})"
+        )
+    if mesh is None:
+        accelerator = torch.accelerator.current_accelerator()
+        mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
+    blocks = model.layers
+    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
+    if config.compile:
+        apply_compile(blocks)
+    apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config)
+    return model

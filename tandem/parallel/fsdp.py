@@ -1,0 +1,49 @@
+"""FSDP2 (`fully_shard`) per transformer block plus the root.
+
+Every block is its own FSDP unit (its parameters are all-gathered just before its forward and
+freed after), and the root unit holds what is left: embeddings, final norm and output head. Tied
+embedding/output weights are one parameter, so they must land in one unit: both live in the root,
+which shards them once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from tandem.parallel.config import ParallelizeConfig
+
+
+def _reshard_block(policy: str, is_last: bool) -> bool:
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # "default": the last block's parameters are needed again first thing in backward.
+    return not is_last
+
+
+def apply_fsdp(
+    root: nn.Module, blocks: Mapping[str, nn.Module], mesh: DeviceMesh, config: ParallelizeConfig
+) -> list[FSDPModule]:
+    """Shard each of `blocks`, then `root` (the module whose forward is the training entry point,
+    which must contain the blocks). Returns the FSDP modules, root last."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    units: list[FSDPModule] = []
+    names = list(blocks)
+    for i, name in enumerate(names):
+        reshard = _reshard_block(config.reshard_after_forward, i == len(names) - 1)
+        fully_shard(blocks[name], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        units.append(blocks[name])  # type: ignore[arg-type]
+    # The root keeps its parameters gathered from forward to backward (FSDP2 never reshards the
+    # root after forward), so the head computed inside the root's forward can use them freely.
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy)
+    units.append(root)  # type: ignore[arg-type]
+    return units
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,219 @@
+"""`TrainEngine`: a model-agnostic trainer over packed variable-length sequences.
+
+One engine per rank, SPMD: every rank constructs it with the same config and calls the same
+methods in the same order (most are collectives). Works in a bare single process too: without a
+process group it creates a one-rank group itself.
+
+Construction: build the model on the meta device, parallelise it (the model family's
+`ModelSpec.parallelize`: activation checkpointing, compile, FSDP2), allocate only the local
+shards (`to_empty`), fill them from the HF checkpoint tensor by tensor, then AdamW + LR schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.models import build_model, read_hf_config
+from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
+from tandem.parallel import ParallelDims, fsdp_units
+from tandem.train import checkpoint as ckpt
+from tandem.train.batch import MicroBatch, SequenceBatch
+from tandem.train.config import TrainEngineConfig, parse_dtype
+from tandem.train.dist import all_reduce_sum, init_distributed, resolve_device, seed_everything
+from tandem.train.logprobs import LogprobModel
+from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
+from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
+from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
+from tandem.train.sharded_load import load_hf_weights_sharded
+from tandem.train.weight_export import iter_weight_buckets
+
+
+@dataclass
+class TokenOutputs:
+    """Per-sequence results in batch order: `logprobs[i][t] = log p(token t+1)` of sequence i
+    (0 at its last token), `entropy[i][t]` of the same distribution. float32, on CPU."""
+
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+
+
+class TrainEngine:
+    def __init__(self, config: TrainEngineConfig):
+        self.config = config
+        device = torch.device(config.device)
+        self._owns_group = init_distributed(device, config.backend)
+        self.device = resolve_device(config.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        seed_everything(config.seed, config.deterministic)
+        self.parallel_dims = ParallelDims(
+            dp_shard=config.dp_shard, dp_replicate=config.dp_replicate, world_size=self.world_size
+        )
+        self.mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.dp_group = self.parallel_dims.dp_group(self.mesh)
+        self.param_dtype = parse_dtype(config.dtype)
+
+        hf_config = read_hf_config(config.path)
+        # Master weights in float32; FSDP casts them to `param_dtype` for compute.
+        self.model = build_model(hf_config, dtype=torch.float32, device="meta")
+        n_params = len(list(self.model.parameters()))  # shared parameters count once
+        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size)
+        parallelize = self.model.spec.parallelize
+        if parallelize is None:
+            raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")
+        parallelize(
+            self.model, self.parallel_dims, mesh=self.mesh, config=config.parallelize_config(), root=self.module
+        )
+        # Gradients are SUMMED over DP ranks (not averaged): each rank's loss is already divided
+        # by the global loss-token count, so the sum is the gradient of the global token mean.
+        for unit in fsdp_units(self.module):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        self.module.to_empty(device=self.device)
+        # Tied weights (e.g. embedding and output head) must still be one parameter.
+        if len(list(self.model.parameters())) != n_params:
+            raise AssertionError("shared parameters came apart during parallelize / to_empty")
+        load_hf_weights_sharded(self.model, config.path)
+
+        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer, self.device.type)
+        self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------ batches
+
+    def _micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        plan = plan_micro_batches(batch.lengths, self.config.mb, self.dp_group, self.device)
+        return [mb.to(self.device) for mb in build_micro_batches(batch, plan)]
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenOutputs:
+        """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective."""
+        mbs = self._micro_batches(batch)
+        self.module.eval()
+        per_mb: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for mb in mbs:
+            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature)
+            if mb.is_padding:
+                per_mb.append([])
+                continue
+            bounds = mb.lengths
+            per_mb.append(list(zip(logprobs.cpu().split(bounds), entropy.cpu().split(bounds), strict=True)))
+        self.module.reshard()  # the root stays gathered after a forward; free it
+        ordered = restore_order(mbs, per_mb, len(batch))
+        return TokenOutputs([lp for lp, _ in ordered], [e for _, e in ordered])
+
+    def train_batch(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch. Collective.
+
+        The optimised loss is sum(loss_fn over all micro-batches and DP ranks) /
+        sum(loss_weight_fn over the same); see `tandem.train.losses` for the contract.
+        Returns loss, grad_norm, lr, n_tokens, n_loss_tokens (global), n_mbs, skipped, time."""
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.forward_backward(batch, loss_fn, loss_weight_fn, temperature)
+        stats.update(self.optimizer_step())
+        stats["time"] = time.perf_counter() - start
+        return stats
+
+    def forward_backward(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """Accumulate the gradient of the globally normalised loss (no optimizer step). Collective."""
+        weight_fn = loss_weight_fn or count_loss_tokens
+        mbs = self._micro_batches(batch)
+        views = [mb.next_token_view() for mb in mbs]
+        local_weight = sum(float(weight_fn(v)) for v in views if not v.is_padding)
+        (total_weight,) = all_reduce_sum([local_weight], self.device, self.dp_group)
+        denominator = total_weight if total_weight > 0 else 1.0
+
+        self.module.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in views:
+            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature)
+            if mb.is_padding:
+                # Runs forward and backward so that FSDP's collectives match the other ranks.
+                loss = (logprobs.sum() + entropy.sum()) * 0.0
+            else:
+                loss = loss_fn(logprobs, entropy, mb)
+            (loss / denominator).backward()
+            loss_sum += loss.detach().double()
+        total_loss, n_tokens = all_reduce_sum(
+            [float(loss_sum), float(sum(mb.n_tokens for mb in mbs))], self.device, self.dp_group
+        )
+        return {
+            "loss": total_loss / denominator,
+            "n_tokens": n_tokens,
+            "n_loss_tokens": total_weight,
+            "n_mbs": float(len(mbs)),
+        }
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip to the global grad norm, step AdamW (skipped when the norm is not finite) and the
+        LR schedule, clear the gradients. Returns grad_norm, lr (the one used), skipped."""
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.gradient_clipping)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr_schedule.get_lr()
+        self.lr_schedule.step()
+        self.step += 1
+        return {"grad_norm": float(grad_norm) if finite else math.nan, "lr": lr, "skipped": float(not finite)}
+
+    # -------------------------------------------------------------------- weights and state
+
+    def save_hf(
+        self,
+        out_dir: str | Path,
+        *,
+        tokenizer_dir: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        overwrite: bool = False,
+    ) -> Path:
+        """HF directory of the current weights, in `dtype` (default: the compute dtype). Collective."""
+        return ckpt.save_hf_weights(
+            self.model,
+            out_dir,
+            dtype=dtype or self.param_dtype,
+            tokenizer_dir=tokenizer_dir,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+        )
+
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None):
+        """Buckets of `(hf_name, full tensor)`, at most `bucket_bytes` each, in the compute dtype
+        by default (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
+        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype)
+
+    def save_state(self, path: str | Path) -> Path:
+        """Everything needed to continue exactly where this step left off. Collective."""
+        extra = {"step": self.step, "lr_schedule": self.lr_schedule.state_dict()}
+        return ckpt.save_train_state(path, self.model, self.optimizer, extra)
+
+    def load_state(self, path: str | Path) -> None:
+        extra: dict[str, Any] = ckpt.load_train_state(path, self.model, self.optimizer)
+        self.step = int(extra["step"])
+        self.lr_schedule.load_state_dict(extra["lr_schedule"])
+
+    def close(self) -> None:
+        """Destroy the process group if this engine created it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False

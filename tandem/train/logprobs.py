@@ -1,0 +1,80 @@
+"""Next-token log-probabilities and entropy, computed from hidden states in token chunks.
+
+Position t of a packed sequence predicts token t+1, so `logprobs[t] = log p(x[t+1] | x[<=t])`.
+The last token of each sequence predicts nothing inside the batch: it gets logprob 0 and
+entropy 0. Logits only ever exist in float32 for one chunk of tokens at a time; with gradients
+on, each chunk is recomputed in backward (activation checkpointing) so the autograd graph does
+not keep every chunk's logits either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels `[T]`, valid `[T]` bool): labels[t] = input_ids[t+1] where t is not a sequence end."""
+    labels = torch.roll(input_ids, shifts=-1)
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    valid[cu_seqlens[1:].long() - 1] = False
+    return torch.where(valid, labels, torch.zeros_like(labels)), valid
+
+
+def _chunk_logprobs_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, labels[:, None]).squeeze(-1) - log_z
+    probs = torch.softmax(logits, dim=-1)
+    entropy = log_z - (probs * logits).sum(-1)
+    return logprobs, entropy
+
+
+def chunked_logprobs_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 log p(labels) and entropy of softmax(head(hidden) / temperature), `[T]` each."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    n = hidden.shape[0]
+    recompute = torch.is_grad_enabled() and n > chunk_size
+    outs = []
+    for start in range(0, n, chunk_size):
+        args = (head, hidden[start : start + chunk_size], labels[start : start + chunk_size], temperature)
+        if recompute:
+            outs.append(checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_logprobs_entropy(*args))
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+class LogprobModel(nn.Module):
+    """Wraps a causal LM that has `hidden_states(ids, cu_seqlens)` and `logits_from_hidden(h)` and
+    returns next-token log-probs and entropy. It is the FSDP root: the whole computation, output
+    head included, happens inside its forward, where FSDP has the root parameters gathered."""
+
+    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.hidden_states(input_ids, cu_seqlens)
+        labels, valid = next_token_labels(input_ids, cu_seqlens)
+        logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature, self.chunk_size)
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
+

@@ -1,0 +1,43 @@
+"""The loss-function contract of `TrainEngine.train_batch`, and two simple instances.
+
+A loss function gets the micro-batch's next-token `logprobs` and `entropy` (`[T]`, float32, with
+grad) and the micro-batch in *prediction alignment* (`MicroBatch.next_token_view()`: position t
+of every per-token value describes token t+1, the token `logprobs[t]` is about; last tokens 0).
+It returns the SUM of its per-token (or per-sequence) losses over the micro-batch.
+
+A loss-weight function returns the micro-batch's share of the normaliser (default: the number of
+loss tokens). The engine divides every micro-batch's loss sum by the weights summed over all
+micro-batches and all data-parallel ranks, so the optimised loss is a global token mean no matter
+how the batch was split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tandem.train.batch import LOSS_MASK, MicroBatch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], torch.Tensor]
+LossWeightFn = Callable[[MicroBatch], float | torch.Tensor]
+
+
+def loss_mask_of(mb: MicroBatch) -> torch.Tensor:
+    """The micro-batch's loss mask as float; every predicted token counts when it has none."""
+    if LOSS_MASK in mb.tokens:
+        return mb.tokens[LOSS_MASK].float()
+    from tandem.train.logprobs import next_token_labels
+
+    return next_token_labels(mb.input_ids, mb.cu_seqlens)[1].float()
+
+
+def count_loss_tokens(mb: MicroBatch) -> torch.Tensor:
+    """Default weight: the number of tokens that get a loss."""
+    return loss_mask_of(mb).sum()
+
+
+def sft_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Negative log-likelihood summed over loss tokens (supervised fine-tuning)."""
+    del entropy
+    return -(logprobs * loss_mask_of(mb)).sum()

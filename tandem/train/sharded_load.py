@@ -1,0 +1,54 @@
+"""Loading an HF checkpoint into sharded (DTensor) parameters without a full model anywhere.
+
+Each rank reads each tensor from the safetensors files (memory-mapped, one tensor at a time) and
+keeps only its own slice, cut according to the parameter's placements: no communication, and
+the same code serves FSDP shards today and tensor-parallel shards later.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tandem.errors import CheckpointError
+from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
+
+
+def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank has the full tensor and slices it locally.
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Strict: every parameter filled, every tensor used (bar ones the adapter skips, such as a
+    tied `lm_head`), shapes equal to the parameters' global shapes."""
+    adapter = model.spec.state_dict_adapter_cls(model.args)
+    params = dict(model.named_parameters())  # tied weights once, under the embedding's name
+    plan: dict[str, str] = {}
+    problems: list[str] = []
+    for hf_name, (shape, file) in read_tensor_shapes(path).items():
+        try:
+            native = adapter.hf_to_native(hf_name)
+        except CheckpointError:
+            native = ""
+        if native is None:
+            continue
+        if native not in params:
+            problems.append(f"unexpected tensor {hf_name}")
+        elif tuple(params[native].shape) != shape:
+            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[native].shape)}")
+        else:
+            plan[hf_name] = native
+    problems += [f"missing tensor {adapter.native_to_hf(n)}" for n in sorted(params.keys() - set(plan.values()))]
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
+    for hf_name, tensor in iter_hf_tensors(path, names=plan):
+        _load_into(params[plan[hf_name]], tensor)

@@ -1,0 +1,63 @@
+"""Worker bodies for the multi-process engine tests (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.config.schema import OptimizerConfig
+from tandem.data.balance import karmarkar_karp
+from tandem.train import MicroBatchConfig, TrainEngine, plan_micro_batches
+from tests.train.helpers import engine_config, full_params, make_batch, train_steps
+
+SCHEDULE = dict(
+    optimizer=OptimizerConfig(lr=1e-3, lr_scheduler="cosine", warmup_steps_proportion=0.25, min_lr_ratio=0.1),
+    total_train_steps=4,
+)
+MAIN_MB = MicroBatchConfig(n_mbs=2)
+UNEVEN_MB = MicroBatchConfig(max_tokens_per_mb=48, packing="kk")
+EXPORT_BYTES = 40_000
+
+
+def split(world_size: int) -> list[list[int]]:
+    """The controller's split of the global batch over DP ranks (balanced by tokens)."""
+    return karmarkar_karp(make_batch(512).lengths, world_size)
+
+
+def uneven_split(world_size: int) -> list[list[int]]:
+    """Rank 0 gets one short sequence, the other ranks the rest: rank 0 must pad micro-batches."""
+    n = len(make_batch(512))
+    rest = list(range(1, n))
+    return [[0]] + [rest[r::world_size - 1] for r in range(world_size - 1)]
+
+
+def engine_checks(rank: int, world_size: int, path: str, out_dir: str) -> dict:
+    out = Path(out_dir)
+    batch = make_batch(512)
+    local = batch.select(split(world_size)[rank])
+    res: dict = {}
+
+    engine = TrainEngine(engine_config(path, mb=MAIN_MB, **SCHEDULE))
+    stats = train_steps(engine, local, 2)
+    engine.save_state(out / "state")
+    stats += train_steps(engine, local, 1)
+    res["stats"] = stats
+    res["params"] = full_params(engine)
+    res["logprobs"] = engine.forward_logprobs(local).logprobs
+    res["export"] = [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES, torch.float32)]
+    engine.save_hf(out / "hf")
+    engine.close()
+
+    resumed = TrainEngine(engine_config(path, mb=MAIN_MB, **SCHEDULE))
+    resumed.load_state(out / "state")
+    res["resumed"] = train_steps(resumed, local, 1)[0]
+    resumed.close()
+
+    uneven = batch.select(uneven_split(world_size)[rank])
+    res["plan"] = plan_micro_batches(uneven.lengths, UNEVEN_MB)
+    engine = TrainEngine(engine_config(path, mb=UNEVEN_MB))
+    res["uneven"] = train_steps(engine, uneven, 1)[0]
+    res["uneven_logprobs"] = engine.forward_logprobs(uneven).logprobs
+    engine.close()
+    return res
