@@ -1,0 +1,204 @@
+"""The inference client: interruptible generation over a pool of servers (protocol.md section 5).
+
+`agenerate` loops: POST the current ids (prompt + everything generated so far) with the remaining
+budget, append what comes back, tag each new token with the weight version that produced it, and
+resubmit after an `abort` (a weight update paused the server) until the server says stop/length or
+the budget is spent. Transport failures are retried with exponential backoff, on another server when
+the first one is gone, all inside one deadline per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tandem.rollout.backends import Backend, get_backend
+from tandem.rollout.errors import GenerationDeadlineError, PromptTooLongError, ServerRequestError
+from tandem.rollout.pool import ServerPool
+from tandem.rollout.types import Chunk, FinishReason, ModelRequest, ModelResponse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientConfig:
+    backend: str = "native"  # native (tandem, sglang) | vllm
+    model: str | None = None  # vLLM served model name, when the server checks it
+    deadline_s: float = 600.0  # default per-request deadline (all calls, retries and waits)
+    call_timeout_s: float | None = None  # one HTTP call; None = bounded by the deadline only
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    max_connections: int = 1024  # aiohttp connector limits, per event loop
+    max_connections_per_host: int = 0  # 0 = no per-host limit
+    api_key: str | None = None
+
+
+class _TransientHTTPError(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:200]}")
+        self.status = status
+
+
+class InferenceClient:
+    def __init__(self, pool: ServerPool | list[str], config: ClientConfig | None = None, backend: Backend | None = None):
+        self.pool = pool if isinstance(pool, ServerPool) else ServerPool(pool)
+        self.config = config or ClientConfig()
+        kwargs = {"model": self.config.model} if self.config.backend == "vllm" else {}
+        self.backend = backend or get_backend(self.config.backend, **kwargs)
+        # Last version the controller announced; stands in when a server does not report one.
+        self.version = 0
+        # aiohttp sessions are bound to their event loop: one per loop, created on first use.
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sessions_lock = threading.Lock()
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    # -- sessions -------------------------------------------------------------------------------
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        with self._sessions_lock:
+            session = self._sessions.get(loop)
+            if session is None or session.closed:
+                connector = aiohttp.TCPConnector(
+                    limit=self.config.max_connections, limit_per_host=self.config.max_connections_per_host
+                )
+                headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+                session = aiohttp.ClientSession(connector=connector, headers=headers)
+                self._sessions[loop] = session
+            return session
+
+    async def aclose(self) -> None:
+        """Close this event loop's session (call on every loop that used the client)."""
+        with self._sessions_lock:
+            session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    # -- generation -----------------------------------------------------------------------------
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        params = req.params
+        budget = params.max_new_tokens
+        if req.max_tokens is not None:
+            budget = min(req.max_tokens - len(req.input_ids), budget)
+        if budget <= 0:
+            raise PromptTooLongError(
+                f"request {req.rid}: prompt of {len(req.input_ids)} tokens leaves no budget under "
+                f"max_tokens={req.max_tokens} (max_new_tokens={params.max_new_tokens})"
+            )
+        deadline_s = req.deadline_s if req.deadline_s is not None else self.config.deadline_s
+        start = time.monotonic()
+        state = _RequestState(rid=req.rid, deadline=start + deadline_s, deadline_s=deadline_s)
+        out_ids: list[int] = []
+        out_lp: list[float] = []
+        out_ver: list[int] = []
+        finish: FinishReason = "length"
+        empty = 0  # consecutive aborts that produced no token
+        try:
+            while True:
+                remaining = budget - len(out_ids)
+                chunk, server = await self._call(state, req, [*req.input_ids, *out_ids], remaining)
+                state.servers_used.append(server)
+                new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
+                version = chunk.weight_version if chunk.weight_version is not None else self.version
+                out_ids += new
+                out_lp += chunk.logprobs[: len(new)]
+                out_ver += [version] * len(new)
+                if chunk.finish_reason in ("stop", "length"):
+                    finish = chunk.finish_reason
+                    break
+                if len(out_ids) >= budget:  # aborted exactly when the budget ran out: that is length
+                    finish = "length"
+                    break
+                state.aborts += 1  # paused for a weight update: resubmit prompt + partial
+                # A paused server holds resubmissions until it continues, so aborts come one per
+                # update; should a server abort with nothing produced, back off instead of spinning.
+                empty = 0 if new else empty + 1
+                if empty:
+                    await asyncio.sleep(self._backoff(empty - 1, state))
+        finally:
+            self.pool.forget(req.rid)
+        return ModelResponse(
+            rid=req.rid,
+            input_ids=list(req.input_ids),
+            output_ids=out_ids,
+            output_logprobs=out_lp,
+            output_versions=out_ver,
+            finish_reason=finish,
+            servers=state.servers_used,
+            num_calls=state.calls,
+            num_aborts=state.aborts,
+            num_retries=state.retries,
+            latency_s=time.monotonic() - start,
+        )
+
+    async def _call(self, state: _RequestState, req: ModelRequest, ids: list[int], remaining: int) -> tuple[Chunk, str]:
+        """One generation call, retried across transient failures until the deadline."""
+        body = self.backend.build(req.rid, ids, req.params, remaining)
+        attempt = 0
+        while True:
+            left = state.deadline - time.monotonic()
+            if left <= 0:
+                raise state.deadline_error()
+            server = self.pool.choose(req.rid)
+            state.tried.setdefault(server, None)
+            timeout = left if self.config.call_timeout_s is None else min(left, self.config.call_timeout_s)
+            try:
+                with self.pool.lease(server):
+                    state.calls += 1
+                    data = await self._post(server, body, timeout)
+                chunk = self.backend.parse(data)
+                self.pool.mark_success(server)
+                return chunk, server
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError) as exc:
+                state.last_error = f"{server}: {type(exc).__name__}: {exc}".rstrip(": ")
+                if time.monotonic() >= state.deadline:
+                    # Out of time, not necessarily the server's fault: do not mark it.
+                    raise state.deadline_error() from exc
+                # Connection failures and hung calls take the server out of routing at once.
+                self.pool.mark_error(server, connection_failed=not isinstance(exc, _TransientHTTPError))
+                delay = self._backoff(attempt, state)
+                logger.debug("request %s: %s; retry in %.2fs", req.rid, state.last_error, delay)
+                attempt += 1
+                state.retries += 1
+                await asyncio.sleep(delay)
+
+    def _backoff(self, attempt: int, state: _RequestState) -> float:
+        delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2**attempt)
+        return min(delay, max(0.0, state.deadline - time.monotonic()))
+
+    async def _post(self, server: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        session = self._session()
+        async with session.post(
+            server + self.backend.path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            if resp.status >= 500:
+                raise _TransientHTTPError(resp.status, await resp.text())
+            if resp.status >= 400:
+                raise ServerRequestError(server, resp.status, await resp.text())
+            return await resp.json()
+
+
+@dataclass
+class _RequestState:
+    rid: str
+    deadline: float
+    deadline_s: float
+    calls: int = 0
+    aborts: int = 0
+    retries: int = 0
+    last_error: str = ""
+    tried: dict[str, None] = field(default_factory=dict)  # ordered set of servers tried
+    servers_used: list[str] = field(default_factory=list)
+
+    def deadline_error(self) -> GenerationDeadlineError:
+        return GenerationDeadlineError(self.rid, self.deadline_s, list(self.tried), self.last_error)

@@ -1,0 +1,140 @@
+"""A pool of inference servers: routing, outstanding-request counts, health marks.
+
+Routing: a request id (rid) that already has a server goes back to it while that server is healthy
+(its prefix cache holds the prompt and partial output); otherwise the healthy server with the fewest
+outstanding requests wins (ties: the one that has served fewest requests, then address order).
+
+Health here is only what requests observe: a connection failure marks a server unhealthy at once,
+repeated 5xx answers after `max_consecutive_errors`, any success marks it healthy again. A health
+monitor (eviction, rejoin, discovery) plugs in through `mark_healthy` / `mark_unhealthy` / `add` /
+`remove` later. When every candidate is unhealthy the pool still routes (least outstanding among
+all), so a fleet-wide blip slows requests down instead of failing them all.
+
+Thread-safe (one lock); the lock is never held across I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tandem.rollout.errors import NoServerError
+
+
+def normalize_address(addr: str) -> str:
+    addr = addr.rstrip("/")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+@dataclass
+class ServerState:
+    address: str
+    outstanding: int = 0
+    served: int = 0
+    healthy: bool = True
+    consecutive_errors: int = 0
+
+
+class ServerPool:
+    def __init__(self, addresses: Iterable[str], max_consecutive_errors: int = 3):
+        self._lock = threading.Lock()
+        self._servers: dict[str, ServerState] = {}
+        self._affinity: dict[str, str] = {}
+        self.max_consecutive_errors = max_consecutive_errors
+        for a in addresses:
+            self.add(a)
+
+    # -- membership (the seam for a health monitor / discovery) --------------------------------
+    def add(self, address: str) -> str:
+        address = normalize_address(address)
+        with self._lock:
+            self._servers.setdefault(address, ServerState(address))
+        return address
+
+    def remove(self, address: str) -> None:
+        address = normalize_address(address)
+        with self._lock:
+            self._servers.pop(address, None)
+            self._affinity = {r: a for r, a in self._affinity.items() if a != address}
+
+    @property
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return list(self._servers)
+
+    # -- routing --------------------------------------------------------------------------------
+    def choose(self, rid: str, exclude: Iterable[str] = ()) -> str:
+        """The server for `rid`; remembers the choice so a resubmission comes back."""
+        excluded = set(exclude)
+        with self._lock:
+            if not self._servers:
+                raise NoServerError("the server pool is empty")
+            sticky = self._servers.get(self._affinity.get(rid, ""))
+            if sticky is not None and sticky.healthy and sticky.address not in excluded:
+                return sticky.address
+            candidates = [s for s in self._servers.values() if s.address not in excluded] or list(
+                self._servers.values()
+            )
+            healthy = [s for s in candidates if s.healthy] or candidates
+            best = min(healthy, key=lambda s: (s.outstanding, s.served, s.address))
+            self._affinity[rid] = best.address
+            return best.address
+
+    def forget(self, rid: str) -> None:
+        """Drop the affinity of a finished request (keeps the table bounded)."""
+        with self._lock:
+            self._affinity.pop(rid, None)
+
+    @contextmanager
+    def lease(self, address: str) -> Iterator[None]:
+        """Count one outstanding request on `address` for the duration of the block."""
+        with self._lock:
+            state = self._servers.get(address)
+            if state is not None:
+                state.outstanding += 1
+                state.served += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                state = self._servers.get(address)
+                if state is not None:
+                    state.outstanding -= 1
+
+    # -- health marks ---------------------------------------------------------------------------
+    def mark_success(self, address: str) -> None:
+        with self._lock:
+            if (s := self._servers.get(address)) is not None:
+                s.healthy, s.consecutive_errors = True, 0
+
+    def mark_error(self, address: str, connection_failed: bool) -> None:
+        """A failed call: connection failures take the server out at once, 5xx after a streak."""
+        with self._lock:
+            if (s := self._servers.get(address)) is not None:
+                s.consecutive_errors += 1
+                if connection_failed or s.consecutive_errors >= self.max_consecutive_errors:
+                    s.healthy = False
+
+    def mark_unhealthy(self, address: str) -> None:
+        with self._lock:
+            if (s := self._servers.get(normalize_address(address))) is not None:
+                s.healthy = False
+
+    def mark_healthy(self, address: str) -> None:
+        self.mark_success(normalize_address(address))
+
+    def is_healthy(self, address: str) -> bool:
+        with self._lock:
+            s = self._servers.get(normalize_address(address))
+            return s is not None and s.healthy
+
+    def outstanding(self, address: str) -> int:
+        with self._lock:
+            s = self._servers.get(normalize_address(address))
+            return s.outstanding if s is not None else 0
+
+    def snapshot(self) -> list[ServerState]:
+        with self._lock:
+            return [ServerState(**vars(s)) for s in self._servers.values()]

@@ -1,0 +1,172 @@
+"""Reward functions run in a process pool, off the event loop, each under a timeout.
+
+A reward function is a plain, importable (picklable) function:
+
+    def reward(prompt_text, completion_text, prompt_ids, completion_ids, **item_fields) -> float
+
+Two layers keep a bad reward from stalling a run:
+1. inside the worker, an interval timer (SIGALRM) interrupts Python-level hangs at `timeout_s`;
+2. in the parent, a hard deadline (`timeout_s + grace_s`) catches what the timer cannot (C code, a
+   function that blocks the signal): the pool is retired, its worker processes are killed and a
+   fresh pool is started, so stuck workers never accumulate. Innocent calls that were running in
+   the retired pool (for less than `timeout_s`) are retried once on the fresh one.
+A reward that raises, hangs or returns a non-number gives `RewardResult(value=None, error=...)`;
+the workflow turns that into a rejected sample with the reason logged.
+
+The timeout measures execution, not queueing: at most `max_workers` calls per event loop are in
+the pool at once (an asyncio semaphore), so a stuck worker cannot make queued calls time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+
+
+@dataclass
+class RewardResult:
+    value: float | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None
+
+
+class _AlarmTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _AlarmTimeout()
+
+
+def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any]) -> float:
+    """Worker side: call `fn` with a soft timeout (the worker runs it on its main thread)."""
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn(*args, **kwargs)
+    except _AlarmTimeout:
+        raise TimeoutError(f"reward {getattr(fn, '__name__', fn)!r} ran past {timeout_s:g}s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _default_context() -> str:
+    # forkserver: cheap workers that do not inherit the controller's threads; spawn elsewhere.
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+class RewardRunner:
+    def __init__(self, max_workers: int = 2, timeout_s: float = 15.0, grace_s: float = 1.0, mp_context: str | None = None):
+        self.max_workers = max_workers
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self._ctx = multiprocessing.get_context(mp_context or _default_context())
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.num_recycled = 0  # pools retired because a worker was stuck (for tests and stats)
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx)
+            return self._pool
+
+    def _slot(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            sem = self._slots.get(loop)
+            if sem is None:
+                sem = self._slots[loop] = asyncio.Semaphore(self.max_workers)
+            return sem
+
+    def _recycle(self, pool: ProcessPoolExecutor) -> None:
+        """Kill the workers of `pool` (one is stuck) and let the next call start a fresh pool."""
+        with self._lock:
+            if self._pool is not pool:
+                return  # someone else already recycled it
+            self._pool = None
+            self.num_recycled += 1
+        # No public API kills a stuck worker; `_processes` is the pool's own pid -> Process map.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    async def ascore(
+        self,
+        fn: RewardFn,
+        prompt_text: str,
+        completion_text: str,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        **item_fields: Any,
+    ) -> RewardResult:
+        args = (prompt_text, completion_text, list(prompt_ids), list(completion_ids))
+        async with self._slot():
+            return await self._score(fn, args, item_fields)
+
+    async def _score(self, fn: RewardFn, args: tuple, item_fields: dict[str, Any]) -> RewardResult:
+        name = getattr(fn, "__name__", repr(fn))
+        for attempt in range(2):
+            pool = self._get_pool()
+            try:
+                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields)
+            except RuntimeError:  # the pool was shut down (recycled) between get and submit
+                continue
+            started = time.monotonic()
+            try:
+                value = await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout_s + self.grace_s)
+            except TimeoutError:
+                # Either the soft timer fired inside the worker (a TimeoutError comes back through
+                # the future) or the worker is stuck for good; in the latter case kill and replace.
+                if cfut.done() and not cfut.cancelled() and isinstance(cfut.exception(), TimeoutError):
+                    return RewardResult(None, f"{name}: {cfut.exception()}")
+                self._recycle(pool)
+                return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s (worker killed)")
+            except BrokenProcessPool:
+                # The pool was retired because of another call. A victim that had not yet used its
+                # time is retried once; one that ran past its timeout was stuck too: no retry.
+                if attempt == 0 and time.monotonic() - started < self.timeout_s:
+                    continue
+                return RewardResult(None, f"{name}: worker killed along with a stuck one")
+            except Exception as exc:  # the reward itself raised (including its soft timeout)
+                return RewardResult(None, f"{name}: {type(exc).__name__}: {exc}")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                return RewardResult(None, f"{name}: returned {value!r}, not a finite number")
+            return RewardResult(float(value))
+        return RewardResult(None, f"{name}: reward worker pool unavailable")
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:  # idle workers exit at once; a stuck one is killed
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

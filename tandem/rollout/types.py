@@ -1,0 +1,67 @@
+"""Request and response types of the inference client (backend-neutral)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tandem.data.trajectory import Trajectory
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationParams:
+    """Sampling parameters; names follow SGLang's `sampling_params` (protocol.md section 2)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class ModelRequest:
+    input_ids: list[int]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    # Context limit for prompt + generated tokens; None = only `params.max_new_tokens` bounds it.
+    max_tokens: int | None = None
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Seconds for the whole request (all chunks, retries, waits); None = the client's default.
+    deadline_s: float | None = None
+
+
+@dataclass
+class ModelResponse:
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: FinishReason
+    servers: list[str] = field(default_factory=list)  # server of each /generate call that returned
+    num_calls: int = 0
+    num_aborts: int = 0
+    num_retries: int = 0
+    latency_s: float = 0.0
+
+    def to_trajectory(self, **fields: Any) -> Trajectory:
+        fields.setdefault("finish_reasons", [self.finish_reason])
+        fields.setdefault("timing", {"generate": self.latency_s})
+        return Trajectory.from_generation(
+            self.input_ids, self.output_ids, self.output_logprobs, self.output_versions, **fields
+        )
+
+
+@dataclass
+class Chunk:
+    """What one /generate (or /v1/completions) call returned, already parsed by a backend."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int | None  # None: the server did not say; the client uses its last known version

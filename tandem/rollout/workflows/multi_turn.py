@@ -1,0 +1,134 @@
+"""Multi-turn: generate, get feedback, append it, generate again; one trajectory end to end.
+
+Token ids are kept from the first turn to the last: each turn's generated ids are appended as the
+server returned them, and only the *new* feedback text is tokenised (once, with the chat template's
+turn markers). Earlier turns are never re-tokenised, so the trainer sees exactly the tokens the
+policy produced (re-tokenising decoded text can merge or split tokens and silently corrupt logprobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.data.trajectory import PROMPT_VERSION, Trajectory
+from tandem.rollout.client import InferenceClient
+from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.rlvr import prompt_ids_of
+
+_SENTINEL = "\u2063tandem-assistant-turn\u2063"
+
+
+@dataclass
+class Feedback:
+    message: str | None  # the next user message; None ends the episode
+    reward: float = 0.0
+
+
+FeedbackFn = Callable[[list[dict[str, str]], dict[str, Any]], Feedback | Awaitable[Feedback]]
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """`feedback_fn(messages, item)` sees the conversation so far (last message: the model's turn).
+
+    The trajectory's reward is the reward of the last feedback; every turn's reward is kept in
+    `info["turn_rewards"]`. A synchronous `feedback_fn` runs in a thread, off the event loop.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        feedback_fn: FeedbackFn,
+        params: GenerationParams | None = None,
+        max_turns: int = 3,
+        max_tokens: int | None = None,
+        feedback_role: str = "user",
+    ):
+        self.tokenizer = tokenizer
+        self.feedback_fn = feedback_fn
+        self.params = params or GenerationParams()
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+        self.feedback_role = feedback_role
+        # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
+        self._base = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
+        closing = self._base[self._base.rindex(_SENTINEL) + len(_SENTINEL) :]
+        self._closing_ids = self._encode(closing)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def feedback_ids(self, generated: list[int], message: str) -> list[int]:
+        """Tokens that close the model's turn (unless it already did), add `message`, open the next turn."""
+        full = self._render(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": _SENTINEL},
+                {"role": self.feedback_role, "content": message},
+            ],
+            add_generation_prompt=True,
+        )
+        if not full.startswith(self._base):
+            raise ValueError("the chat template renders earlier turns differently once a turn is added")
+        closing = self._closing_ids
+        # The model may have produced part of the closing itself (it stops on <|im_end|>).
+        done = next(k for k in range(len(closing), -1, -1) if k == 0 or generated[-k:] == closing[:k])
+        return closing[done:] + self._encode(full[len(self._base) :])
+
+    async def _feedback(self, messages: list[dict[str, str]], item: dict[str, Any]) -> Feedback:
+        if inspect.iscoroutinefunction(self.feedback_fn):
+            return await self.feedback_fn(messages, item)
+        result = await asyncio.to_thread(self.feedback_fn, messages, item)
+        return await result if inspect.isawaitable(result) else result
+
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> Trajectory | None:
+        start = time.time()
+        messages = list(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+        ids = prompt_ids_of(item, self.tokenizer)
+        mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
+        rid = uuid.uuid4().hex  # one rid for all turns: same server while it lives
+        finishes: list[str] = []
+        turn_rewards: list[float] = []
+        for turn in range(self.max_turns):
+            resp = await client.agenerate(ModelRequest(list(ids), self.params, max_tokens=self.max_tokens, rid=rid))
+            ids += resp.output_ids
+            mask += [1] * len(resp.output_ids)
+            logprobs += resp.output_logprobs
+            versions += resp.output_versions
+            finishes.append(resp.finish_reason)
+            text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+            fb = await self._feedback(messages, item)
+            turn_rewards.append(float(fb.reward))
+            if fb.message is None or turn == self.max_turns - 1:
+                break
+            messages.append({"role": self.feedback_role, "content": fb.message})
+            fb_ids = self.feedback_ids(resp.output_ids, fb.message)
+            ids += fb_ids
+            mask += [0] * len(fb_ids)
+            logprobs += [0.0] * len(fb_ids)
+            versions += [PROMPT_VERSION] * len(fb_ids)
+            if self.max_tokens is not None and len(ids) >= self.max_tokens:
+                break  # no room for another turn
+        return Trajectory(
+            input_ids=ids,
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
+            reward=turn_rewards[-1],
+            prompt_id=str(item.get("id", rid)),
+            group_id=rid,
+            num_turns=len(finishes),
+            finish_reasons=finishes,
+            timing={"start": start, "end": time.time()},
+            info={"turn_rewards": turn_rewards},
+        )

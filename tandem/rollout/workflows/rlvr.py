@@ -1,0 +1,96 @@
+"""RLVR: n samples of one prompt, generated concurrently, each scored by a verifiable reward."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from tandem.data.trajectory import Trajectory
+from tandem.rollout.client import InferenceClient
+from tandem.rollout.reward import RewardFn, RewardRunner
+from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.workflow import RolloutWorkflow
+
+logger = logging.getLogger(__name__)
+
+# Item keys the workflow reads itself; everything else goes to the reward function as keywords.
+_RESERVED = ("input_ids", "messages", "prompt", "id")
+
+
+def prompt_ids_of(item: dict[str, Any], tokenizer: Any) -> list[int]:
+    """Prompt token ids: given (`input_ids`), or rendered from `messages` / `prompt` with the chat template."""
+    if "input_ids" in item:
+        return list(item["input_ids"])
+    if tokenizer is None:
+        raise ValueError("an item without input_ids needs a tokenizer to render its messages")
+    messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        params: GenerationParams | None = None,
+        n_samples: int = 4,
+        tokenizer: Any = None,
+        max_tokens: int | None = None,
+        reward_runner: RewardRunner | None = None,
+    ):
+        self.reward_fn = reward_fn
+        self.params = params or GenerationParams()
+        self.n_samples = n_samples
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self._own_runner = reward_runner is None
+        self.reward_runner = reward_runner or RewardRunner()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> list[Trajectory] | None:
+        start = time.time()
+        prompt_ids = prompt_ids_of(item, self.tokenizer)
+        prompt_id = str(item.get("id", uuid.uuid4().hex))
+        group_id = f"{prompt_id}:{uuid.uuid4().hex[:8]}"
+        # TaskGroup: if one sample fails, its siblings are cancelled instead of left running.
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(client.agenerate(ModelRequest(prompt_ids, self.params, max_tokens=self.max_tokens)))
+                for _ in range(self.n_samples)
+            ]
+        responses = [t.result() for t in tasks]
+        prompt_text = item.get("prompt") or self._decode(prompt_ids)
+        fields = {k: v for k, v in item.items() if k not in _RESERVED}
+        t_reward = time.time()
+        rewards = await asyncio.gather(
+            *(
+                self.reward_runner.ascore(
+                    self.reward_fn, prompt_text, self._decode(r.output_ids), prompt_ids, r.output_ids, **fields
+                )
+                for r in responses
+            )
+        )
+        failed = [r.error for r in rewards if not r.ok]
+        if failed:
+            # One missing reward breaks the group's baseline: the whole episode is rejected.
+            logger.warning("prompt %s rejected: %d/%d rewards failed: %s", prompt_id, len(failed), len(rewards), failed[0])
+            return None
+        end = time.time()
+        return [
+            r.to_trajectory(
+                reward=float(rw.value),
+                prompt_id=prompt_id,
+                group_id=group_id,
+                timing={"start": start, "end": end, "generate": r.latency_s, "reward": end - t_reward},
+            )
+            for r, rw in zip(responses, rewards, strict=True)
+        ]
+
+    def close(self) -> None:
+        if self._own_runner:
+            self.reward_runner.close()

@@ -1,0 +1,42 @@
+"""Reward functions for the tests; importable, so reward worker processes can unpickle them."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+def parity_reward(prompt_text, completion_text, prompt_ids, completion_ids, **fields) -> float:
+    """1.0 when the last generated token is even (deterministic with the fake server)."""
+    return float(completion_ids[-1] % 2 == 0) if completion_ids else 0.0
+
+
+def fields_reward(prompt_text, completion_text, prompt_ids, completion_ids, **fields) -> float:
+    """Echoes an item field, to check that item fields reach the reward."""
+    return float(fields["answer"])
+
+
+def raising_reward(*args, **fields) -> float:
+    raise ValueError("the grader crashed")
+
+
+def sleepy_reward(*args, **fields) -> float:
+    time.sleep(60)  # interrupted by the worker's soft timer
+    return 1.0
+
+
+def stubborn_reward(*args, **fields) -> float:
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)  # defeats the soft timer: needs the hard kill
+    time.sleep(60)
+    return 1.0
+
+
+def nan_reward(*args, **fields) -> float:
+    return float("nan")
+
+
+def maybe_hang_reward(prompt_text, completion_text, prompt_ids, completion_ids, hang=False, **fields) -> float:
+    """Hangs (ignoring the soft timer) for items marked `hang`."""
+    if hang:
+        stubborn_reward()
+    return 1.0

@@ -1,0 +1,234 @@
+"""Inference client against real HTTP fake servers: the interruptible loop, routing and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.rollout import (
+    ClientConfig,
+    GenerationDeadlineError,
+    GenerationParams,
+    InferenceClient,
+    ModelRequest,
+    PromptTooLongError,
+    ServerPool,
+)
+from tandem.rollout.backends import NativeBackend
+from tests.rollout.conftest import run
+from tests.rollout.fake_server import chain, token_logprob
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [11, 12, 13, 14]
+
+
+async def generate(client: InferenceClient, req: ModelRequest):
+    try:
+        return await client.agenerate(req)
+    finally:
+        await client.aclose()
+
+
+def test_single_request_matches_server(make_server):
+    server = make_server()
+    client = InferenceClient([server.address])
+    resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=12))))
+    assert resp.output_ids == chain(PROMPT[-1], 12, 1000)
+    assert resp.output_logprobs == [token_logprob(t) for t in resp.output_ids]
+    assert resp.output_versions == [0] * 12
+    assert resp.finish_reason == "length" and resp.num_calls == 1
+    traj = resp.to_trajectory()
+    assert traj.input_ids == PROMPT + resp.output_ids
+    assert traj.loss_mask == [0] * 4 + [1] * 12 and traj.versions[:4] == [-1] * 4
+
+
+def test_stop_token(make_server):
+    server = make_server()
+    stop = chain(PROMPT[-1], 5, 1000)[4]
+    resp = run(generate(InferenceClient([server.address]), ModelRequest(PROMPT, GenerationParams(max_new_tokens=50, stop_token_ids=[stop]))))
+    assert resp.finish_reason == "stop" and len(resp.output_ids) == 5 and resp.output_ids[-1] == stop
+
+
+def test_interrupted_generation_resumes_under_new_version(make_server):
+    """A pause mid-generation aborts with partial output; the client resubmits prompt + partial to
+    the same server, which answers after continue under the new version."""
+    servers = {s.address: s for s in (make_server(token_delay_s=0.01), make_server(token_delay_s=0.01))}
+    client = InferenceClient(list(servers))
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=40))
+    server = servers[client.pool.choose(req.rid)]  # where routing sends it (affinity is now set)
+    other = next(s for s in servers.values() if s is not server)
+
+    async def scenario():
+        task = asyncio.create_task(client.agenerate(req))
+        await asyncio.to_thread(server.wait_for_tokens, 8)
+        await asyncio.to_thread(server.pause)  # in-flight request answers abort with its partial
+        other.pause()
+        await asyncio.to_thread(server.wait_for_requests, 2)  # resubmitted; waits inside the server
+        server.set_version(1)
+        other.set_version(1)
+        server.continue_generation()
+        other.continue_generation()
+        try:
+            return await task
+        finally:
+            await client.aclose()
+
+    resp = run(scenario())
+    entries = server.entries(req.rid)
+    assert [e.finish for e in entries] == ["abort", "length"]
+    assert other.entries(req.rid) == []  # rid affinity: the resubmission came back
+    k = len(entries[0].output_ids)
+    assert 8 <= k < 40
+    assert entries[1].input_ids == PROMPT + entries[0].output_ids  # prompt + partial resubmitted
+    assert resp.output_ids == entries[0].output_ids + entries[1].output_ids == chain(PROMPT[-1], 40, 1000)
+    assert resp.output_versions == [0] * k + [1] * (40 - k)  # versions change inside the sequence
+    assert resp.num_aborts == 1 and resp.finish_reason == "length"
+    assert resp.servers == [server.address, server.address]
+
+
+def test_budget_accounting_and_rejection(make_server):
+    server = make_server()
+    client = InferenceClient([server.address])
+    prompt = list(range(1, 11))
+    resp = run(generate(client, ModelRequest(prompt, GenerationParams(max_new_tokens=100), max_tokens=16)))
+    assert len(resp.output_ids) == 6 and resp.finish_reason == "length"
+    assert server.log[-1].input_ids == prompt
+    with pytest.raises(PromptTooLongError, match="no budget"):
+        run(generate(client, ModelRequest(prompt, GenerationParams(max_new_tokens=100), max_tokens=10)))
+
+
+def test_final_abort_with_spent_budget_is_length(make_server):
+    server = make_server(abort_when_done=True)  # the pause raced the last token
+    resp = run(generate(InferenceClient([server.address]), ModelRequest(PROMPT, GenerationParams(max_new_tokens=7))))
+    assert resp.finish_reason == "length" and len(resp.output_ids) == 7
+    assert resp.num_calls == 1 and resp.num_aborts == 0
+
+
+def test_abort_while_queued_means_zero_tokens():
+    chunk = NativeBackend().parse(
+        {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"}, "weight_version": "3"}}
+    )
+    assert chunk.output_ids == [] and chunk.finish_reason == "abort" and chunk.weight_version == 3
+
+
+def test_least_outstanding_routing(make_server):
+    a, b = make_server(token_delay_s=0.005), make_server(token_delay_s=0.005)
+    client = InferenceClient([a.address, b.address])
+
+    async def scenario():
+        try:
+            return await asyncio.gather(*(client.agenerate(ModelRequest(PROMPT, GenerationParams(max_new_tokens=20))) for _ in range(6)))
+        finally:
+            await client.aclose()
+
+    resps = run(scenario())
+    assert len(a.log) == 3 and len(b.log) == 3
+    assert all(r.output_ids == chain(PROMPT[-1], 20, 1000) for r in resps)
+    assert all(s.outstanding == 0 for s in client.pool.snapshot())
+
+
+def test_pool_affinity_and_health():
+    pool = ServerPool(["127.0.0.1:1", "127.0.0.1:2"])
+    a, b = pool.addresses
+    assert pool.choose("r1") == a
+    with pool.lease(a):
+        assert pool.choose("r2") == b  # least outstanding
+        assert pool.choose("r1") == a  # affinity beats load
+    pool.mark_error(a, connection_failed=True)
+    assert not pool.is_healthy(a) and pool.choose("r1") == b  # moves off an unhealthy server
+    pool.mark_error(b, connection_failed=False)
+    assert pool.is_healthy(b)  # one 5xx is not enough
+    pool.mark_error(b, connection_failed=True)
+    assert pool.choose("r3") in (a, b)  # all unhealthy: still routes
+    pool.forget("r1")
+    pool.mark_success(a)
+    assert pool.choose("r1") == a
+
+
+def test_500s_are_retried_then_succeed(make_server):
+    server = make_server(fail_first=3)
+    client = InferenceClient([server.address], ClientConfig(backoff_initial_s=0.01))
+    resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=5))))
+    assert resp.output_ids == chain(PROMPT[-1], 5, 1000)
+    assert resp.num_retries == 3 and server.num_requests == 4
+    assert client.pool.is_healthy(server.address)
+
+
+def test_server_that_disappears_hands_requests_to_the_other(spawn_server, make_server):
+    """The subprocess server exits mid-request; its requests finish on the other before the deadline."""
+    doomed, proc = spawn_server("--token-delay", "0.02", "--die-after", "2", "--die-delay", "0.15")
+    survivor = make_server(token_delay_s=0.005)
+    client = InferenceClient([doomed, survivor.address], ClientConfig(backoff_initial_s=0.01, deadline_s=15))
+
+    async def scenario():
+        try:
+            reqs = [ModelRequest(PROMPT, GenerationParams(max_new_tokens=30)) for _ in range(4)]
+            return await asyncio.gather(*(client.agenerate(r) for r in reqs))
+        finally:
+            await client.aclose()
+
+    start = time.monotonic()
+    resps = run(scenario())
+    assert proc.wait(5) != 0  # it really died
+    assert time.monotonic() - start < 15
+    moved = [r for r in resps if r.num_retries > 0]
+    assert len(moved) == 2  # the two requests that were on the doomed server
+    for r in resps:
+        assert r.output_ids == chain(PROMPT[-1], 30, 1000) and r.finish_reason == "length"
+        assert r.servers == [survivor.address]
+    assert not client.pool.is_healthy(doomed)
+
+
+def test_deadline_exceeded_is_a_typed_error(make_server):
+    server = make_server(hang=True)
+    client = InferenceClient([server.address])
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=5), rid="rid-hung", deadline_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(GenerationDeadlineError) as info:
+        run(generate(client, req))
+    assert 0.45 < time.monotonic() - start < 3
+    assert info.value.rid == "rid-hung" and info.value.servers == [server.address]
+    assert "rid-hung" in str(info.value) and server.address in str(info.value)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_vllm_backend(make_server):
+    server = make_server(token_delay_s=0.0)
+    client = InferenceClient([server.address], ClientConfig(backend="vllm"))
+    client.set_version(7)  # vLLM does not report versions: the client's last known one applies
+    resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=9))))
+    assert server.log[-1].route == "completions"
+    assert resp.output_ids == chain(PROMPT[-1], 9, 1000)
+    assert resp.output_logprobs == [token_logprob(t) for t in resp.output_ids]
+    assert resp.output_versions == [7] * 9 and resp.finish_reason == "length"
+
+    reporting = make_server(vllm_report_version=True, version=3)
+    client = InferenceClient([reporting.address], ClientConfig(backend="vllm"))
+    resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=4))))
+    assert resp.output_versions == [3] * 4
+
+
+def test_vllm_interrupted_generation(make_server):
+    server = make_server(token_delay_s=0.01)
+    client = InferenceClient([server.address], ClientConfig(backend="vllm"))
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=30))
+
+    async def scenario():
+        task = asyncio.create_task(client.agenerate(req))
+        await asyncio.to_thread(server.wait_for_tokens, 5)
+        await asyncio.to_thread(server.pause)
+        await asyncio.to_thread(server.wait_for_requests, 2)  # the abort was handled, resubmitted
+        client.set_version(1)
+        server.continue_generation()
+        try:
+            return await task
+        finally:
+            await client.aclose()
+
+    resp = run(scenario())
+    k = len(server.log[0].output_ids)
+    assert resp.output_ids == chain(PROMPT[-1], 30, 1000)
+    assert resp.output_versions == [0] * k + [1] * (30 - k) and resp.num_aborts == 1

@@ -1,0 +1,237 @@
+"""WorkflowExecutor: the staleness bound under weight updates, pause/resume, faults, no busy waiting."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from tandem.rollout import (
+    ExecutorConfig,
+    GenerationParams,
+    InferenceClient,
+    ModelRequest,
+    RewardRunner,
+    RLVRWorkflow,
+    RolloutWorkflow,
+    WorkflowExecutor,
+)
+from tandem.rollout.dump import read_dump
+from tests.rollout import rewards
+from tests.rollout.fake_server import chain
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class GenerateOnce(RolloutWorkflow):
+    """One sample per item; items are token-id lists. A workflow in a few lines."""
+
+    def __init__(self, max_new_tokens: int = 4):
+        self.params = GenerationParams(max_new_tokens=max_new_tokens)
+
+    async def arun_episode(self, client, item):
+        if item == "bad":
+            raise RuntimeError("this workflow blew up")
+        resp = await client.agenerate(ModelRequest(list(item), self.params))
+        return resp.to_trajectory(prompt_id=str(item[0]))
+
+
+@pytest.fixture
+def make_executor():
+    made: list[WorkflowExecutor] = []
+
+    def make(addresses, **config) -> WorkflowExecutor:
+        ex = WorkflowExecutor(InferenceClient(addresses), ExecutorConfig(**config))
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.shutdown()
+
+
+def weight_update(executor: WorkflowExecutor, servers, version: int) -> None:
+    """What the trainer side does around an update (protocol.md section 5, step 4)."""
+    executor.pause()
+    for s in servers:
+        s.pause()  # in-flight requests answer abort with their partial output
+    for s in servers:
+        s.set_version(version)  # "the update"
+        s.continue_generation()
+    executor.set_version(version)
+    executor.resume()
+
+
+def test_staleness_bound_holds_for_every_trajectory(make_server, make_executor):
+    """200 RLVR episodes, two servers, max_staleness 1, a weight update after every batch.
+
+    Bound (docs/rollout.md): a trajectory consumed by the trainer at version v has every generated
+    token from version >= v - max_staleness.
+    """
+    eta, batch, steps = 1, 8, 25
+    servers = [make_server(token_delay_s=0.002), make_server(token_delay_s=0.006)]  # uneven fleet
+    ex = make_executor([s.address for s in servers], max_concurrent_rollouts=32, consumer_batch_size=batch, max_staleness=eta)
+    stops = [t for t in range(1000) if t % 31 == 0]  # varied lengths: some samples stop early
+    runner = RewardRunner(max_workers=2, timeout_s=5)
+    wf = RLVRWorkflow(rewards.parity_reward, GenerationParams(max_new_tokens=32, stop_token_ids=stops), n_samples=2, reward_runner=runner)
+    dataset = [{"input_ids": [1 + i % 500, 2 + i % 7], "id": str(i)} for i in range(steps * batch)]
+    lags, interrupted, consumed = [], 0, 0
+    try:
+        for version in range(steps):
+            trajs = ex.prepare_batch(dataset, wf, timeout=20)
+            assert len(trajs) == 2 * batch
+            for t in trajs:
+                prompt = t.input_ids[:2]
+                out = t.input_ids[2:]
+                assert out == chain(prompt[-1], len(out), 1000)  # the tokens the servers produced
+                assert t.min_version >= version - eta, (version, t.generated_versions())
+                lags.append(version - t.min_version)
+                interrupted += t.min_version != t.max_version
+            consumed += batch
+            time.sleep(0.03)  # "the training step": the episodes that started meanwhile are mid-generation
+            weight_update(ex, servers, version + 1)
+    finally:
+        runner.close()
+    assert consumed == 200
+    aborts = sum(e.finish == "abort" for s in servers for e in s.log)
+    assert max(lags) == eta  # the bound is reached, never exceeded
+    assert interrupted > 0  # some trajectories carry tokens from two versions
+    print(f"\nlag histogram {dict(sorted((x, lags.count(x)) for x in set(lags)))}, "
+          f"{interrupted} trajectories with two versions, {aborts} aborted calls")
+
+
+def test_pause_and_resume(make_server, make_executor):
+    server = make_server()
+    ex = make_executor([server.address], consumer_batch_size=2)
+    ex.pause()
+    for i in range(3):
+        ex.submit([i + 1, i + 2], GenerateOnce())
+    with pytest.raises(TimeoutError, match="paused=True"):
+        ex.wait(1, timeout=0.3)
+    assert server.num_requests == 0 and ex.stats()["pending"] == 3
+    ex.resume()
+    trajs = ex.wait(3, timeout=10)
+    assert [t.prompt_id for t in trajs] == ["1", "2", "3"]  # oldest first
+    assert ex.stats()["accepted"] == 3
+
+
+def test_workflow_that_raises_is_rejected_and_logged(make_server, make_executor, caplog):
+    server = make_server()
+    ex = make_executor([server.address])
+    with caplog.at_level(logging.ERROR, logger="tandem.rollout.executor"):
+        ex.submit([1, 2], GenerateOnce())
+        ex.submit("bad", GenerateOnce())
+        ex.submit([3, 4], GenerateOnce())
+        trajs = ex.wait(2, timeout=10)
+    assert [t.prompt_id for t in trajs] == ["1", "3"]
+    assert ex.stats()["failed"] == 1 and ex.stats()["rejected"] == 1
+    record = next(r for r in caplog.records if "failed and is rejected" in r.getMessage())
+    assert record.exc_info is not None and "this workflow blew up" in str(record.exc_info[1])
+    assert ex.staleness.stats().running == 0
+
+
+def test_reward_that_hangs_is_rejected_and_the_executor_goes_on(make_server, make_executor):
+    server = make_server()
+    ex = make_executor([server.address])
+    runner = RewardRunner(max_workers=2, timeout_s=0.5, grace_s=1.0)  # grace covers worker start-up
+    wf = RLVRWorkflow(rewards.maybe_hang_reward, GenerationParams(max_new_tokens=3), n_samples=2, reward_runner=runner)
+    try:
+        start = time.monotonic()
+        for i in range(4):
+            ex.submit({"input_ids": [i + 1], "id": str(i), "hang": i == 1}, wf)
+        trajs = ex.wait(3, timeout=15)
+        assert sorted({t.prompt_id for t in trajs}) == ["0", "2", "3"]
+        assert time.monotonic() - start < 5
+        assert ex.stats()["rejected"] == 1 and runner.num_recycled >= 1
+        ex.submit({"input_ids": [9], "id": "after"}, wf)  # still serving
+        assert {t.prompt_id for t in ex.wait(1, timeout=10)} == {"after"}
+    finally:
+        runner.close()
+
+
+def test_waiting_uses_no_cpu(make_server, make_executor):
+    """wait() blocks ~3 s on a slow server; the whole process (executor loop, server thread
+    included) must stay under 0.1 s of CPU time: nothing polls."""
+    server = make_server(token_delay_s=0.3)
+    ex = make_executor([server.address])
+    ex.submit([1, 2], GenerateOnce(max_new_tokens=10))
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    trajs = ex.wait(1, timeout=20)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert len(trajs) == 1 and trajs[0].num_generated == 10
+    assert wall > 2.5
+    print(f"\nwait(): {wall:.2f} s wall, {cpu * 1000:.1f} ms CPU")
+    assert cpu < 0.1
+
+
+def test_prepare_batch_keeps_the_rest_queued(make_server, make_executor):
+    server = make_server(token_delay_s=0.01)
+    ex = make_executor([server.address], max_concurrent_rollouts=4, consumer_batch_size=2, max_staleness=1)
+    items = [[i, i + 1] for i in range(1, 100)]
+    first = ex.prepare_batch(items, GenerateOnce(), timeout=10)
+    assert [t.prompt_id for t in first] == ["1", "2"]
+    s = ex.stats()
+    assert s["submitted"] == 4  # started: (1 + 0 + 1) * 2, the staleness budget, not more
+    assert s["pending"] == 2  # one batch queued ahead, not started
+    second = ex.prepare_batch(items, GenerateOnce(), timeout=10)
+    assert [t.prompt_id for t in second] == ["3", "4"]
+    ex.set_version(1)  # budget grows by one batch: the queued items start without another call
+    assert [t.prompt_id for t in ex.wait(2, timeout=10)] == ["5", "6"]
+    ex.set_version(2)
+    third = ex.prepare_batch(items, GenerateOnce(), timeout=10)
+    assert [t.prompt_id for t in third] == ["7", "8"]
+
+
+def test_rollout_batch_and_dumps(make_server, make_executor, tmp_path):
+    server = make_server()
+    ex = make_executor([server.address], dump_dir=str(tmp_path / "dumps"))
+    trajs = ex.rollout_batch([[5, 6], "bad", [7, 8]], GenerateOnce(), timeout=10)
+    assert [t.prompt_id for t in trajs] == ["5", "7"]
+    ex.set_version(3)
+    ex.rollout_batch([[9, 10]], GenerateOnce(), timeout=10)
+    v0 = list(read_dump(tmp_path / "dumps" / "v000000.jsonl"))
+    v3 = list(read_dump(tmp_path / "dumps" / "v000003.jsonl"))
+    assert sorted(t.prompt_id for t in v0) == ["5", "7"] and [t.prompt_id for t in v3] == ["9"]
+    assert v0[0].input_ids in ([5, 6, *chain(6, 4, 1000)], [7, 8, *chain(8, 4, 1000)])
+
+
+def test_shutdown_wakes_waiters(make_server, make_executor):
+    server = make_server(hang=True)
+    ex = make_executor([server.address])
+    ex.submit([1, 2], GenerateOnce())
+    errors: list[BaseException] = []
+
+    def waiter():
+        try:
+            ex.wait(1, timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    ex.shutdown()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - start < 5
+    assert isinstance(errors[0], RuntimeError) and "shut down" in str(errors[0])
+
+
+class SizedGenerate(RolloutWorkflow):
+    """Items are (prompt ids, number of tokens): lets a test make stragglers."""
+
+    async def arun_episode(self, client, item):
+        ids, n = item
+        resp = await client.agenerate(ModelRequest(list(ids), GenerationParams(max_new_tokens=n)))
+        return resp.to_trajectory(prompt_id=str(ids[0]))
+
+
+@pytest.mark.parametrize("order, expected", [("dispatch", ["1", "2"]), ("completion", ["2", "1"])])
+def test_hand_out_order(make_server, make_executor, order, expected):
+    server = make_server(token_delay_s=0.01)
+    ex = make_executor([server.address], order=order)
+    ex.submit(([1], 30), SizedGenerate())  # straggler, started first
+    ex.submit(([2], 2), SizedGenerate())
+    assert [t.prompt_id for t in ex.wait(2, timeout=10)] == expected

@@ -1,0 +1,72 @@
+"""Rewards run in worker processes with a timeout; failures become reasons, hung workers are killed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.rollout import RewardRunner
+from tests.rollout import rewards
+from tests.rollout.conftest import run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = RewardRunner(max_workers=2, timeout_s=1.0, grace_s=0.5)
+    yield r
+    r.close()
+
+
+def score(runner, fn, **fields):
+    return run(runner.ascore(fn, "p", "c", [1, 2], [3, 4], **fields))
+
+
+def test_reward_values_and_fields(runner):
+    assert score(runner, rewards.parity_reward).value == 1.0
+    assert score(runner, rewards.fields_reward, answer=0.25).value == 0.25
+
+
+def test_raising_reward_is_a_reason(runner):
+    res = score(runner, rewards.raising_reward)
+    assert res.value is None and "ValueError: the grader crashed" in res.error
+
+
+def test_non_finite_reward_is_rejected(runner):
+    res = score(runner, rewards.nan_reward)
+    assert res.value is None and "not a finite number" in res.error
+
+
+def test_hanging_reward_times_out_softly(runner):
+    score(runner, rewards.parity_reward)  # warm: worker start-up is not part of what we time
+    start = time.monotonic()
+    res = score(runner, rewards.sleepy_reward)
+    assert res.value is None and "ran past 1s" in res.error
+    assert time.monotonic() - start < 1.45  # before the hard deadline
+    assert score(runner, rewards.parity_reward).value == 1.0  # the worker is reused
+
+
+def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
+    pool = runner._get_pool()
+    score(runner, rewards.parity_reward)  # make sure workers exist
+    before = runner.num_recycled
+
+    async def both():
+        # An innocent reward running alongside the stuck one must still get its value.
+        return await asyncio.gather(
+            runner.ascore(rewards.stubborn_reward, "p", "c", [1], [2]),
+            runner.ascore(rewards.parity_reward, "p", "c", [1], [2]),
+        )
+
+    start = time.monotonic()
+    stuck, innocent = run(both())
+    assert time.monotonic() - start < 5
+    assert stuck.value is None and "worker killed" in stuck.error
+    assert innocent.value == 1.0
+    assert runner.num_recycled == before + 1
+    procs = list(pool._processes.values()) if pool._processes else []
+    assert all(not p.is_alive() for p in procs)  # no stuck worker left behind
+    assert score(runner, rewards.parity_reward).value == 1.0  # fresh pool works
