@@ -51,6 +51,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model-info", help="load an HF model directory and summarise it")
     p.add_argument("path", help="HF model directory (config.json + safetensors)")
     p.set_defaults(func=_cmd_model_info)
+
+    p = sub.add_parser("serve", help="run the inference server (SGLang-compatible HTTP protocol)")
+    _add_serve_arguments(p)
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 
@@ -107,6 +111,31 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
         f"ffn {a.intermediate_size}, vocab {a.vocab_size}, tied embeddings {a.tie_word_embeddings}"
     )
     return 0
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (printed on startup)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--served-model-name", default=None, help="model name of the OpenAI routes (default: the path)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one prefill step")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache capacity in tokens")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--seed", type=int, default=0, help="seeds the draws of requests that bring no seed")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--weight-sync-timeout", type=float, default=120.0,
+                   help="seconds to form a weight-update group or receive one tensor over it")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.inference.server import ServerArgs, serve
+
+    return serve(ServerArgs.from_namespace(args))
 
 
 if __name__ == "__main__":

@@ -89,11 +89,14 @@ class LLMEngine:
         if params.stop and self.detokenizer.tokenizer is None:
             raise RequestError("sampling_params.stop needs a tokenizer; the model directory has none")
 
-    def abort(self, rid_prefix: str | None = None, abort_all: bool = False) -> list[str]:
-        """Abort requests whose rid starts with `rid_prefix` (or all); -> the aborted rids.
-
-        Their outputs (partial tokens and logprobs if they ran) come from the next `step()`."""
-        rids = [r for r in self._live if abort_all or (rid_prefix is not None and r.startswith(rid_prefix))]
+    def abort(self, rid_prefix: str | None = None, abort_all: bool = False, exact: bool = False) -> list[str]:
+        """Abort requests whose rid starts with `rid_prefix` (equals it with `exact`), or all;
+        -> the aborted rids. Their outputs (partial tokens and logprobs if they ran) come from the
+        next `step()`."""
+        if exact and not abort_all:
+            rids = [rid_prefix] if rid_prefix in self._live else []
+        else:
+            rids = [r for r in self._live if abort_all or (rid_prefix is not None and r.startswith(rid_prefix))]
         reason = {"type": "abort", "message": "aborted by request"}
         for rid in rids:
             for seq in [s for s in self._live[rid] if not s.is_finished]:

@@ -76,6 +76,8 @@ class PagedAttentionBackend:
         assert meta is not None, "set the step's AttentionMetadata first"
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.no_cached_prefix:  # nothing to read back: the packed training path is exact and cheaper
+        if meta.no_cached_prefix and meta.context_lens.shape[0] == 1:
+            # One sequence, nothing cached: the packed training path is exact and cheapest. With
+            # several, its dense [T, T] mask is O(T^2): padding per sequence (below) is O(B * L^2).
             return packed_causal_attention(q, k, v, meta.cu_seqlens_q, scale=self.scale)
         return paged_attention(q, k_cache, v_cache, meta, self.scale)

@@ -1,0 +1,12 @@
+"""`tandem serve`: the inference engine behind SGLang's HTTP protocol (plus OpenAI routes).
+
+Modules: `args` (command line), `engine_loop` (the one thread that owns the engine, bridged to
+asyncio), `protocol` (request parsing, response shapes, errors), `routes` (generation and control),
+`openai_routes`, `weight_sync` (disk/distributed updates, memory release), `app` (FastAPI app,
+auth, uvicorn). See docs/inference.md, "HTTP server".
+"""
+
+from tandem.inference.server.app import build_app, serve
+from tandem.inference.server.args import ServerArgs
+
+__all__ = ["ServerArgs", "build_app", "serve"]

@@ -1,0 +1,113 @@
+"""The FastAPI app (routes, auth, error handlers, engine lifecycle) and `serve`, which runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tandem.inference.server import openai_routes, routes, weight_sync
+from tandem.inference.server.args import ServerArgs
+from tandem.inference.server.engine_loop import EngineLoop
+from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
+from tandem.inference.server.state import ServerState
+
+log = logging.getLogger("tandem.serve")
+OPEN_PATHS = {"/health"}
+
+
+class BearerAuth:
+    """Pure ASGI middleware (keeps streaming and disconnect detection intact): every route but
+    /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await error_response("missing or wrong API key; send 'Authorization: Bearer <key>'", 401)(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(args: ServerArgs) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop = EngineLoop(args, asyncio.get_running_loop())
+        app.state.tandem = ServerState(args, engine_loop)
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            for group in app.state.tandem.groups.values():
+                group.destroy()
+            await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    for r in (routes.router, weight_sync.router, openai_routes.router):
+        app.include_router(r)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(ControlError)
+    async def _control_error(request: Request, exc: ControlError) -> JSONResponse:
+        return control_response(False, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(str(exc))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(f"no route {request.method} {request.url.path}", 404)
+
+    if args.api_key:
+        app.add_middleware(BearerAuth, api_key=args.api_key)
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: ServerArgs) -> int:
+    """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown: stop accepting, finish in-flight
+    responses for up to 10 s, then stop the engine thread)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    args.port = port
+    shown = f"[{host}]" if ":" in host else host
+    # Machine-readable: launchers and tests read the actual port from this line.
+    print(f"tandem serve: listening on http://{shown}:{port}", flush=True)
+    config = uvicorn.Config(build_app(args), log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
+                            timeout_graceful_shutdown=10, timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    # Our own handlers (uvicorn's re-raise the signal after shutdown, so the exit code would be 143).
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+    print("tandem serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,115 @@
+"""Request parsing and response shapes of the SGLang protocol (docs/inference.md, HTTP server).
+
+Errors: `ApiError` answers `{"object":"error","message":...,"type":...,"code":...}`; `ControlError`
+answers a control route's `{"success": false, "message": ...}` with 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tandem.inference.outputs import RequestOutput
+
+ERROR_TYPES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, code: int = 400):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, self.code)
+
+
+class ControlError(Exception):
+    """A control route failed: `{"success": false, "message": ...}`, status 400."""
+
+
+def error_response(message: str, code: int = 400) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": ERROR_TYPES.get(code, "Error"), "code": code}
+    return JSONResponse(body, status_code=code)
+
+
+def control_response(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def read_json(request: Request, *, allow_empty: bool = True) -> dict[str, Any]:
+    """The body as a JSON object; an empty body is `{}` when allowed. 400 on anything else."""
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ApiError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(f"malformed JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_TYPE_NAMES = {str: "a string", bool: "true or false", int: "an integer", float: "a number",
+               list: "a list", dict: "an object"}
+
+
+def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
+              *, required: bool = False, where: str = "") -> Any:
+    """body[name] checked against `kind` (bool is never an int; int is a float); null = default."""
+    if name not in body or body[name] is None:
+        if required:
+            raise ApiError(f"field {where}{name!r} is required")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(
+        (isinstance(value, k) and not (isinstance(value, bool) and k in (int, float)))
+        or (k is float and isinstance(value, int) and not isinstance(value, bool))
+        for k in kinds
+    )
+    if not ok:
+        names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise ApiError(f"field {where}{name!r} must be {names}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def check_fields(body: dict[str, Any], known: set[str], where: str = "request") -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(f"unknown {where} field(s) {unknown}; valid fields: {sorted(known)}")
+
+
+def token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(f"field {name!r} must be a list of token ids (integers)")
+    return value
+
+
+def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: bool = True,
+              weight_version: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "weight_version": weight_version or out.weight_version,
+        "e2e_latency": out.e2e_latency,
+        "finish_reason": out.finish_reason if finished else None,
+    }
+    if return_logprob and out.output_logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)]
+    return meta
+
+
+def generate_response(out: RequestOutput, rid: str, return_logprob: bool, n: int) -> dict[str, Any]:
+    body = {"text": out.text or "", "output_ids": out.output_ids,
+            "meta_info": meta_info(out, rid, return_logprob)}
+    if n > 1:
+        body["index"] = out.index
+    return body

@@ -1,0 +1,164 @@
+"""What the routes share: the engine loop, the generation gate (pause / memory release), requests
+waiting at the gate, weight-update groups, and `run_request`, the one path every generation takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from tandem.inference.errors import RequestError
+from tandem.inference.outputs import RequestOutput
+from tandem.inference.sampling_params import SamplingParams
+from tandem.inference.server.args import ServerArgs
+from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
+from tandem.inference.server.protocol import ApiError
+
+
+class ClientGone(Exception):
+    """The client closed its connection; its request was aborted."""
+
+
+class ServerState:
+    def __init__(self, args: ServerArgs, engine_loop: EngineLoop):
+        self.args, self.engine_loop = args, engine_loop
+        self.paused = False
+        self.released: set[str] = set()  # memory tags released: "kv_cache", "weights"
+        self.gate = asyncio.Event()  # open while generation may start
+        self.gate.set()
+        self.waiting: dict[str, asyncio.Future] = {}  # rid -> abort signal, requests held at the gate
+        self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
+        self.groups: dict[str, Any] = {}  # group name -> tandem.weights.WeightGroup
+        self.update_lock = asyncio.Lock()  # one weight update / memory change at a time
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ status
+    @property
+    def engine(self):
+        return self.engine_loop.engine
+
+    def check_ready(self) -> None:
+        if self.engine_loop.error:
+            raise ApiError("the engine is broken; see the server log", 503)
+        if not self.engine_loop.ready.is_set() or self.engine is None:
+            raise ApiError("the server is starting; poll /health", 503)
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.engine.detokenizer.tokenizer if self.engine is not None else None
+
+    def update_gate(self) -> None:
+        if self.paused or self.released:
+            self.gate.clear()
+        else:
+            self.gate.set()
+
+    def abort_waiting(self, rid: str | None, abort_all: bool) -> int:
+        """Answer requests held at the gate whose rid starts with `rid` (or all) with abort."""
+        hit = [r for r in self.waiting if abort_all or (rid is not None and r.startswith(rid))]
+        for r in hit:
+            if not self.waiting[r].done():
+                self.waiting[r].set_result(None)
+        return len(hit)
+
+    # ------------------------------------------------------------------ generation
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError("this model has no tokenizer; send input_ids instead of text")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    async def wait_gate(self, rid: str, params: SamplingParams, return_logprob: bool,
+                        input_ids: list[int]) -> list[RequestOutput] | None:
+        """Hold a new request while generation is paused or memory released. -> None when it may
+        go on, or its abort outputs when `/abort_request` hit it while waiting."""
+        if self.gate.is_set():
+            return None
+        aborted = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = aborted
+        try:
+            while not self.gate.is_set():
+                gate = asyncio.ensure_future(self.gate.wait())
+                await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                gate.cancel()
+                if aborted.done():
+                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version)
+                            for i in range(params.n)]
+        finally:
+            self.waiting.pop(rid, None)
+        return None
+
+    async def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
+                     stream: bool) -> PendingRequest | list[RequestOutput]:
+        """Gate, then add to the engine. -> the PendingRequest, or final outputs (aborted at the gate).
+        RequestError becomes a 400."""
+        if rid in self.waiting:
+            raise ApiError(f"request id {rid!r} is already in flight")
+        held = await self.wait_gate(rid, params, return_logprob, input_ids)
+        if held is not None:
+            return held
+        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream)
+        try:
+            await added
+        except RequestError as exc:
+            raise ApiError(str(exc)) from exc
+        return pending
+
+    async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
+                          return_logprob: bool) -> list[RequestOutput]:
+        """Run one (non-streaming) request to completion; abort it if the client disconnects."""
+        watcher = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False))
+            await asyncio.wait({submit, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not submit.done():  # gone while held at the gate
+                submit.cancel()
+                self.engine_loop.abort(rid, exact=True)  # in case it got as far as the engine
+                raise ClientGone(rid)
+            pending = submit.result()
+            if isinstance(pending, list):
+                return pending
+            await asyncio.wait({pending.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.future.done():
+                self.engine_loop.abort(rid, exact=True)
+                raise ClientGone(rid)
+            return pending.future.result()
+        finally:
+            watcher.cancel()
+
+    async def stream_request(self, pending: PendingRequest) -> AsyncIterator[tuple[str, Any]]:
+        """Events of a streaming request until each sample's final output; aborts it if the
+        consumer stops early (the client disconnected)."""
+        finals = 0
+        try:
+            while finals < pending.n:
+                kind, item = await pending.queue.get()
+                if kind == "error":
+                    raise RuntimeError(item)
+                finals += kind == "final"
+                yield kind, item
+        finally:
+            if finals < pending.n:
+                self.engine_loop.abort(pending.rid, exact=True)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closed the connection (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _queued_abort(rid: str, index: int, prompt_tokens: int, version: str) -> RequestOutput:
+    return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=None,
+                         finish_reason={"type": "abort", "message": "aborted while waiting for generation to continue"},
+                         prompt_tokens=prompt_tokens, cached_tokens=0, weight_version=version, e2e_latency=0.0,
+                         text="")

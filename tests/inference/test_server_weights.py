@@ -1,0 +1,227 @@
+"""Weight updates over HTTP: from disk and over a distributed (gloo) group whose rank 0 is a separate
+"trainer" process. Good updates change the outputs to exactly those of the new weights; failed
+ones (bad path, wrong shapes, missing tensors, broken group) change nothing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tandem.inference.engine import LLMEngine
+from tandem.inference.sampling_params import SamplingParams
+from tandem.models.hf_checkpoint import iter_hf_tensors
+from tandem.models.tiny import init_model
+from tests.inference.conftest import make_model_dir, prompts
+from tests.inference.server_utils import ServerProcess
+
+BATCH = prompts([9, 21, 3], seed=7)
+NEW = 12
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def new_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("new"), "qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    srv = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("serve"), "--kv-cache-tokens", "4096",
+                        "--weight-sync-timeout", "20")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+def expected(model_dir) -> list[list[int]]:
+    engine = LLMEngine(model_dir, kv_cache_tokens=1024)
+    return [o.output_ids for o in engine.generate(BATCH, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                                        ignore_eos=True))]
+
+
+def served(server) -> tuple[list[list[int]], str]:
+    outs = [server.ok("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                                                         "ignore_eos": True}}) for ids in BATCH]
+    versions = {o["meta_info"]["weight_version"] for o in outs}
+    assert len(versions) == 1
+    return [o["output_ids"] for o in outs], versions.pop()
+
+
+def assert_failed(status, body, needle):
+    assert status == 400 and body["success"] is False, body
+    assert needle in body["message"], body["message"]
+
+
+def test_update_from_disk(server, qwen3_dir, new_dir, tmp_path):
+    old_out, new_out = expected(qwen3_dir), expected(new_dir)
+    assert old_out != new_out
+    assert served(server) == (old_out, "default")
+    # Failed updates: nothing changes (outputs and version).
+    wrong = init_model(tmp_path / "small", arch="qwen3", preset="small", seed=0)
+    missing = tmp_path / "missing"
+    shutil.copytree(new_dir, missing)
+    from safetensors.torch import save_file
+
+    for f in missing.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in iter_hf_tensors(new_dir) if k != Q}, str(missing / "model.safetensors"))
+    for path, needle in [("/does/not/exist", "cannot read a checkpoint"), (str(wrong), "has shape"),
+                         (str(missing), f"missing tensor(s): {Q}")]:
+        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
+        assert_failed(status, body, needle)
+        assert served(server) == (old_out, "default")
+    status, body = server.post("/update_weights_from_disk", {"model_path": str(new_dir), "load_format": "pickle"})
+    assert status == 400 and body["object"] == "error"
+    # A good one: exactly the new weights' outputs, under the new version.
+    res = server.ok("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "v1",
+                                                  "abort_all_requests": True})
+    assert res["success"] is True and res["weight_version"] == "v1"
+    assert served(server) == (new_out, "v1")
+    assert server.ok("/get_model_info", method="GET")["weight_version"] == "v1"
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (old_out, "default")
+
+
+# ------------------------------------------------------------------------------ distributed
+def _trainer(port_q, cmd_q, result_q, world_size):
+    """Rank 0 of the weight group, in its own process: hosts the store, broadcasts on command."""
+    from tandem.weights import host_store, init_weight_group
+
+    store = host_store("127.0.0.1", 0)
+    port_q.put(store.port)
+    group = None
+    while True:
+        cmd, arg = cmd_q.get()
+        try:
+            if cmd == "join":
+                group = init_weight_group("127.0.0.1", store.port, 0, world_size, timeout_s=20, store=store)
+                result_q.put(("ok", group.generation))
+            elif cmd == "send":  # [(name, tensor)]: broadcast each in order
+                for _, t in arg:
+                    group.broadcast(t.contiguous(), src=0)
+                result_q.put(("ok", len(arg)))
+            elif cmd == "die":  # send a part, then vanish mid-transfer
+                for _, t in arg:
+                    group.broadcast(t.contiguous(), src=0)
+                result_q.put(("ok", "dying"))
+                os._exit(0)
+            elif cmd == "leave":
+                group.destroy()
+                result_q.put(("ok", None))
+            elif cmd == "stop":
+                result_q.put(("ok", None))
+                os._exit(0)
+        except Exception as exc:  # report, keep serving commands
+            result_q.put(("error", repr(exc)))
+
+
+class Trainer:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.port_q, self.cmd_q, self.result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_trainer, args=(self.port_q, self.cmd_q, self.result_q, 2), daemon=True)
+        self.proc.start()
+        self.port = self.port_q.get(timeout=60)
+
+    def do(self, cmd, arg=None):
+        self.cmd_q.put((cmd, arg))
+
+    def result(self, timeout=60):
+        return self.result_q.get(timeout=timeout)
+
+    def close(self):
+        if self.proc.is_alive():
+            self.do("stop")
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _join(server, trainer, pool):
+    trainer.do("join")
+    res = pool.submit(server.ok, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1, "world_size": 2,
+        "group_name": "weight_update_group", "backend": "gloo"})
+    assert trainer.result()[0] == "ok"
+    assert res.result(60)["success"] is True
+
+
+def _meta(tensors, **extra):
+    return {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors], "group_name": "weight_update_group", **extra}
+
+
+def test_update_from_distributed(server, qwen3_dir, new_dir):
+    old_out, new_out = expected(qwen3_dir), expected(new_dir)
+    tensors = list(iter_hf_tensors(new_dir))
+    trainer = Trainer()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            _join(server, trainer, pool)
+            # Wrong shape: the server receives (and drops) what is declared, answers false.
+            bad = [(n, t[:-1] if n == Q else t) for n, t in tensors]
+            trainer.do("send", bad)
+            status, body = server.post("/update_weights_from_distributed", _meta(bad, weight_version="bad"))
+            assert trainer.result()[0] == "ok"
+            assert_failed(status, body, "has shape")
+            assert served(server) == (old_out, "default")
+            # Missing tensor.
+            part = [(n, t) for n, t in tensors if n != Q]
+            trainer.do("send", part)
+            status, body = server.post("/update_weights_from_distributed", _meta(part, weight_version="bad"))
+            assert trainer.result()[0] == "ok"
+            assert_failed(status, body, "missing tensor(s)")
+            assert served(server) == (old_out, "default")
+            # A full, correct set: outputs are exactly the new weights', version as sent.
+            trainer.do("send", tensors)
+            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(tensors, weight_version="d1"))
+            assert trainer.result()[0] == "ok"
+            assert res.result(60)["success"] is True
+            assert served(server) == (new_out, "d1")
+            # Broken group: the trainer dies after half the tensors.
+            back = list(iter_hf_tensors(qwen3_dir))
+            trainer.do("die", back[: len(back) // 2])
+            status, body = server.post("/update_weights_from_distributed", _meta(back, weight_version="broken"),
+                                       timeout=60)
+            assert_failed(status, body, "failed")
+            trainer.proc.join(10)
+            assert served(server) == (new_out, "d1")
+            assert server.ok("/destroy_weights_update_group", {"group_name": "weight_update_group"})["success"]
+            status, body = server.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+            assert_failed(status, body, "no weight group")
+            status, body = server.post("/update_weights_from_distributed", _meta(back))
+            assert_failed(status, body, "no weight group")
+    finally:
+        trainer.close()
+    # A fresh trainer (new store) can form a new group with the same name and restore the weights.
+    trainer = Trainer()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            _join(server, trainer, pool)
+            back = [(n, t.to(torch.bfloat16)) for n, t in iter_hf_tensors(qwen3_dir)]  # cast on load
+            trainer.do("send", back)
+            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(back, weight_version="default"))
+            assert trainer.result()[0] == "ok"
+            assert res.result(60)["success"] is True
+            trainer.do("leave")
+            assert trainer.result()[0] == "ok"
+            server.ok("/destroy_weights_update_group", {})
+    finally:
+        trainer.close()
+    outs, version = served(server)
+    assert version == "default" and len(outs) == len(old_out)
+
+
+def test_group_errors(server):
+    status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                              "rank_offset": 0, "world_size": 2})
+    assert_failed(status, body, "rank 0 is the trainer")
+    status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                              "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+    assert_failed(status, body, "needs a CUDA server")
+    status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x"})
+    assert status == 400 and body["object"] == "error"
