@@ -1,0 +1,62 @@
+"""Verifiable tasks for RL and SFT: generators, exact rewards, a GSM8K-format loader, chat encoding.
+
+    from tandem.data.tasks import get_task
+    task = get_task("arithmetic", difficulty="add2")
+    items = task.generate(256, seed=0, split="train")
+    reward_fn = task.reward_fn()          # for RLVRWorkflow / the reward runner
+
+See docs/tasks.md.
+"""
+
+from tandem.data.tasks.arithmetic import ArithmeticTask
+from tandem.data.tasks.base import (
+    Task,
+    TaskDataError,
+    TaskError,
+    available_tasks,
+    get_task,
+    register_task,
+    split_of,
+)
+from tandem.data.tasks.chat import (
+    encode_completion,
+    encode_prompt,
+    encode_sft_pair,
+    sft_example,
+    with_input_ids,
+)
+from tandem.data.tasks.countdown import CountdownTask
+from tandem.data.tasks.extract import extract_integer
+from tandem.data.tasks.gsm8k import GSM8KTask, load_gsm8k_file
+from tandem.data.tasks.rewards import (
+    TaskReward,
+    arithmetic_reward,
+    countdown_reward,
+    gsm8k_reward,
+    task_reward,
+)
+
+__all__ = [
+    "ArithmeticTask",
+    "CountdownTask",
+    "GSM8KTask",
+    "Task",
+    "TaskDataError",
+    "TaskError",
+    "TaskReward",
+    "arithmetic_reward",
+    "available_tasks",
+    "countdown_reward",
+    "encode_completion",
+    "encode_prompt",
+    "encode_sft_pair",
+    "extract_integer",
+    "get_task",
+    "gsm8k_reward",
+    "load_gsm8k_file",
+    "register_task",
+    "sft_example",
+    "split_of",
+    "task_reward",
+    "with_input_ids",
+]
