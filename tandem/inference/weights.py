@@ -9,6 +9,7 @@ from torch import nn
 
 from tandem.errors import CheckpointError
 from tandem.inference.errors import WeightUpdateError
+from tandem.weights.verify import tensor_checksum
 
 
 def _native_params(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
@@ -17,11 +18,13 @@ def _native_params(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
 
 
 def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                  strict_dtype: bool = True) -> dict[str, torch.Tensor]:
+                  strict_dtype: bool = True, partial: bool = False) -> dict[str, torch.Tensor]:
     """Check a full set of HF-named tensors against `model`; -> native name -> tensor.
 
     Every parameter must be present exactly once with its shape; with `strict_dtype` its dtype too
-    (else any floating dtype, cast when copied). Raises WeightUpdateError naming the first bad tensor.
+    (else any floating dtype, cast when copied). `partial` checks one bucket of a staged update:
+    the same rules except that parameters may be missing. Raises WeightUpdateError naming the first
+    bad tensor.
     """
     adapter, params = _native_params(model)
     staged: dict[str, torch.Tensor] = {}
@@ -47,7 +50,7 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             )
         staged[native] = tensor
     missing = sorted(adapter.native_to_hf(n) for n in params.keys() - staged.keys())
-    if missing:
+    if missing and not partial:
         raise WeightUpdateError(f"weight update is missing tensor(s): {', '.join(missing)}")
     return staged
 
@@ -57,6 +60,20 @@ def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
     params = dict(model.named_parameters())
     for name, tensor in staged.items():
         params[name].copy_(tensor)
+
+
+def weight_checksums(model: nn.Module, hf_names: Iterable[str] | None = None) -> dict[str, str]:
+    """HF name -> sha256 (hex) of the parameter's bytes as served (its dtype, C order); all
+    parameters when `hf_names` is None. The trainer hashes its tensors cast to the same dtype."""
+    adapter, params = _native_params(model)
+    names = {adapter.native_to_hf(n): n for n in params}
+    wanted = list(names) if hf_names is None else list(hf_names)
+    out = {}
+    for hf_name in wanted:
+        if hf_name not in names:
+            raise WeightUpdateError(f"no parameter named {hf_name!r}")
+        out[hf_name] = tensor_checksum(params[names[hf_name]])
+    return out
 
 
 def get_weight(model: nn.Module, hf_name: str, truncate_size: int = 100) -> list[float]:

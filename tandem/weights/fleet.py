@@ -4,7 +4,7 @@ Trainer code calls these methods and never learns who answers: `HttpFleet` talks
 server addresses directly; the controller's `RolloutCallback` forwards each call to the controller,
 which fans it out to every healthy server it knows. Calls that the trainer must overlap with its
 own collectives (forming the group, one bucket's receive, a disk load) return a `Future`; pause,
-continue and set_version block until every server answered.
+continue, set_version, commit and discard block until every server answered.
 
 A fleet call succeeds as a whole or raises `FleetError`, which names the phase and, for every
 server that failed, its address and what it said.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.errors import TandemError
-from tandem.weights.meta import ParamSpec, WeightUpdateMeta
+from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,22 @@ class FleetError(TandemError, RuntimeError):
         super().__init__(f"weight update phase {phase!r} failed on {len(self.failures)} server(s): {detail}")
 
 
+@dataclass(frozen=True)
+class ServerChecksums:
+    """sha256 per tensor (HF name) of one server's weights, as served in `dtype`."""
+
+    dtype: str
+    checksums: dict[str, str]
+    weight_version: str = ""
+
+
 class Fleet(Protocol):
-    """The servers, as seen from trainer rank 0."""
+    """The servers, as seen from trainer rank 0.
+
+    Futures resolve to the `FleetResult` or raise `FleetError`. Transfers may be staged
+    (`commit=False`, bucket k of an update carries `bucket_index=k`): nothing changes on a server
+    until `commit_weights`, and `discard_weights` drops what was staged, so a fleet either moves
+    to the new weights everywhere or keeps the previous ones."""
 
     def pause_generation(self) -> FleetResult: ...
 
@@ -66,18 +80,37 @@ class Fleet(Protocol):
         ...
 
     def update_weights_from_distributed(
-        self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec]
+        self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *, commit: bool = True,
+        bucket_index: int | None = None,
     ) -> Future[FleetResult]:
         """Announce one bucket; servers then receive `broadcast(src=0)` for each spec in order."""
         ...
 
+    def update_weights_from_shm(
+        self, meta: WeightUpdateMeta, bucket: ShmBucket, *, commit: bool = True, bucket_index: int | None = None,
+    ) -> Future[FleetResult]:
+        """Every server copies one bucket out of shared memory on its host."""
+        ...
+
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> FleetResult: ...
 
-    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[FleetResult]:
+    def update_weights_from_disk(self, meta: WeightUpdateMeta, *, commit: bool = True) -> Future[FleetResult]:
         """Every server loads `meta.versioned_path()`."""
         ...
 
+    def commit_weights(self, meta: WeightUpdateMeta) -> FleetResult:
+        """Swap in what was staged, under `meta.version_name`."""
+        ...
+
+    def discard_weights(self, meta: WeightUpdateMeta) -> FleetResult:
+        """Drop what was staged; the previous weights keep serving."""
+        ...
+
     def set_version(self, version: int) -> FleetResult: ...
+
+    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, ServerChecksums]:
+        """Per server address: checksums of its served weights (all tensors when `names` is None)."""
+        ...
 
     @property
     def world_size(self) -> int:

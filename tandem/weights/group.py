@@ -67,12 +67,19 @@ class WeightGroup:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Broadcast `tensor` in place from rank `src` (contiguous, on `self.device`)."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> torch.Tensor:
+        """Broadcast `tensor` in place from rank `src` (contiguous, on `self.device`). `timeout_s`
+        bounds this one broadcast (default: the group's timeout)."""
         if not self._alive:
             raise WeightGroupError(f"weight group {self.name!r} was destroyed")
         try:
-            self.pg.broadcast(tensor, root=src).wait()
+            if timeout_s is None:
+                self.pg.broadcast(tensor, root=src).wait()
+            else:
+                opts = dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = src, 0
+                opts.timeout = datetime.timedelta(seconds=timeout_s)
+                self.pg.broadcast([tensor], opts).wait()
         except Exception as exc:
             raise WeightGroupError(f"broadcast over weight group {self.name!r} failed: {exc}") from exc
         return tensor

@@ -36,6 +36,22 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str
 
+    @classmethod
+    def of(cls, name: str, tensor) -> ParamSpec:
+        return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class ShmBucket:
+    """One bucket in shared memory: its tensors' specs and byte offsets in a segment of `nbytes`,
+    which is a /dev/shm file (`segment`) or, on GPU, a CUDA IPC handle (`cuda_ipc`)."""
+
+    specs: tuple[ParamSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    segment: str | None = None
+    cuda_ipc: str | None = None
+
 
 @dataclass(frozen=True)
 class WeightUpdateMeta:

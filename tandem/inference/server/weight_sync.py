@@ -1,15 +1,26 @@
-"""Weight and memory routes: updates from disk and over a distributed group, group lifecycle,
-memory release/resume for colocated training.
+"""Weight and memory routes: updates from disk, over a distributed group and from shared memory,
+staged multi-bucket updates, group lifecycle, checksums, memory release/resume for colocated
+training, and (for tests only) fault injection.
 
 Every update is staged and validated before anything is swapped (`LLMEngine.load_weights`); a
 failure answers `success: false` and the previous weights and version keep serving. Tensors are
-read (disk) or received (group) off the engine thread, so generation goes on meanwhile; only the
-swap itself runs between two engine steps.
+read (disk), received (group) or mapped (shared memory) off the engine thread, so generation goes
+on meanwhile; only the swap itself runs between two engine steps.
+
+Staged updates (two-phase, for trainers that send a model in several buckets): a bucket sent with
+`"commit": false` is validated (known names, shapes, no tensor twice) and kept; `bucket_index` 0
+starts a new staged set (dropping any earlier one), k > 0 must follow bucket k - 1.
+`/commit_staged_weights` checks that the set is complete and swaps it in with its version;
+`/discard_staged_weights` drops it. Any failed bucket drops the whole set. So a fleet either
+commits everything everywhere or keeps the previous weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,12 +39,93 @@ from tandem.inference.server.protocol import (
 )
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
-from tandem.inference.weights import stage_weights
+from tandem.inference.weights import stage_weights, weight_checksums
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, dtype_from_name, init_weight_group
+from tandem.weights.shm import ShmError, map_segment, open_cuda_ipc, tensor_views
 
 router = APIRouter()
 MEMORY_TAGS = ("kv_cache", "weights")
+STAGE_FIELDS = {"commit", "bucket_index"}
+
+
+# ------------------------------------------------------------------------------------- staging
+@dataclass
+class Staging:
+    """Buckets of one update received so far (tensors stay referenced until commit/discard)."""
+
+    source: str
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+    buckets: int = 0
+    discarded: bool = False
+
+    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.tensors.extend(named)
+        self.names.update(n for n, _ in named)
+        self.buckets += 1
+
+
+def _discard(state: ServerState) -> None:
+    if state.staged is not None:
+        state.staged.discarded = True
+    state.staged = None
+
+
+def _staging_for(state: ServerState, source: str, commit: bool, bucket_index: int | None) -> Staging:
+    """The staged set this bucket belongs to (a fresh one for bucket 0 or a one-shot update)."""
+    current: Staging | None = state.staged
+    if bucket_index == 0 or (current is None and bucket_index is None):
+        _discard(state)
+        current = Staging(source)
+        if not commit or bucket_index is not None:
+            state.staged = current
+        return current
+    if current is None:
+        raise ControlError(f"bucket {bucket_index} arrived but nothing is staged (bucket 0 missing or discarded)")
+    if current.source != source:
+        raise ControlError(f"a staged update from {current.source} is pending; commit or discard it first")
+    if bucket_index is not None and bucket_index != current.buckets:
+        _discard(state)
+        raise ControlError(f"bucket {bucket_index} arrived after {current.buckets} staged bucket(s); "
+                           "the staged update was discarded")
+    return current
+
+
+def _check_bucket(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Names/shapes/dtypes of one bucket (meta tensors are fine) against the model and the set."""
+    _check_weights_present(state)
+    twice = sorted({n for n, _ in named} & staging.names)
+    if twice or len({n for n, _ in named}) != len(named):
+        raise ControlError(f"weight update sends tensor(s) twice: {twice or 'within one bucket'}")
+    try:
+        stage_weights(state.engine.model, named, strict_dtype=False, partial=True)
+    except WeightUpdateError as exc:
+        raise ControlError(str(exc)) from exc
+
+
+async def _finish(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]], commit: bool,
+                  version: str | None, abort_all: bool, what: str) -> Response:
+    if staging.discarded:
+        raise ControlError("the staged update was discarded while this bucket arrived; the previous weights "
+                           "keep serving")
+    staging.add(named)
+    if not commit:
+        return control_response(True, f"staged {what} (bucket {staging.buckets - 1}, {len(staging.names)} tensors "
+                                      "so far)")
+    return await _commit(state, staging, version, abort_all, what)
+
+
+async def _commit(state: ServerState, staging: Staging, version: str | None, abort_all: bool,
+                  what: str) -> Response:
+    if state.staged is staging:
+        state.staged = None
+    staging.discarded = True  # consumed: late buckets of this set are refused
+    device = state.engine.device
+    tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
+    staging.tensors = []
+    await _load(state, tensors, version, abort_all)
+    return control_response(True, f"loaded {what} ({len(tensors)} tensors)", weight_version=state.engine.weight_version)
 
 
 async def _load(state: ServerState, tensors: list[tuple[str, torch.Tensor]], version: str | None,
@@ -51,75 +143,18 @@ def _check_weights_present(state: ServerState) -> None:
         raise ControlError("weights are released; call /resume_memory_occupation first")
 
 
-@router.post("/update_weights_from_disk")
-async def update_weights_from_disk(request: Request) -> Response:
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"})
-    path = get_field(body, "model_path", str, required=True)
-    load_format = get_field(body, "load_format", str, "auto")
-    if load_format not in ("auto", "safetensors"):
-        raise ApiError(f"load_format {load_format!r} is not supported; use 'auto' or 'safetensors'")
-    version = get_field(body, "weight_version", str)
-    abort_all = get_field(body, "abort_all_requests", bool, False)
-    async with state.update_lock:
-        _check_weights_present(state)
-        try:
-            tensors = await asyncio.to_thread(lambda: list(iter_hf_tensors(path)))
-        except Exception as exc:  # missing directory, no safetensors, corrupt file
-            raise ControlError(f"cannot read a checkpoint at {path!r}: {exc}; the previous weights keep serving") from exc
-        await _load(state, tensors, version, abort_all)
-    return control_response(True, f"loaded weights from {path}", weight_version=state.engine.weight_version)
+def _stage_args(body: dict[str, Any]) -> tuple[bool, int | None, str | None, bool]:
+    commit = get_field(body, "commit", bool, True)
+    bucket_index = get_field(body, "bucket_index", int)
+    if bucket_index is not None and bucket_index < 0:
+        raise ApiError("field 'bucket_index' must be >= 0")
+    return commit, bucket_index, get_field(body, "weight_version", str), get_field(body, "abort_all_requests", bool, False)
 
 
-@router.post("/init_weights_update_group")
-async def init_weights_update_group(request: Request) -> Response:
-    """Join the trainer's weight group as rank `rank_offset`; answers once the group is formed."""
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"})
-    address = get_field(body, "master_address", str, required=True)
-    port = get_field(body, "master_port", int, required=True)
-    rank = get_field(body, "rank_offset", int, required=True)
-    world = get_field(body, "world_size", int, required=True)
-    name = get_field(body, "group_name", str, "weight_update_group")
-    backend = get_field(body, "backend", str, "nccl" if state.engine.device.type == "cuda" else "gloo")
-    if not 1 <= rank < world:
-        raise ControlError(f"rank_offset {rank} must be in [1, world_size={world}): rank 0 is the trainer")
-    if backend == "nccl" and state.engine.device.type != "cuda":
-        raise ControlError("backend 'nccl' needs a CUDA server; this one runs on CPU, use 'gloo'")
-    if name in state.groups:
-        raise ControlError(f"weight group {name!r} already exists; destroy it first")
-    try:
-        group = await asyncio.to_thread(init_weight_group, address, port, rank, world, name, backend,
-                                        state.args.weight_sync_timeout)
-    except WeightGroupError as exc:
-        raise ControlError(str(exc)) from exc
-    state.groups[name] = group
-    return control_response(True, f"joined weight group {name!r} as rank {rank} of {world} ({backend})")
-
-
-@router.post("/update_weights_from_distributed")
-async def update_weights_from_distributed(request: Request) -> Response:
-    """Receive `broadcast(src=0)` for each listed tensor, in order, then swap them in atomically.
-
-    Must be a full weight set (names, shapes checked against the model first). When the metadata is
-    wrong but well-formed, the tensors are still received (and dropped) so the group stays in step
-    with the trainer; then the answer is `success: false`."""
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                        "weight_version", "load_format"})
+def _tensor_meta(body: dict[str, Any]) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
     names = get_field(body, "names", list, required=True)
     dtypes = get_field(body, "dtypes", list, required=True)
     shapes = get_field(body, "shapes", list, required=True)
-    name = get_field(body, "group_name", str, "weight_update_group")
-    version = get_field(body, "weight_version", str)
-    abort_all = get_field(body, "abort_all_requests", bool, False)
-    get_field(body, "flush_cache", bool, True)  # the prefix cache is always flushed after an update
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
         raise ControlError(f"names, dtypes and shapes must be non-empty lists of one length, got "
                            f"{len(names)}, {len(dtypes)}, {len(shapes)}")
@@ -127,44 +162,234 @@ async def update_weights_from_distributed(request: Request) -> Response:
         isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
     ):
         raise ControlError("names must be strings and shapes lists of non-negative integers")
+    try:
+        return names, [dtype_from_name(d) for d in dtypes], shapes
+    except WeightGroupError as exc:
+        raise ControlError(str(exc)) from exc
+
+
+def _meta_tensors(names, shapes, dtypes) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in zip(names, shapes, dtypes, strict=True)]
+
+
+# -------------------------------------------------------------------------------------- routes
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> Response:
+    state = state_of(request)
+    await _fault_point(request, "update_weights_from_disk")
+    state.check_ready()
+    body = await read_json(request, allow_empty=False)
+    check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "commit"})
+    path = get_field(body, "model_path", str, required=True)
+    load_format = get_field(body, "load_format", str, "auto")
+    if load_format not in ("auto", "safetensors"):
+        raise ApiError(f"load_format {load_format!r} is not supported; use 'auto' or 'safetensors'")
+    commit, _, version, abort_all = _stage_args(body)
+    async with state.update_lock:
+        _check_weights_present(state)
+        try:
+            tensors = await asyncio.to_thread(lambda: list(iter_hf_tensors(path)))
+        except Exception as exc:  # missing directory, no safetensors, corrupt file
+            raise ControlError(f"cannot read a checkpoint at {path!r}: {exc}; the previous weights keep serving") from exc
+        if commit:
+            await _load(state, tensors, version, abort_all)
+            return control_response(True, f"loaded weights from {path}", weight_version=state.engine.weight_version)
+        _discard(state)
+        try:  # a checkpoint is a full set: check it all now, so the commit cannot fail on it
+            stage_weights(state.engine.model, tensors, strict_dtype=False)
+        except WeightUpdateError as exc:
+            raise ControlError(f"{exc}; the previous weights keep serving") from exc
+        staging = Staging(f"disk:{path}")
+        staging.add(tensors)
+        state.staged = staging
+    return control_response(True, f"staged weights from {path} ({len(tensors)} tensors)")
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> Response:
+    """Join the trainer's weight group as rank `rank_offset`; answers once the group is formed.
+    `timeout_s` (optional, tandem extension) bounds forming the group and each receive."""
+    state = state_of(request)
+    await _fault_point(request, "init_weights_update_group")
+    state.check_ready()
+    body = await read_json(request, allow_empty=False)
+    check_fields(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+                        "timeout_s"})
+    address = get_field(body, "master_address", str, required=True)
+    port = get_field(body, "master_port", int, required=True)
+    rank = get_field(body, "rank_offset", int, required=True)
+    world = get_field(body, "world_size", int, required=True)
+    name = get_field(body, "group_name", str, "weight_update_group")
+    backend = get_field(body, "backend", str, "nccl" if state.engine.device.type == "cuda" else "gloo")
+    timeout = float(get_field(body, "timeout_s", float, state.args.weight_sync_timeout))
+    if not 1 <= rank < world:
+        raise ControlError(f"rank_offset {rank} must be in [1, world_size={world}): rank 0 is the trainer")
+    if backend == "nccl" and state.engine.device.type != "cuda":
+        raise ControlError("backend 'nccl' needs a CUDA server; this one runs on CPU, use 'gloo'")
+    if not 0 < timeout <= 86400:
+        raise ControlError(f"timeout_s must be in (0, 86400], got {timeout}")
+    if name in state.groups:
+        raise ControlError(f"weight group {name!r} already exists; destroy it first")
+    try:
+        group = await asyncio.to_thread(init_weight_group, address, port, rank, world, name, backend, timeout)
+    except WeightGroupError as exc:
+        raise ControlError(str(exc)) from exc
+    if name in state.groups:  # a concurrent join of the same name won
+        await asyncio.to_thread(group.destroy)
+        raise ControlError(f"weight group {name!r} already exists; destroy it first")
+    state.groups[name] = group
+    return control_response(True, f"joined weight group {name!r} as rank {rank} of {world} ({backend})")
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> Response:
+    """Receive `broadcast(src=0)` for each listed tensor, in order; then swap them in atomically, or
+    (`"commit": false`) stage them as one bucket of a larger update.
+
+    Without staging it must be a full weight set (names, shapes checked against the model first).
+    When the metadata is wrong but well-formed, the tensors are still received (and dropped) so the
+    group stays in step with the trainer; then the answer is `success: false`."""
+    state = state_of(request)
+    fault = await _fault_point(request, "update_weights_from_distributed")
+    state.check_ready()
+    body = await read_json(request, allow_empty=False)
+    check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                        "weight_version", "load_format"} | STAGE_FIELDS)
+    names, torch_dtypes, shapes = _tensor_meta(body)
+    name = get_field(body, "group_name", str, "weight_update_group")
+    commit, bucket_index, version, abort_all = _stage_args(body)
+    get_field(body, "flush_cache", bool, True)  # the prefix cache is always flushed after an update
     group: WeightGroup | None = state.groups.get(name)
     if group is None:
         raise ControlError(f"no weight group {name!r}; call /init_weights_update_group first")
-    try:
-        torch_dtypes = [dtype_from_name(d) for d in dtypes]
-    except WeightGroupError as exc:
-        raise ControlError(str(exc)) from exc
     async with state.update_lock:
         problem = None
+        staging = None
         try:
-            _check_weights_present(state)
-            stage_weights(state.engine.model, [(n, torch.empty(s, dtype=d, device="meta"))
-                                                for n, s, d in zip(names, shapes, torch_dtypes, strict=True)],
-                          strict_dtype=False)
-        except (WeightUpdateError, ControlError) as exc:
+            staging = _staging_for(state, f"group {name!r}", commit, bucket_index)
+            _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
+        except ControlError as exc:
             problem = str(exc)
+        kill_after = fault.after_tensors if fault is not None else None
         try:
-            tensors = await asyncio.to_thread(_receive, group, shapes, torch_dtypes)
+            tensors = await asyncio.to_thread(_receive, group, shapes, torch_dtypes, kill_after)
         except WeightGroupError as exc:
+            _discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         if problem is not None:
+            _discard(state)
             raise ControlError(f"{problem}; the tensors were received and dropped, the previous weights keep serving")
-        device = state.engine.device
-        await _load(state, [(n, t.to(device)) for n, t in zip(names, tensors, strict=True)], version, abort_all)
-    return control_response(True, f"received and loaded {len(names)} tensors",
-                            weight_version=state.engine.weight_version)
+        return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
+                             f"{len(names)} tensors from group {name!r}")
 
 
-def _receive(group: WeightGroup, shapes: list[list[int]], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+def _receive(group: WeightGroup, shapes: list[list[int]], dtypes: list[torch.dtype],
+             kill_after: int | None = None) -> list[torch.Tensor]:
     out = []
     for shape, dtype in zip(shapes, dtypes, strict=True):
+        if kill_after is not None and len(out) >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # injected fault: die mid-broadcast
         out.append(group.broadcast(torch.empty(shape, dtype=dtype, device=group.device), src=0))
     return out
+
+
+@router.post("/update_weights_from_shm")
+async def update_weights_from_shm(request: Request) -> Response:
+    """Copy one bucket from a shared-memory segment written by a trainer on this host (tandem
+    extension): `segment` (a /dev/shm name `tandem-w-...`) or `cuda_ipc` (a CUDA IPC handle),
+    `nbytes`, and per tensor `names`, `dtypes`, `shapes`, `offsets`; staged like the other routes."""
+    state = state_of(request)
+    await _fault_point(request, "update_weights_from_shm")
+    state.check_ready()
+    body = await read_json(request, allow_empty=False)
+    check_fields(body, {"names", "dtypes", "shapes", "offsets", "segment", "cuda_ipc", "nbytes", "flush_cache",
+                        "abort_all_requests", "weight_version"} | STAGE_FIELDS)
+    names, torch_dtypes, shapes = _tensor_meta(body)
+    offsets = get_field(body, "offsets", list, required=True)
+    nbytes = get_field(body, "nbytes", int, required=True)
+    segment = get_field(body, "segment", str)
+    handle = get_field(body, "cuda_ipc", str)
+    commit, bucket_index, version, abort_all = _stage_args(body)
+    if len(offsets) != len(names) or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise ControlError("offsets must be a list of integers, one per tensor")
+    if (segment is None) == (handle is None):
+        raise ControlError("send exactly one of 'segment' (host shared memory) and 'cuda_ipc'")
+    if handle is not None and state.engine.device.type != "cuda":
+        raise ControlError("'cuda_ipc' needs a CUDA server; this one runs on CPU, use 'segment'")
+    async with state.update_lock:
+        try:
+            staging = _staging_for(state, "shared memory", commit, bucket_index)
+            _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
+
+            def read() -> list[torch.Tensor]:
+                buf = map_segment(segment, nbytes) if segment is not None else \
+                    open_cuda_ipc(handle, state.engine.device)
+                # Views into the mapping: copied into the parameters when the update commits.
+                return tensor_views(buf, offsets, shapes, torch_dtypes)
+
+            tensors = await asyncio.to_thread(read)
+        except (ControlError, ShmError) as exc:
+            _discard(state)
+            raise ControlError(f"{exc}; the previous weights keep serving") from exc
+        return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
+                             f"{len(names)} tensors from shared memory")
+
+
+@router.post("/commit_staged_weights")
+async def commit_staged_weights(request: Request) -> Response:
+    """Swap in the staged update (it must be a full set) and set `weight_version` (tandem extension)."""
+    state = state_of(request)
+    await _fault_point(request, "commit_staged_weights")
+    state.check_ready()
+    body = await read_json(request)
+    check_fields(body, {"weight_version", "abort_all_requests", "flush_cache"})
+    version = get_field(body, "weight_version", str)
+    abort_all = get_field(body, "abort_all_requests", bool, False)
+    async with state.update_lock:
+        staging: Staging | None = state.staged
+        if staging is None:
+            raise ControlError("no staged weight update to commit")
+        _check_weights_present(state)
+        return await _commit(state, staging, version, abort_all, f"the staged update from {staging.source}")
+
+
+@router.post("/discard_staged_weights")
+async def discard_staged_weights(request: Request) -> Response:
+    """Drop the staged update, if any (tandem extension). Does not wait for a bucket in flight: that
+    bucket is refused when it arrives."""
+    state = state_of(request)
+    await _fault_point(request, "discard_staged_weights")
+    state.check_ready()
+    check_fields(await read_json(request), set())
+    had = state.staged is not None
+    _discard(state)
+    return control_response(True, "discarded the staged update" if had else "nothing was staged")
+
+
+@router.post("/get_weights_checksum")
+async def get_weights_checksum(request: Request) -> Response:
+    """`{"names"?: [...]}` -> `{"checksums": {hf_name: sha256 hex}, "dtype"}` of the served weights
+    (all parameters by default; tandem extension, for verifying an update)."""
+    state = state_of(request)
+    state.check_ready()
+    body = await read_json(request)
+    check_fields(body, {"names"})
+    names = get_field(body, "names", list)
+    async with state.update_lock:
+        _check_weights_present(state)
+        try:
+            sums = await asyncio.to_thread(weight_checksums, state.engine.model, names)
+        except WeightUpdateError as exc:
+            raise ControlError(str(exc)) from exc
+    dtype = str(state.engine.dtype).removeprefix("torch.")
+    return control_response(True, f"{len(sums)} checksums", checksums=sums, dtype=dtype,
+                            weight_version=state.engine.weight_version)
 
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> Response:
     state = state_of(request)
+    await _fault_point(request, "destroy_weights_update_group")
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"group_name"})
@@ -172,8 +397,77 @@ async def destroy_weights_update_group(request: Request) -> Response:
     group = state.groups.pop(name, None)
     if group is None:
         raise ControlError(f"no weight group {name!r}")
+    if state.staged is not None and state.staged.source == f"group {name!r}":
+        _discard(state)
     await asyncio.to_thread(group.destroy)
     return control_response(True, f"left weight group {name!r}")
+
+
+# ------------------------------------------------------------------------------ fault injection
+FAULT_ENV = "TANDEM_FAULT_INJECTION"
+FAULT_ROUTES = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
+                "update_weights_from_shm", "commit_staged_weights", "discard_staged_weights",
+                "destroy_weights_update_group")
+
+
+@dataclass
+class Fault:
+    action: str  # "500": answer 500; "hang": wait `seconds`, then 503; "kill": SIGKILL this server
+    nth: int = 1  # first call (1-based, counted from when the fault was set) that fails
+    times: int = 1  # how many calls fail from there on
+    seconds: float = 30.0
+    after_tensors: int | None = None  # kill on update_weights_from_distributed: after this many tensors
+    calls: int = 0
+
+
+def _faults(request: Request) -> dict[str, Fault]:
+    state = state_of(request)
+    if not hasattr(state, "faults"):
+        state.faults = {}
+    return state.faults
+
+
+async def _fault_point(request: Request, route: str) -> Fault | None:
+    """Testing aid: the fault set for `route` (see /_fault), applied when this call is one it hits."""
+    if os.environ.get(FAULT_ENV) != "1":
+        return None
+    fault = _faults(request).get(route)
+    if fault is None:
+        return None
+    fault.calls += 1
+    if not fault.nth <= fault.calls < fault.nth + fault.times:
+        return None
+    if fault.action == "500":
+        raise ApiError(f"injected fault on /{route}", 500)
+    if fault.action == "hang":
+        await asyncio.sleep(fault.seconds)
+        raise ApiError(f"injected fault on /{route}: hung for {fault.seconds}s", 503)
+    if fault.after_tensors is None or route != "update_weights_from_distributed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fault
+
+
+@router.post("/_fault")
+async def set_fault(request: Request) -> Response:
+    """Testing aid, only when the server runs with TANDEM_FAULT_INJECTION=1 (404 otherwise):
+    `{"route": "update_weights_from_distributed", "action": "500"|"hang"|"kill", "nth"?, "times"?,
+    "seconds"?, "after_tensors"?}` makes that route fail; `{"clear": true}` removes all faults."""
+    if os.environ.get(FAULT_ENV) != "1":
+        raise ApiError(f"no route POST {request.url.path}", 404)
+    body = await read_json(request, allow_empty=False)
+    check_fields(body, {"route", "action", "nth", "times", "seconds", "after_tensors", "clear"})
+    faults = _faults(request)
+    if get_field(body, "clear", bool, False):
+        faults.clear()
+        return control_response(True, "faults cleared")
+    route = get_field(body, "route", str, required=True)
+    action = get_field(body, "action", str, required=True)
+    if route not in FAULT_ROUTES or action not in ("500", "hang", "kill"):
+        raise ApiError(f"route must be one of {list(FAULT_ROUTES)} and action one of 500, hang, kill")
+    faults[route] = Fault(action, nth=get_field(body, "nth", int, 1), times=get_field(body, "times", int, 1),
+                          seconds=float(get_field(body, "seconds", float, 30.0)),
+                          after_tensors=get_field(body, "after_tensors", int))
+    return control_response(True, f"fault set on /{route}: {action}")
 
 
 # ---------------------------------------------------------------------------------------- memory

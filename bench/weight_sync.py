@@ -1,0 +1,203 @@
+"""Weight sync: one trainer process (TrainEngine, world size 1) and ONE `tandem serve` process on
+this host, for Qwen-shaped models of ~10M, ~100M and ~500M parameters (random init).
+
+Weights travel in bf16: the trainer keeps fp32 master weights and computes in bf16, so each
+exported bucket is cast on the fly (the work a gather does at world size 1); the server serves
+bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
+- **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
+- **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
+- **disk**: HF checkpoint written by the trainer, staged by the server;
+- **shm**: one /dev/shm segment per bucket, mapped and copied by the server, unlinked after the
+  update; **shm, reused segments** (`shm_reuse=True`): the same, keeping the segments between
+  updates (created outside the timing).
+The transfer group is formed once before timing. Also measured in the same run, on the same
+bytes: **raw gloo** (a plain broadcast of the same tensors to a bare receiver process that
+receives into buffers allocated once) and **raw memcpy** (one copy of the same tensors into
+buffers allocated once). GB/s = payload bytes / seconds of the whole update.
+
+Run: `.venv/bin/python bench/weight_sync.py` (about 5-8 minutes on 2 cores); prints a table and
+appends it to docs/benchmarks.md (`--no-report` to skip). `--sizes 10M,100M` picks models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _report import append_benchmark
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.inference.server_utils
+
+from tandem.models import build_model, save_model
+from tandem.train import TrainEngine, TrainEngineConfig
+from tandem.weights import host_store, init_weight_group
+from tandem.weights.http_fleet import HttpFleet
+from tandem.weights.meta import Deadlines, WeightUpdateMeta
+from tandem.weights.update import WeightUpdater
+from tests.inference.server_utils import ServerProcess
+
+# Qwen2/Qwen3-shaped sizes (tied embeddings).
+SIZES = {
+    "10M": dict(vocab_size=16384, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                head_dim=64, intermediate_size=1024),
+    "100M": dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, intermediate_size=2048),
+    "500M": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=4864),
+}
+REPS = {"10M": 3, "100M": 2, "500M": 1}
+DEADLINES = Deadlines(init_group_s=120, bucket_s=300, update_s=1200, http_s=120)
+
+
+def make_model(root: Path, size: str) -> tuple[Path, int]:
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0).to_dict()
+    cfg["model_type"] = "qwen2"
+    model = build_model(cfg, dtype=torch.bfloat16, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    return save_model(model, root / f"qwen-{size}"), n_params
+
+
+def _raw_receiver(port: int, shapes: list[tuple[int, ...]], reps: int) -> None:
+    torch.set_num_threads(1)
+    group = init_weight_group("127.0.0.1", port, 1, 2, timeout_s=300)
+    bufs = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    for _ in range(reps):
+        for b in bufs:
+            group.broadcast(b)
+        group.barrier()
+    group.destroy()
+    os._exit(0)
+
+
+def raw_gloo(tensors: list[torch.Tensor], reps: int) -> float:
+    """Seconds for a plain gloo broadcast of `tensors` (one op per tensor) to another process."""
+    store = host_store("127.0.0.1", 0, timeout_s=300)
+    proc = mp.get_context("spawn").Process(target=_raw_receiver,
+                                           args=(store.port, [tuple(t.shape) for t in tensors], reps + 1))
+    proc.start()
+    group = init_weight_group("127.0.0.1", store.port, 0, 2, timeout_s=300, store=store)
+    times = []
+    for _ in range(reps + 1):  # the first round warms both sides up
+        start = time.perf_counter()
+        for t in tensors:
+            group.broadcast(t)
+        group.barrier()
+        times.append(time.perf_counter() - start)
+    group.destroy()
+    proc.join(30)
+    return min(times[1:])
+
+
+def raw_memcpy(tensors: list[torch.Tensor], reps: int) -> float:
+    dst = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def run_size(size: str, root: Path, log_dir: Path) -> dict:
+    model_dir, n_params = make_model(root, size)
+    server = ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
+                           "--weight-sync-timeout", "300", timeout=600)
+    engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
+    payload = sum(p.numel() for p in engine.model.parameters()) * 2
+    bucket = max(4 << 20, payload // 16)
+    reps = REPS[size]
+    out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket}
+    tensors = [t.clone() for b in engine.export_weights(bucket) for _, t in b]
+    out["raw_gloo"] = raw_gloo(tensors, reps)
+    out["raw_memcpy"] = raw_memcpy(tensors, reps)
+    del tensors
+    try:
+        with HttpFleet([server.url], deadlines=DEADLINES) as fleet:
+            version = 0
+            for label, kind, pipeline in (("serial", "distributed", False), ("pipelined", "distributed", True),
+                                          ("disk", "disk", True), ("shm", "shm", True), ("shm_reuse", "shm", True)):
+                meta = WeightUpdateMeta(type=kind, path=str(root / f"versions-{size}"), bucket_bytes=bucket,
+                                        deadlines=DEADLINES)
+                reuse = label == "shm_reuse"
+                with WeightUpdater(engine, fleet, meta, pipeline=pipeline, shm_reuse=reuse) as updater:
+                    if kind == "distributed" or reuse:  # form the group / the segments outside the timing
+                        version += 1
+                        updater.update(version)
+                    times, phases = [], []
+                    for _ in range(reps):
+                        version += 1
+                        report = updater.update(version)
+                        times.append(report.seconds)
+                        phases.append(report.phases)
+                out[label] = statistics.median(times)
+                out[label + "_phases"] = phases[len(phases) // 2]
+                print(f"  {size} {label}: {out[label]:.3f}s {out[label + '_phases']}", flush=True)
+    finally:
+        engine.close()
+        server.stop()
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | params | bf16 bytes | buckets of | serial | pipelined | disk | shm | shm, reused segments "
+        "| raw gloo | raw memcpy | pipelined / serial | pipelined / raw gloo | shm / pipelined "
+        "| shm reused / pipelined |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(r: dict, key: str) -> str:
+        return f"{r[key]:.2f} s ({r['bytes'] / r[key] / 1e9:.2f} GB/s)"
+
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} MiB | {r['bucket'] / 2**20:.0f} MiB "
+            f"| {cell(r, 'serial')} | {cell(r, 'pipelined')} | {cell(r, 'disk')} | {cell(r, 'shm')} "
+            f"| {cell(r, 'shm_reuse')} | {cell(r, 'raw_gloo')} | {cell(r, 'raw_memcpy')} "
+            f"| {r['serial'] / r['pipelined']:.2f}x | {r['raw_gloo'] / r['pipelined'] * 100:.0f}% "
+            f"| {r['pipelined'] / r['shm']:.2f}x | {r['pipelined'] / r['shm_reuse']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="10M,100M,500M")
+    ap.add_argument("--no-report", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-ws-") as tmp:
+        root = Path(tmp)
+        log_dir = root / "logs"
+        log_dir.mkdir()
+        for size in args.sizes.split(","):
+            print(f"model {size} ...", flush=True)
+            rows.append(run_size(size, root, log_dir))
+    body = table(rows)
+    phases = "\n".join(f"- {r['size']}: " + "; ".join(
+        f"{k}: " + ", ".join(f"{p} {s:.2f}s" for p, s in r[f"{k}_phases"].items())
+        for k in ("serial", "pipelined", "disk", "shm", "shm_reuse")) for r in rows)
+    text = (f"{body}\n\nPhases of the median run (seconds):\n{phases}\n\n"
+            "Times are whole updates (pause, transfer, commit, version, continue) between one trainer process "
+            "(TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket) and one `tandem serve` "
+            "process (bf16, 1 torch thread); raw gloo = a plain broadcast of the same tensors into buffers "
+            "allocated once; raw memcpy = one copy of the same tensors into buffers allocated once.")
+    print(text)
+    if not args.no_report:
+        append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
+
+
+if __name__ == "__main__":
+    main()

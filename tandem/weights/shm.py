@@ -1,0 +1,194 @@
+"""Shared-memory buckets for inference servers on the trainer's host (data plane only).
+
+A bucket is one segment: a file in /dev/shm named `tandem-w-<pid>-<token>-<k>` holding its tensors
+back to back, each at an offset aligned to `ALIGN` bytes. Trainer rank 0 creates and writes it
+(`ShmWriter`), the server maps it read-only (`map_segment`) and copies out of it when the update
+commits; the trainer unlinks it after the update (committed or not). A server keeps no mapping
+after commit/discard, so nothing of the segment outlives the update. The segment's name carries
+the creator's pid, so `remove_stale_segments` can delete what a killed trainer left behind.
+
+On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
+(`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import mmap
+import os
+import pickle
+import re
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tandem.errors import TandemError
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "tandem-w-"
+ALIGN = 64
+_NAME = re.compile(r"^tandem-w-[A-Za-z0-9_.-]{1,200}$")
+
+
+class ShmError(TandemError, RuntimeError):
+    """A shared-memory segment is missing, malformed or too small."""
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Offsets of each tensor in a segment and the segment's size."""
+    offsets, end = [], 0
+    for t in tensors:
+        end = -(-end // ALIGN) * ALIGN
+        offsets.append(end)
+        end += t.numel() * t.element_size()
+    return offsets, max(end, 1)
+
+
+def segment_path(name: str) -> Path:
+    if not _NAME.match(name):
+        raise ShmError(f"{name!r} is not a weight segment name ({PREFIX}...)")
+    return SHM_DIR / name
+
+
+def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if offset < 0 or offset % ALIGN or offset + nbytes > buf.numel():
+        raise ShmError(f"tensor at offset {offset} ({nbytes} bytes) does not fit the segment of {buf.numel()} bytes "
+                       f"(offsets must be multiples of {ALIGN})")
+    return buf[offset:offset + nbytes].view(dtype).view(tuple(shape))
+
+
+class ShmWriter:
+    """Trainer side: one segment per bucket, unlinked together by `close`. `rewind` starts the
+    next update over the same segments (a bucket of the same size reuses its segment, whose pages
+    are already allocated: fresh tmpfs pages cost far more than the copy itself)."""
+
+    def __init__(self, tag: str | None = None):
+        self.token = f"{os.getpid()}-{tag or uuid.uuid4().hex[:12]}"
+        self.paths: list[Path] = []
+        self._maps: list[mmap.mmap] = []
+        self._next = 0  # the bucket the next `write` fills
+
+    def rewind(self) -> None:
+        self._next = 0
+
+    def write(self, tensors: Sequence[torch.Tensor]) -> tuple[str, list[int], int]:
+        """`tensors` into the next segment; -> (segment name, offsets, size in bytes)."""
+        offsets, nbytes = layout(tensors)
+        k = self._next
+        self._next += 1
+        if k < len(self._maps) and len(self._maps[k]) != nbytes:
+            self._maps[k].close()
+            self.paths[k].unlink(missing_ok=True)
+            self._maps[k] = None  # type: ignore[call-overload]
+        if k >= len(self._maps) or self._maps[k] is None:
+            name = f"{PREFIX}{self.token}-{k}-{uuid.uuid4().hex[:6]}"
+            path = segment_path(name)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            if k < len(self._maps):
+                self.paths[k], self._maps[k] = path, mm
+            else:
+                self.paths.append(path)
+                self._maps.append(mm)
+        mm, name = self._maps[k], self.paths[k].name
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        for t, off in zip(tensors, offsets, strict=True):
+            _view(buf, off, t.shape, t.dtype).copy_(t)
+        del buf
+        return name, offsets, nbytes
+
+    def close(self) -> None:
+        """Unmap and unlink every segment (idempotent)."""
+        for mm in self._maps:
+            with contextlib.suppress(BufferError, ValueError, AttributeError):
+                mm.close()
+        self._maps.clear()
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self.paths.clear()
+        self._next = 0
+
+
+def map_segment(name: str, nbytes: int) -> torch.Tensor:
+    """Server side: a read-only uint8 view of a segment (pages populated up front). The mapping
+    lives as long as the returned tensor or any view of it."""
+    path = segment_path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ShmError(f"no shared-memory segment {name!r} (is the trainer on this host?)") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes or nbytes <= 0:
+            raise ShmError(f"segment {name!r} has {size} bytes, the request says {nbytes}")
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only buffer: we only ever copy out of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def tensor_views(buf: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Sequence[int]],
+                 dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    return [_view(buf, o, s, d) for o, s, d in zip(offsets, shapes, dtypes, strict=True)]
+
+
+def remove_stale_segments() -> list[str]:
+    """Delete segments whose creating process is gone (a trainer that was killed mid-update)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ------------------------------------------------------------------------------------ CUDA IPC
+def cuda_ipc_handle(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, str, list[int], int]:
+    """GPU trainer: one device buffer with the layout above and its IPC handle (base64 text).
+    Keep the returned buffer alive until every server has committed or discarded the update."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    offsets, nbytes = layout(tensors)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    for t, off in zip(tensors, offsets, strict=True):
+        _view(buf, off, t.shape, t.dtype).copy_(t)
+    handle = base64.b64encode(pickle.dumps(reduce_tensor(buf))).decode()
+    return buf, handle, offsets, nbytes
+
+
+def open_cuda_ipc(handle: str, device: torch.device) -> torch.Tensor:
+    """GPU server: the trainer's buffer, copied onto `device` (the IPC mapping is dropped at once).
+    The handle is a pickle: accept it only from the trainer (use --api-key on shared networks)."""
+    rebuild, args = pickle.loads(base64.b64decode(handle))
+    shared = rebuild(*args)
+    out = shared.to(device, copy=True)
+    torch.cuda.current_stream(device).synchronize()
+    del shared
+    return out

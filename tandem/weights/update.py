@@ -1,0 +1,457 @@
+"""The trainer side of a weight update: every trainer rank calls it after a training step.
+
+    updater = WeightUpdater(engine, fleet if rank == 0 else None, meta)   # on every rank
+    report = updater.update(version)                                       # on every rank
+    updater.close()                                                        # on every rank
+
+`engine` is anything with `export_weights(bucket_bytes, dtype)` (buckets of `(hf_name, full
+tensor)`, a collective) and `save_hf(out_dir, overwrite=...)` (a collective), e.g. `TrainEngine`.
+Only rank 0 talks to the fleet; every rank joins the gathers, in the same order.
+
+One update, on rank 0: pause generation; transfer (staged on the servers, nothing swapped yet);
+commit everywhere (weights and version change together); optionally verify checksums; set the
+version; continue generation. Any failure (a server error, a deadline, a broken group) discards
+what the servers staged, tears the transfer group down (the next update forms a fresh one), and
+continues generation on the previous weights. Rank 0 then broadcasts the outcome over the
+trainer's own process group, so every rank returns or raises `WeightSyncError` together.
+
+Transports (`meta.type`):
+- disk: every rank joins `save_hf` into `meta.versioned_path()` (written under a temporary name,
+  renamed when complete); servers stage it concurrently; after every server committed version N,
+  older versions are deleted (N stays).
+- distributed: rank 0 hosts a store, forms the group with the servers (its rank 0, server i at
+  1 + i) and, per bucket, sends the HTTP announcement and the broadcasts concurrently. Pipelined
+  (default): bucket k + 1 is gathered while bucket k is broadcast, its request issued when k is
+  acknowledged; at most one bucket in flight. Serial: gather, send, wait, next.
+- shm: per bucket, rank 0 writes one /dev/shm segment and the servers map it; the same pipeline;
+  every segment is unlinked when the update ends, committed or not.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.errors import TandemError
+from tandem.weights.fleet import Fleet, FleetError, ServerResult
+from tandem.weights.group import WeightGroup, WeightGroupError, dtype_from_name, host_store, init_weight_group
+from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.shm import ShmWriter, cuda_ipc_handle, remove_stale_segments
+from tandem.weights.verify import compare_checksums, tensor_checksum
+
+_VERSION_DIR = re.compile(r"^v(\d{8,})$")
+
+
+class WeightSyncError(TandemError, RuntimeError):
+    """A weight update failed; `phase` says where, `failures` which servers said what."""
+
+    def __init__(self, message: str, phase: str = "", failures: Sequence[ServerResult] = ()):
+        super().__init__(message)
+        self.phase, self.failures = phase, tuple(failures)
+
+    @classmethod
+    def from_fleet(cls, exc: FleetError) -> WeightSyncError:
+        return cls(str(exc), exc.phase, exc.failures)
+
+
+@dataclass
+class UpdateReport:
+    version: int
+    type: str
+    seconds: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds per phase
+    verified: bool = False
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class _Clock:
+    def __init__(self, total_s: float):
+        self.deadline = time.monotonic() + total_s
+
+    def left(self, cap: float | None = None) -> float:
+        left = max(0.0, self.deadline - time.monotonic())
+        return left if cap is None else min(left, cap)
+
+
+@dataclass
+class _InFlight:
+    """One bucket on its way: the servers' acknowledgement and the trainer's own part."""
+
+    phase: str
+    fleet_future: Future | None
+    local_future: Future | None
+    deadline: float
+
+
+class WeightUpdater:
+    def __init__(self, engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, pipeline: bool = True,
+                 verify: bool = False, dtype: torch.dtype | None = None, keep_group: bool = True,
+                 shm_reuse: bool = False):
+        self.engine, self.fleet, self.meta = engine, fleet, meta
+        self.pipeline, self.verify, self.dtype, self.keep_group = pipeline, verify, dtype, keep_group
+        # shm: keep the segments between updates (unlinked by `close` or on a failure) instead of
+        # unlinking them after each update; saves allocating fresh shared pages every time.
+        self.shm_reuse = shm_reuse
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world_size = 0, 1
+        if self.rank == 0 and fleet is None:
+            raise ValueError("trainer rank 0 needs the fleet")
+        self._group: WeightGroup | None = None
+        self._store: Any = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if self.rank == 0 else None
+        self._stuck: list[Future] = []  # trainer-side work that outlived its deadline
+        self._shm: ShmWriter | None = None
+        self._keep: list[torch.Tensor] = []  # CUDA IPC buffers, alive until the update ends
+        self._checksums: dict[str, dict[str, str]] = {}  # served dtype -> name -> sha256
+        if self.rank == 0 and meta.type == "shm":
+            remove_stale_segments()
+
+    # ------------------------------------------------------------------ the update
+    def update(self, version: int) -> UpdateReport:
+        """Move the engine's current weights to every server as `version`. Collective."""
+        meta = self.meta.for_version(version)
+        clock = _Clock(meta.deadlines.update_s)
+        report = UpdateReport(version, meta.type)
+        start = time.perf_counter()
+        rank0 = self.rank == 0
+        state = {"paused": False}
+        try:
+            failure = self._run(meta, clock, report, state)
+        except BaseException as exc:  # a local error (export, save): still leave the fleet serving
+            if rank0:
+                self._rollback(meta, WeightSyncError(str(exc), "trainer"))
+                if state["paused"]:
+                    self._call("continue_generation", self.fleet.continue_generation)
+            raise
+        report.seconds = time.perf_counter() - start
+        self._agree(failure, meta)
+        return report
+
+    __call__ = update
+
+    def _run(self, meta: WeightUpdateMeta, clock: _Clock, report: UpdateReport,
+             state: dict[str, bool]) -> WeightSyncError | None:
+        rank0 = self.rank == 0
+        failure: WeightSyncError | None = None
+        if meta.type == "disk":
+            with _timed(report, "save"):
+                saved = Path(self.engine.save_hf(meta.versioned_path(), overwrite=True))
+            report.bytes = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
+        if rank0:
+            failure = self._call("pause_generation", self.fleet.pause_generation)
+            state["paused"] = failure is None
+            if failure is None and self.verify:
+                failure = self._prepare_verify()
+            if failure is None and meta.type == "distributed" and self._group is None:
+                with _timed(report, "init_group"):
+                    failure = self._form_group(meta, clock)
+        if meta.type in ("distributed", "shm"):
+            with _timed(report, "transfer"):
+                failure = self._stream(meta, clock, report, failure)
+        if rank0:
+            if failure is None and meta.type == "disk":
+                with _timed(report, "load"):
+                    failure = self._wait(self.fleet.update_weights_from_disk(meta, commit=False),
+                                         "update_weights_from_disk", clock.left())
+                    if failure is None and self.verify:
+                        self._hash_checkpoint(meta.versioned_path())
+            if failure is None:
+                with _timed(report, "commit"):
+                    failure = self._call("commit_staged_weights", lambda: self.fleet.commit_weights(meta))
+            if failure is None and self.verify:
+                with _timed(report, "verify"):
+                    failure = self._check_servers()
+                    report.verified = failure is None
+            if failure is None:
+                failure = self._call("update_weight_version", lambda: self.fleet.set_version(meta.version))
+            if failure is not None:
+                self._rollback(meta, failure)
+            else:
+                self._after_success(meta)
+            if state["paused"]:  # always: the servers must go on, on whichever weights they hold now
+                state["paused"] = False
+                resumed = self._call("continue_generation", self.fleet.continue_generation)
+                failure = failure or resumed
+        return failure
+
+    # ------------------------------------------------------------------ streaming (all ranks)
+    def _stream(self, meta: WeightUpdateMeta, clock: _Clock, report: UpdateReport,
+                failure: WeightSyncError | None) -> WeightSyncError | None:
+        """Iterate the export on every rank; rank 0 sends while nothing failed (the gathers must
+        run to the end on every rank either way)."""
+        rank0 = self.rank == 0
+        if rank0 and meta.type == "shm":
+            if self._shm is None:
+                self._shm = ShmWriter()
+            self._shm.rewind()
+        in_flight: _InFlight | None = None
+        for k, bucket in enumerate(self.engine.export_weights(meta.bucket_bytes, self.dtype)):
+            report.buckets += 1
+            if not rank0:
+                continue
+            report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if failure is not None:
+                continue
+            if self.verify:
+                self._hash(bucket)
+            if in_flight is not None:  # pipelined: bucket k was gathered while k - 1 was in flight
+                failure = self._settle(in_flight, clock)
+                in_flight = None
+                if failure is not None:
+                    continue
+            in_flight = self._send(meta, k, bucket, clock)
+            if not self.pipeline:
+                failure = self._settle(in_flight, clock)
+                in_flight = None
+        if in_flight is not None:
+            failure = self._settle(in_flight, clock)
+        if rank0 and failure is None and report.buckets == 0:
+            failure = WeightSyncError("the engine exported no weights", "export")
+        return failure
+
+    def _send(self, meta: WeightUpdateMeta, k: int, bucket: list[tuple[str, torch.Tensor]],
+              clock: _Clock) -> _InFlight:
+        specs = [ParamSpec.of(n, t) for n, t in bucket]
+        tensors = [t for _, t in bucket]
+        deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
+        if meta.type == "distributed":
+            if meta.backend == "gloo":
+                tensors = [t.detach().cpu().contiguous() for t in tensors]
+            else:
+                tensors = [t.detach().contiguous() for t in tensors]
+            fleet_future = self.fleet.update_weights_from_distributed(meta, specs, commit=False, bucket_index=k)
+            timeout = meta.deadlines.bucket_s
+            local = self._pool.submit(_broadcast_all, self._group, tensors, timeout)
+            return _InFlight(f"update_weights_from_distributed (bucket {k})", fleet_future, local, deadline)
+
+        def write_and_announce() -> Future:
+            if tensors[0].is_cuda:
+                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors)
+                self._keep.append(buf)
+                shm = ShmBucket(tuple(specs), tuple(offsets), nbytes, cuda_ipc=handle)
+            else:
+                name, offsets, nbytes = self._shm.write(tensors)
+                shm = ShmBucket(tuple(specs), tuple(offsets), nbytes, segment=name)
+            return self.fleet.update_weights_from_shm(meta, shm, commit=False, bucket_index=k)
+
+        return _InFlight(f"update_weights_from_shm (bucket {k})", None, self._pool.submit(write_and_announce),
+                         deadline)
+
+    def _settle(self, item: _InFlight, clock: _Clock) -> WeightSyncError | None:
+        """Wait for one bucket (both halves) up to its deadline; -> the failure, if any."""
+        problems: list[WeightSyncError] = []
+        fleet_future = item.fleet_future
+        if item.local_future is not None:
+            try:
+                value = item.local_future.result(timeout=max(0.0, item.deadline - time.monotonic()))
+                if fleet_future is None:
+                    fleet_future = value  # shm: the announcement went out after the write
+            except cf.TimeoutError:
+                self._stuck.append(item.local_future)
+                problems.append(WeightSyncError(f"{item.phase}: the trainer's side did not finish within the "
+                                                "bucket deadline", item.phase))
+            except Exception as exc:
+                problems.append(WeightSyncError(f"{item.phase}: trainer side failed: {exc}", item.phase))
+        if fleet_future is not None:
+            failure = self._wait(fleet_future, item.phase, max(0.0, item.deadline - time.monotonic()) + 1.0)
+            if failure is not None:
+                problems.insert(0, failure)  # the servers' own words name who failed
+        return problems[0] if problems else None
+
+    # ------------------------------------------------------------------ group lifecycle (rank 0)
+    def _form_group(self, meta: WeightUpdateMeta, clock: _Clock) -> WeightSyncError | None:
+        timeout = clock.left(meta.deadlines.init_group_s)
+        try:
+            self._store = host_store(meta.master_address, meta.master_port, timeout_s=max(timeout, 1.0))
+        except Exception as exc:
+            return WeightSyncError(f"cannot host the weight group's store on {meta.master_address}:"
+                                   f"{meta.master_port}: {exc}", "init_weights_update_group")
+        formed = dataclasses.replace(meta, master_port=self._store.port)
+        future = self.fleet.init_weights_update_group(formed)
+        local_error = None
+        try:
+            self._group = init_weight_group(meta.master_address, self._store.port, 0, 1 + self.fleet.world_size,
+                                            meta.group_name, meta.backend, timeout_s=max(timeout, 1.0),
+                                            store=self._store)
+        except WeightGroupError as exc:
+            local_error = exc
+        failure = self._wait(future, "init_weights_update_group", clock.left(meta.deadlines.init_group_s) + 1.0)
+        if failure is None and local_error is not None:
+            failure = WeightSyncError(f"init_weights_update_group: the trainer could not form the group: "
+                                      f"{local_error}", "init_weights_update_group")
+        if failure is not None:
+            self._teardown_group(meta)
+        return failure
+
+    def _teardown_group(self, meta: WeightUpdateMeta) -> None:
+        self._drain_stuck()
+        if self._group is not None or self._store is not None:
+            # Servers that never joined (or died) have nothing to leave: their "no group" is fine.
+            with contextlib.suppress(Exception):
+                self.fleet.destroy_weights_update_group(meta)
+        if self._group is not None:
+            self._group.destroy()
+        self._group, self._store = None, None
+
+    def _drain_stuck(self) -> None:
+        """Wait for trainer-side work past its deadline: gloo ops carry the bucket timeout, so this
+        ends; a group must not be torn down under a running collective."""
+        for fut in self._stuck:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=self.meta.deadlines.bucket_s + 5)
+        self._stuck.clear()
+
+    # ------------------------------------------------------------------ outcome (rank 0)
+    def _rollback(self, meta: WeightUpdateMeta, failure: WeightSyncError) -> None:
+        self._call("discard_staged_weights", lambda: self.fleet.discard_weights(meta))
+        if meta.type == "distributed":
+            self._teardown_group(meta)
+        self._drain_stuck()
+        self._release_shm()
+        if meta.type == "disk":
+            shutil.rmtree(meta.versioned_path(), ignore_errors=True)
+
+    def _after_success(self, meta: WeightUpdateMeta) -> None:
+        if not self.shm_reuse:
+            self._release_shm()
+        if meta.type == "distributed" and not self.keep_group:
+            self._teardown_group(meta)
+        if meta.type == "disk":  # every server acknowledged `version`: older copies can go
+            for path in Path(meta.path).iterdir():
+                m = _VERSION_DIR.match(path.name)
+                if m and int(m.group(1)) < meta.version and path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def _release_shm(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        self._keep.clear()
+
+    def _agree(self, failure: WeightSyncError | None, meta: WeightUpdateMeta) -> None:
+        """Rank 0's outcome becomes every rank's (raised everywhere or nowhere)."""
+        if self.world_size > 1:
+            payload = [None if failure is None else (str(failure), failure.phase)]
+            dist.broadcast_object_list(payload, src=0)
+            if payload[0] is not None and failure is None:
+                failure = WeightSyncError(payload[0][0], payload[0][1])
+        if failure is not None:
+            raise failure
+
+    # ------------------------------------------------------------------ verification (rank 0)
+    def _prepare_verify(self) -> WeightSyncError | None:
+        self._checksums = {}
+        try:
+            served = self.fleet.weight_checksums(names=[])
+        except FleetError as exc:
+            return WeightSyncError.from_fleet(exc)
+        self._checksums = {s.dtype: {} for s in served.values()}
+        return None
+
+    def _hash(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for dtype_name, sums in self._checksums.items():
+            dtype = dtype_from_name(dtype_name)
+            for name, t in bucket:
+                sums[name] = tensor_checksum(t.to(dtype))
+
+    def _hash_checkpoint(self, path: Path) -> None:
+        from tandem.models.hf_checkpoint import iter_hf_tensors
+
+        tensors = list(iter_hf_tensors(path))
+        self._hash(tensors)
+
+    def _check_servers(self) -> WeightSyncError | None:
+        try:
+            served = self.fleet.weight_checksums()
+        except FleetError as exc:
+            return WeightSyncError.from_fleet(exc)
+        bad = []
+        for address, got in served.items():
+            wrong = compare_checksums(self._checksums.get(got.dtype, {}), got.checksums)
+            if wrong:
+                bad.append(ServerResult(address, False, f"{len(wrong)} tensor(s) differ from the trainer's, "
+                                                        f"e.g. {wrong[:3]}"))
+        if bad:
+            return WeightSyncError.from_fleet(FleetError("verify", bad))
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _call(self, phase: str, fn: Callable[[], Any]) -> WeightSyncError | None:
+        try:
+            fn()
+        except FleetError as exc:
+            return WeightSyncError.from_fleet(exc)
+        except Exception as exc:  # a fleet that is not HTTP may raise anything
+            return WeightSyncError(f"weight update phase {phase!r} failed: {type(exc).__name__}: {exc}", phase)
+        return None
+
+    def _wait(self, future: Future, phase: str, timeout: float) -> WeightSyncError | None:
+        try:
+            future.result(timeout=timeout)
+        except FleetError as exc:
+            return WeightSyncError.from_fleet(exc)
+        except cf.TimeoutError:
+            return WeightSyncError(f"weight update phase {phase!r}: no answer from the fleet within {timeout:.1f}s",
+                                   phase)
+        except Exception as exc:
+            return WeightSyncError(f"weight update phase {phase!r} failed: {type(exc).__name__}: {exc}", phase)
+        return None
+
+    def close(self) -> None:
+        """Leave the transfer group and release resources. Call on every rank."""
+        if self.rank == 0:
+            if self._group is not None:
+                self._teardown_group(self.meta)
+            self._release_shm()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> WeightUpdater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def update_weights(engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, pipeline: bool = True,
+                   verify: bool = False, dtype: torch.dtype | None = None) -> UpdateReport:
+    """One update to `meta.version` with a transfer group formed for it and torn down after.
+    Call on every trainer rank (fleet on rank 0). Keep a `WeightUpdater` to reuse the group."""
+    with WeightUpdater(engine, fleet, meta, pipeline=pipeline, verify=verify, dtype=dtype,
+                       keep_group=False) as updater:
+        return updater.update(meta.version)
+
+
+def _broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> None:
+    for t in tensors:
+        group.broadcast(t, src=0, timeout_s=timeout_s)
+
+
+class _timed:
+    def __init__(self, report: UpdateReport, phase: str):
+        self.report, self.phase = report, phase
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.report.phases[self.phase] = self.report.phases.get(self.phase, 0.0) + time.perf_counter() - self.start

@@ -1,0 +1,114 @@
+"""Helpers of the weight-sync tests: servers with fault injection, a checkpoint-backed "engine",
+reference greedy decoding with the native model, and checks against what the servers hold."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.models import load_model, save_model
+from tandem.models.hf_checkpoint import iter_hf_tensors
+from tandem.weights.meta import Deadlines
+from tandem.weights.verify import tensor_checksum
+from tests.inference.server_utils import ServerProcess
+
+PROMPTS = [[11, 57, 200, 31, 9], [300, 14, 15, 92, 65, 35, 89]]
+NEW = 10
+FAST = Deadlines(init_group_s=4.0, bucket_s=4.0, update_s=40.0, http_s=10.0)
+
+
+def start_server(model_dir: Path, log_dir: Path) -> ServerProcess:
+    """`tandem serve` with fault injection enabled (the hidden /_fault route) and short timeouts."""
+    old = os.environ.get("TANDEM_FAULT_INJECTION")
+    os.environ["TANDEM_FAULT_INJECTION"] = "1"
+    try:
+        return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10")
+    finally:
+        if old is None:
+            os.environ.pop("TANDEM_FAULT_INJECTION", None)
+        else:
+            os.environ["TANDEM_FAULT_INJECTION"] = old
+
+
+class CheckpointSource:
+    """Stands in for a trainer engine: exports an HF directory's tensors, scaled by `scale` (so each
+    version differs), in byte-bounded buckets; `break_shape` truncates one tensor's first dim."""
+
+    def __init__(self, model_dir: Path, scale: float = 1.0, break_shape: str | None = None):
+        self.model_dir = Path(model_dir)
+        self.tensors = {n: (t.float() * scale).contiguous() for n, t in iter_hf_tensors(model_dir)}
+        if break_shape is not None:
+            self.tensors[break_shape] = self.tensors[break_shape][:-1].clone()
+
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None):
+        bucket, size = [], 0
+        for name, t in self.tensors.items():
+            t = t if dtype is None else t.to(dtype)
+            if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+        if bucket:
+            yield bucket
+
+    def save_hf(self, out_dir: Path, overwrite: bool = False, **_: Any) -> Path:
+        model = load_model(self.model_dir)
+        load_into(model, self.tensors)
+        return save_model(model, out_dir, tokenizer_dir=self.model_dir, overwrite=overwrite)
+
+
+def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    adapter = model.spec.state_dict_adapter_cls(model.args)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in tensors.items():
+            native = adapter.hf_to_native(name)
+            if native is not None:
+                params[native].copy_(t)
+    return model
+
+
+@torch.no_grad()
+def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by full re-forward with the native (training) model: tokens and float32
+    logprobs (log_softmax of the raw logits at the chosen token)."""
+    ids, out, lps = list(prompt), [], []
+    for _ in range(n):
+        x = torch.tensor(ids)
+        logits = model(x, torch.tensor([0, len(ids)], dtype=torch.int32))[-1].float()
+        tok = int(torch.argmax(logits))
+        lps.append(float(torch.log_softmax(logits, -1)[tok]))
+        out.append(tok)
+        ids.append(tok)
+    return out, lps
+
+
+def served_greedy(server: ServerProcess, prompt: list[int], n: int = NEW) -> tuple[list[int], list[float], str]:
+    body = server.ok("/generate", {"input_ids": prompt, "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    meta = body["meta_info"]
+    return body["output_ids"], [p[0] for p in meta["output_token_logprobs"]], meta["weight_version"]
+
+
+def served_checksums(server: ServerProcess) -> dict[str, str]:
+    return server.ok("/get_weights_checksum", {})["checksums"]
+
+
+def expected_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: tensor_checksum(t.float()) for n, t in tensors.items()}
+
+
+def version_of(server: ServerProcess) -> str:
+    return server.ok("/get_weight_version", method="GET")["weight_version"]
+
+
+def shm_leftovers() -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob("tandem-w-*"))
+
+
+def mapped_segments(pid: int) -> list[str]:
+    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "tandem-w-" in line]
