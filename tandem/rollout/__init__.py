@@ -17,10 +17,27 @@ from tandem.rollout.types import GenerationParams, ModelRequest, ModelResponse
 from tandem.rollout.workflow import RolloutWorkflow
 from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow
 
+# The controller side pulls in FastAPI/uvicorn and the callback pulls in torch (tandem.weights): load
+# them on first use, so rollout worker processes and plain executor users do not pay for them.
+_LAZY = {
+    "RolloutCallback": "tandem.rollout.callback",
+    "RolloutConfig": "tandem.rollout.config",
+    "RolloutController": "tandem.rollout.controller",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tandem.rollout' has no attribute {name!r}")
+
+
 __all__ = [
     "ClientConfig", "ExecutorConfig", "Feedback", "GenerationDeadlineError", "GenerationParams",
     "InferenceClient", "ModelRequest", "ModelResponse", "MultiTurnWorkflow", "NoServerError",
-    "PromptTooLongError", "RLVRWorkflow", "RewardResult", "RewardRunner", "RolloutError",
-    "RolloutWorkflow", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
+    "PromptTooLongError", "RLVRWorkflow", "RewardResult", "RewardRunner", "RolloutCallback", "RolloutConfig",
+    "RolloutController", "RolloutError", "RolloutWorkflow", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
     "WorkflowExecutor", "stack_group",
 ]

@@ -88,6 +88,14 @@ class RewardRunner:
         )
         self.num_recycled = 0  # pools retired because a worker was stuck (for tests and stats)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles as its settings (a workflow sent to a rollout worker): the copy starts its own pool."""
+        return {"max_workers": self.max_workers, "timeout_s": self.timeout_s, "grace_s": self.grace_s,
+                "mp_context": self._ctx.get_start_method()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
     def _get_pool(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
