@@ -1,0 +1,456 @@
+"""`LocalScheduler`: inference servers and trainer workers as processes on this machine.
+
+Process layout (see docs/launch.md):
+
+    controller (this process)
+    ├── rollout-0   python -m tandem.launch.guard PID -- python -m tandem.cli serve --port 0 ...
+    ├── rollout-1   ...
+    ├── actor-rank0 python -m tandem.launch.worker   (RANK=0, MASTER_ADDR=127.0.0.1, ...)
+    └── actor-rank1 python -m tandem.launch.worker   (RANK=1, ...)
+
+- Every child starts in its own session, so its process group holds it and anything it spawns;
+  teardown signals whole groups. Children also get SIGKILL from the kernel if the controller
+  dies without tearing down (`tandem.launch.guard`).
+- stdout and stderr of each child go to `<run_dir>/logs/<name>.log`; errors quote its last lines.
+- Teardown (`shutdown()`, also run by `atexit` and on SIGINT/SIGTERM): trainer groups get a
+  `shutdown` RPC when idle, then every process group gets SIGTERM, and SIGKILL after `grace_s`.
+  Idempotent. A second Ctrl-C during teardown SIGKILLs at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Client, Connection, wait
+from pathlib import Path
+from typing import Any
+
+from tandem.config.alloc import Component
+from tandem.launch.rpc import WorkerGroup
+from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle, server_layout, worker_layout
+
+LISTENING = re.compile(r"tandem serve: listening on http://(\[[^\]]+\]|[^:\s]+):(\d+)")
+ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"
+ENV_READY_FD = "TANDEM_RPC_READY_FD"
+ENV_PARENT_PID = "TANDEM_PARENT_PID"
+_TICK_S = 0.05  # startup only: how often the log and /health are looked at (the wait is on the pidfd)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def describe_returncode(rc: int | None) -> str:
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+class ManagedProcess:
+    """A child in its own session with its output in a log file, and a pidfd as its sentinel."""
+
+    def __init__(self, name: str, cmd: Sequence[str], log_path: Path, env: Mapping[str, str], *,
+                 cwd: str | Path | None = None, pass_fds: Sequence[int] = ()):
+        self.name, self.cmd, self.log_path = name, list(cmd), log_path
+        self._life_r: int | None = None
+        fds = list(pass_fds)
+        if not hasattr(os, "pidfd_open"):  # fallback sentinel: a pipe whose write end only the child holds
+            self._life_r, life_w = os.pipe()
+            fds.append(life_w)
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+        self.pid: int | None = self.popen.pid
+        if self._life_r is not None:
+            os.close(fds[-1])
+            self._sentinel = self._life_r
+        else:
+            self._sentinel = os.pidfd_open(self.popen.pid)
+        self.started = time.monotonic()
+
+    @property
+    def sentinel(self) -> int:
+        return self._sentinel
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def exit_status(self, wait_s: float = 0.0) -> str:
+        try:
+            rc = self.popen.wait(timeout=wait_s) if wait_s > 0 else self.popen.poll()
+        except subprocess.TimeoutExpired:
+            rc = None
+        return describe_returncode(rc)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.popen.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._sentinel)
+        self._sentinel = -1
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, {describe_returncode(self.poll())})"
+
+
+class LocalScheduler(Scheduler):
+    """Processes on 127.0.0.1 (see the module docstring for layout, logs and teardown).
+
+    `run_dir`: logs go to `<run_dir>/logs` (default: a new temporary directory).
+    `grace_s`: SIGTERM -> SIGKILL delay at teardown. `handle_signals`: tear down on SIGINT/SIGTERM
+    (main thread only; previous handlers are restored and then run). `call_timeout_s`: default
+    deadline of trainer RPC calls (None: none; crashes end calls regardless)."""
+
+    def __init__(self, run_dir: str | Path | None = None, *, grace_s: float = 10.0, handle_signals: bool = True,
+                 env: Mapping[str, str] | None = None, call_timeout_s: float | None = None,
+                 log_tail_lines: int = 40, python: str = sys.executable):
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="tandem-run-"))
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.grace_s, self.call_timeout_s, self.log_tail_lines = grace_s, call_timeout_s, log_tail_lines
+        self.python = python
+        self.env = dict(env or {})
+        self._authkey = secrets.token_bytes(32)  # per run: authenticates every RPC connection
+        self.processes: list[ManagedProcess] = []
+        self.servers: list[ServerHandle] = []
+        self.groups: list[WorkerGroup] = []
+        self.teardown_s: float | None = None
+        self._lock = threading.RLock()
+        self._closing = self._closed = False
+        self._prev_handlers: dict[int, Any] = {}
+        atexit.register(self._atexit)
+        if handle_signals:
+            self._install_signal_handlers()
+
+    # ------------------------------------------------------------------------------ servers
+
+    def start_servers(self, alloc: Component | str | int, model_path: str | Path, *,
+                      server_args: Sequence[str] = (), name: str = "rollout", device: str = "cpu",
+                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> list[ServerHandle]:
+        layout = server_layout(alloc)
+        procs: list[ManagedProcess] = []
+        try:
+            for i, devices in enumerate(layout):
+                child_env = self._env(env)
+                cmd = [self.python, "-m", "tandem.cli", "serve", "--model", str(model_path),
+                       "--host", "127.0.0.1", "--port", "0", *server_args]
+                if device != "cpu":
+                    cmd += ["--device", device]
+                    if device == "cuda":
+                        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+                procs.append(self._spawn(f"{name}-{i}", cmd, child_env, guard=True))
+            deadline = time.monotonic() + timeout_s
+            handles = [self._await_server(p, deadline, timeout_s) for p in procs]
+        except BaseException:
+            self._stop(procs, grace_s=min(self.grace_s, 5.0))
+            raise
+        self.servers.extend(handles)
+        return handles
+
+    def _await_server(self, proc: ManagedProcess, deadline: float, timeout_s: float) -> ServerHandle:
+        host = port = None
+        offset, seen = 0, ""
+        while host is None:
+            with contextlib.suppress(OSError), open(proc.log_path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset += len(chunk)
+                seen = (seen + chunk.decode("utf-8", errors="replace"))[-8192:]
+            if (m := LISTENING.search(seen)) is not None:
+                host, port = m.group(1).strip("[]"), int(m.group(2))
+                break
+            self._startup_tick(proc, deadline, timeout_s, "did not print its listening line")
+        url = f"http://{host}:{port}"
+        while True:
+            status, body = _get_json(f"{url}/health", timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            if status == 200:
+                return ServerHandle(proc.name, host, port, proc.pid, proc.log_path)
+            if status == 503 and isinstance(body, dict) and body.get("status") == "broken":
+                raise self._startup_error(proc, f"failed to start: {_last_error_line(proc) or body.get('message')}")
+            self._startup_tick(proc, deadline, timeout_s, f"did not become healthy ({url}/health)")
+
+    def _startup_tick(self, proc: ManagedProcess, deadline: float, timeout_s: float, what: str) -> None:
+        """Wait a tick, ending early if the process dies; raise on death or a missed deadline."""
+        left = deadline - time.monotonic()
+        if left > 0:
+            wait([proc.sentinel], min(_TICK_S, left))
+        if proc.poll() is not None:
+            raise self._startup_error(proc, f"exited during startup ({proc.exit_status()})")
+        if time.monotonic() >= deadline:
+            raise self._startup_error(proc, f"{what} within {timeout_s:.0f}s")
+
+    def _startup_error(self, proc: ManagedProcess, what: str) -> LaunchError:
+        tail = proc.log_tail(self.log_tail_lines).rstrip()
+        return LaunchError(f"{proc.name} (pid {proc.pid}) {what}; log {proc.log_path}\n"
+                           f"--- last lines of its log ---\n{tail}")
+
+    # ------------------------------------------------------------------------------ workers
+
+    def start_workers(self, alloc: Component | str | int, *, name: str = "actor", device: str = "cpu",
+                      backend: str | None = None, timeout_s: float = 180.0,
+                      env: Mapping[str, str] | None = None) -> WorkerGroup:
+        world, devices = worker_layout(alloc)
+        master_port = free_port()
+        procs: list[ManagedProcess] = []
+        ready: list[int] = []
+        conns: list[Connection] = []
+        try:
+            for rank in range(world):
+                r_fd, w_fd = os.pipe()
+                ready.append(r_fd)
+                child_env = self._env(env)
+                child_env.update({
+                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                    ENV_AUTHKEY: self._authkey.hex(), ENV_READY_FD: str(w_fd), ENV_PARENT_PID: str(os.getpid()),
+                })
+                if device == "cuda":
+                    child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+                cmd = [self.python, "-m", "tandem.launch.worker", "--device", device, "--name", f"{name}-rank{rank}"]
+                if backend:
+                    cmd += ["--backend", backend]
+                try:
+                    procs.append(self._spawn(f"{name}-rank{rank}", cmd, child_env, pass_fds=(w_fd,)))
+                finally:
+                    os.close(w_fd)
+            ports = self._await_ready(procs, ready, time.monotonic() + timeout_s, timeout_s)
+            for rank, port in enumerate(ports):
+                try:
+                    conns.append(Client(("127.0.0.1", port), authkey=self._authkey))
+                except OSError as exc:
+                    raise self._startup_error(procs[rank], f"refused the RPC connection ({exc}; "
+                                              f"{procs[rank].exit_status(wait_s=2.0)})") from exc
+            group = WorkerGroup(name, conns, procs, default_timeout_s=self.call_timeout_s,
+                                log_tail_lines=self.log_tail_lines)
+            group.master_port = master_port
+        except BaseException:
+            for c in conns:
+                c.close()
+            self._stop(procs, grace_s=min(self.grace_s, 5.0))
+            raise
+        finally:
+            for fd in ready:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.groups.append(group)
+        return group
+
+    def _await_ready(self, procs: list[ManagedProcess], fds: list[int], deadline: float, timeout_s: float) -> list[int]:
+        """Each rank writes its RPC port to its ready pipe once its process group is formed.
+        Waits on the pipes and the pidfds together: any rank dying fails the start at once."""
+        got: dict[int, bytes] = {r: b"" for r in range(len(procs))}
+        ports: dict[int, int] = {}
+        while len(ports) < len(procs):
+            watch: dict[int, tuple[str, int]] = {}
+            for r, p in enumerate(procs):
+                if r not in ports:
+                    watch[fds[r]] = ("ready", r)
+                    watch[p.sentinel] = ("dead", r)
+            left = deadline - time.monotonic()
+            ready = wait(list(watch), max(0.0, left)) if left > 0 else []
+            if not ready:
+                late = [procs[r].name for r in range(len(procs)) if r not in ports]
+                raise self._startup_error(procs[min(r for r in range(len(procs)) if r not in ports)],
+                                          f"was not ready within {timeout_s:.0f}s (waiting for {late})")
+            for fd in sorted(ready, key=lambda fd: watch[fd][0] != "ready"):
+                kind, r = watch[fd]
+                if r in ports:
+                    continue
+                if kind == "ready":
+                    data = os.read(fd, 64)
+                    got[r] += data
+                    if b"\n" in got[r]:
+                        ports[r] = int(got[r].split(b"\n", 1)[0])
+                        continue
+                    if data:
+                        continue
+                # EOF on the pipe without a port, or the process ended
+                raise self._startup_error(procs[r], f"exited during startup ({procs[r].exit_status(wait_s=2.0)})")
+        return [ports[r] for r in range(len(procs))]
+
+    # ----------------------------------------------------------------------------- teardown
+
+    def shutdown(self) -> None:
+        self._teardown(graceful=True)
+
+    def _teardown(self, graceful: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._closing:  # re-entered (a signal during teardown): no more grace
+                self._kill_now()
+                return
+            self._closing = True
+        start = time.monotonic()
+        try:
+            for group in self.groups:
+                with contextlib.suppress(Exception):
+                    if graceful:
+                        group.shutdown(timeout_s=min(self.grace_s, 3.0))
+                    group.close()
+            self._stop(self.processes, self.grace_s)
+        finally:
+            self._closed = True
+            self.teardown_s = time.monotonic() - start
+            self._restore_signal_handlers()
+            atexit.unregister(self._atexit)
+
+    def _kill_now(self) -> None:
+        for p in self.processes:
+            p.signal_group(signal.SIGKILL)
+
+    def _stop(self, procs: Sequence[ManagedProcess], grace_s: float) -> None:
+        """SIGTERM each process group, wait up to grace_s for the leaders (on their pidfds),
+        SIGKILL the groups, reap. Never raises."""
+        live = [p for p in procs if p.sentinel >= 0]
+        for p in live:
+            p.signal_group(signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        pending = {p.sentinel: p for p in live if p.poll() is None}
+        while pending and (left := end - time.monotonic()) > 0:
+            for s in wait(list(pending), left):
+                pending.pop(s, None)  # type: ignore[call-overload]
+        for p in live:
+            p.signal_group(signal.SIGKILL)  # stragglers, and anything the leader left in its group
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5.0)
+        end = time.monotonic() + 2.0  # members of a group need a moment to vanish after SIGKILL
+        while any(p.group_alive() for p in live) and time.monotonic() < end:
+            time.sleep(0.01)
+        for p in live:
+            p.release()
+
+    def _atexit(self) -> None:
+        self._teardown(graceful=True)
+
+    # ------------------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set there; atexit and `with` still apply
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN or prev is None:
+                continue
+            self._prev_handlers[sig] = prev
+            signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, prev in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:  # leave handlers installed after ours alone
+                signal.signal(sig, prev)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._closing and not self._closed:
+            self._kill_now()
+            return
+        self._teardown(graceful=False)  # the main thread may be inside a call: no RPC now
+        prev = self._prev_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)  # e.g. default_int_handler raises KeyboardInterrupt
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = {**os.environ, **self.env, **(extra or {})}
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, name: str, cmd: Sequence[str], env: Mapping[str, str], *, guard: bool = False,
+               pass_fds: Sequence[int] = ()) -> ManagedProcess:
+        with self._lock:
+            if self._closing:
+                raise LaunchError(f"cannot start {name}: the scheduler is shut down")
+            if guard:
+                cmd = [self.python, "-m", "tandem.launch.guard", str(os.getpid()), "--", *cmd]
+            log = self.log_dir / f"{name}.log"
+            with open(log, "ab") as f:
+                f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            proc = ManagedProcess(name, cmd, log, env, pass_fds=pass_fds)
+            self.processes.append(proc)
+            return proc
+
+    def __enter__(self) -> LocalScheduler:
+        return self
+
+    def __repr__(self) -> str:
+        return f"LocalScheduler({str(self.run_dir)!r}, {len(self.processes)} processes)"
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): .*")
+
+
+def _last_error_line(proc: ManagedProcess) -> str | None:
+    """The last 'SomeError: message' line of a log (the exception a traceback ended with)."""
+    for line in reversed(proc.log_tail(200).splitlines()):
+        if _ERROR_LINE.match(line.strip()):
+            return line.strip()
+    return None
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never via a proxy
+
+
+def _get_json(url: str, timeout: float) -> tuple[int | None, Any]:
+    """(status, parsed body) of a GET; (None, None) when nothing answers yet."""
+    try:
+        with _NO_PROXY.open(url, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, ValueError):
+        return None, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, None

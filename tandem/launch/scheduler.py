@@ -1,0 +1,133 @@
+"""The scheduler interface: start inference servers and trainer worker groups, tear them down.
+
+A `Scheduler` turns allocation components (`tandem:d2` -> two servers, `archon:d2` -> one
+trainer group of two ranks) into running processes and hands back what the controller needs:
+server addresses (`ServerHandle`) and an RPC handle on the trainer ranks (`WorkerGroup`).
+`LocalScheduler` (`tandem.launch.local`) runs everything as processes on 127.0.0.1. Ray and
+Slurm schedulers are not written yet; they implement the same three methods (see docs/launch.md).
+
+    with LocalScheduler(run_dir) as sched:
+        servers = sched.start_servers(alloc.inference[0], model_path)
+        trainers = sched.start_workers(alloc.train[0])
+        trainers.call("initialize", engine_config)
+    # every process is gone here, also on exceptions and Ctrl-C
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.config.alloc import Component, parse_allocation
+from tandem.errors import TandemError
+
+if TYPE_CHECKING:
+    from tandem.launch.rpc import WorkerGroup
+
+# Inference backends a scheduler starts itself; others (sglang, vllm) are used by address.
+LAUNCHABLE_SERVERS = ("tandem",)
+
+
+class LaunchError(TandemError, RuntimeError):
+    """A process could not be started, died during startup, or missed its startup deadline."""
+
+
+@dataclass(frozen=True)
+class ServerHandle:
+    """One running inference server."""
+
+    name: str  # e.g. "rollout-0"
+    host: str
+    port: int
+    pid: int | None
+    log_path: Path | None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+def as_component(alloc: Component | str | int, *, inference: bool) -> Component | int:
+    """A component from a component, a one-component allocation string, or a plain count."""
+    if isinstance(alloc, str):
+        mode = parse_allocation(alloc)
+        parts = mode.inference if inference else mode.train
+        if len(parts) != 1:
+            kind = "inference" if inference else "training"
+            raise LaunchError(f"{alloc!r} has {len(parts)} {kind} components; pass the one to start")
+        return parts[0]
+    return alloc
+
+
+def server_layout(alloc: Component | str | int) -> list[list[int]]:
+    """Device indices of each server: `tandem:d2t1` -> [[0], [1]] (dp servers of tp devices).
+    Raises `LaunchError` for backends this scheduler does not start (`sglang`, `vllm`: pass their
+    addresses instead) and for parallelism `tandem serve` does not have."""
+    comp = as_component(alloc, inference=True)
+    if isinstance(comp, int):
+        if comp < 1:
+            raise LaunchError(f"need at least one server, got {comp}")
+        return [[i] for i in range(comp)]
+    if not comp.is_inference:
+        raise LaunchError(f"{comp.label!r} is a training component; start it with start_workers")
+    if comp.backend not in LAUNCHABLE_SERVERS:
+        raise LaunchError(f"{comp.backend!r} servers are not started by Tandem; run them yourself and give "
+                          f"the controller their addresses (launchable here: {', '.join(LAUNCHABLE_SERVERS)})")
+    if comp.tp * comp.pp * comp.cp > 1:
+        raise LaunchError(f"`tandem serve` runs one device per server; {comp.backend}:d{comp.dp}"
+                          f"t{comp.tp}p{comp.pp}c{comp.cp} asks for more (use d{comp.world_size})")
+    devs = list(comp.devices)
+    return [[devs[i]] for i in range(comp.dp)]
+
+
+def worker_layout(alloc: Component | str | int) -> tuple[int, list[int]]:
+    """(world size, device indices) of a trainer group: `archon:d2` -> (2, [k, k+1])."""
+    comp = as_component(alloc, inference=False)
+    if isinstance(comp, int):
+        if comp < 1:
+            raise LaunchError(f"need at least one trainer rank, got {comp}")
+        return comp, list(range(comp))
+    if comp.is_inference:
+        raise LaunchError(f"{comp.label!r} is an inference component; start it with start_servers")
+    if comp.launch_error:
+        raise LaunchError(comp.launch_error)
+    return comp.world_size, list(comp.devices)
+
+
+class Scheduler(abc.ABC):
+    """Starts processes for allocation components and owns them until `shutdown`.
+
+    Implementations guarantee: every process they started is gone after `shutdown()` (also when
+    the controller is interrupted or fails), `shutdown()` is idempotent, and a process that dies or
+    misses its deadline during startup raises `LaunchError` with the tail of its log."""
+
+    @abc.abstractmethod
+    def start_servers(self, alloc: Component | str | int, model_path: str | Path, *,
+                      server_args: Sequence[str] = (), name: str = "rollout", device: str = "cpu",
+                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> list[ServerHandle]:
+        """Start one `tandem serve` per data-parallel replica of `alloc` and return once every
+        one answers `GET /health` with 200. `server_args` are extra `tandem serve` flags."""
+
+    @abc.abstractmethod
+    def start_workers(self, alloc: Component | str | int, *, name: str = "actor", device: str = "cpu",
+                      backend: str | None = None, timeout_s: float = 180.0,
+                      env: Mapping[str, str] | None = None) -> WorkerGroup:
+        """Start one SPMD trainer group (one process per rank, one torch.distributed group) and
+        return its RPC handle once every rank is connected."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop everything this scheduler started. Idempotent; never raises."""
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,182 @@
+"""The RPC layer without processes: wire format, and `serve` + `WorkerGroup` over socket pairs
+with threads standing in for workers (a pipe stands in for the process sentinel)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from tandem.launch import (
+    GroupBrokenError,
+    LossSpec,
+    RemoteError,
+    RPCTimeoutError,
+    WorkerCrashedError,
+    WorkerGroup,
+)
+from tandem.launch.rpc import Channel, ExitAfterReply, dumps, serve
+from tandem.launch.specs import import_object
+
+
+def _pair() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
+
+
+def test_tensors_round_trip_exactly():
+    a, b = _pair()
+    ca, cb = Channel(a), Channel(b)
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    obj = {"view": base[:, ::2], "t": base.t(), "bf16": torch.randn(5).bfloat16(), "bool": torch.tensor([True, False]),
+           "empty": torch.zeros(0, 3), "scalar": torch.tensor(7, dtype=torch.int64), "grad": torch.ones(3, requires_grad=True),
+           "c64": torch.randn(2, dtype=torch.complex64), "nested": [(1, "x", torch.ones(2, dtype=torch.uint8))]}
+    frames = dumps(obj)
+    assert len(frames) == 1 + 8  # header + one raw frame per non-empty tensor (empty ones go in-band)
+    t = threading.Thread(target=ca.send, args=(frames,))
+    t.start()
+    back = cb.recv()
+    t.join()
+    for key in ("view", "t", "bf16", "bool", "empty", "scalar", "grad", "c64"):
+        assert back[key].dtype == obj[key].dtype and torch.equal(back[key].detach(), obj[key].detach()), key
+    assert back["grad"].requires_grad and back["nested"][0][:2] == (1, "x")
+    back["view"].add_(1)  # received tensors are writable
+    ca.close()
+    cb.close()
+
+
+class _Thing:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def hello(self, x):
+        return self.rank, x
+
+    def boom(self):
+        raise KeyError(f"boom on {self.rank}")
+
+    def boom_on(self, rank: int):
+        if self.rank == rank:
+            raise ValueError("only me")
+        return self.rank
+
+    def boom_or_slow(self):
+        if self.rank == 0:
+            raise ValueError("rank 0 fails")
+        time.sleep(2.0)
+        return self.rank
+
+    def slow(self, seconds: float):
+        time.sleep(seconds)
+        return self.rank
+
+    def unpicklable(self):
+        return lambda: 1
+
+    def bye(self):
+        return ExitAfterReply("bye")
+
+
+class _FakeProc:
+    """A thread 'process': its sentinel is a pipe that becomes readable when it ends."""
+
+    def __init__(self, conn: Connection, obj: object):
+        self.pid = None
+        self._r, self._w = os.pipe()
+        self.done = False
+        self.thread = threading.Thread(target=self._run, args=(conn, obj), daemon=True)
+        self.thread.start()
+
+    def _run(self, conn, obj):
+        try:
+            serve(conn, obj)
+        finally:
+            conn.close()
+            self.done = True
+            os.write(self._w, b"x")
+
+    @property
+    def sentinel(self) -> int:
+        return self._r
+
+    def exit_status(self, wait_s: float = 0.0) -> str:
+        self.thread.join(wait_s)
+        return "exit code 0" if self.done else "still running"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "fake log"
+
+
+def _group(n: int = 2, **kw) -> tuple[WorkerGroup, list[_FakeProc]]:
+    conns, procs = [], []
+    for r in range(n):
+        ours, theirs = _pair()
+        conns.append(ours)
+        procs.append(_FakeProc(theirs, _Thing(r)))
+    return WorkerGroup("fake", conns, procs, **kw), procs
+
+
+def test_calls_errors_and_exit():
+    group, _ = _group(error_grace_s=0.5)
+    assert group.call("hello", 5) == [(0, 5), (1, 5)]
+    assert group.call_per_rank("hello", [("a",), ("b",)]) == [(0, "a"), (1, "b")]
+    big = [torch.randn(600_000), torch.randn(600_000)]  # > 1 MiB each: the sender threads write them
+    assert [x[1].shape for x in group.call_per_rank("hello", [(t,) for t in big])] == [(600_000,)] * 2
+    assert group.submit("hello", 1).result(timeout=10) == [(0, 1), (1, 1)]
+    with pytest.raises(RemoteError) as info:
+        group.call("boom")
+    assert info.value.rank == 0 and "rank(s) [1] raised too" in str(info.value)
+    assert isinstance(info.value.__cause__, KeyError) and "in boom" in info.value.remote_traceback
+    with pytest.raises(RemoteError, match="private"):
+        group.call("_secret")
+    with pytest.raises(RemoteError, match="cannot be sent"):
+        group.call("unpicklable")
+    assert group.call("hello", 1)[0] == (0, 1)  # every rank answered each time: still usable
+    with pytest.raises(ValueError):
+        group.call_per_rank("hello", [(1,)])
+    assert group.call("bye") == ["bye", "bye"]
+    with pytest.raises(WorkerCrashedError):  # they left: the next call sees it before sending
+        group.call("hello", 1)
+    group.close()
+
+
+def test_stuck_rank_after_an_error_breaks_the_group():
+    group, _ = _group(error_grace_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match=r"rank\(s\) \[1\] never answered"):
+        group.call("boom_or_slow")  # rank 0 raises, rank 1 is "inside a collective" for 2 s
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(GroupBrokenError):
+        group.call("hello", 1)
+    group.close()
+
+
+def test_deadline():
+    group, _ = _group()
+    with pytest.raises(RPCTimeoutError) as info:
+        group.call("slow", 2.0, rpc_timeout=0.2)
+    assert info.value.pending == [0, 1]
+    with pytest.raises(GroupBrokenError):
+        group.call("hello", 1)
+    group.close()
+
+
+def test_import_object_and_loss_spec():
+    assert import_object("tandem.train:sft_loss") is import_object("tandem.train.sft_loss")
+    assert import_object("tandem.launch.rpc:WorkerGroup.call") is WorkerGroup.call
+    fn, weight = LossSpec("tandem.algo.losses:make_policy_loss", {"cfg": _ppo()}, factory=True,
+                          weight_fn="tandem.algo.losses:policy_loss_weight").resolve()
+    assert callable(fn) and callable(weight)
+    with pytest.raises(ValueError, match="factory=False"):
+        LossSpec("tandem.train:sft_loss", {"x": 1}).resolve()
+
+
+def _ppo():
+    from tandem.algo.config import PPOConfig
+
+    return PPOConfig()
