@@ -38,6 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show-config", help="validate a config (YAML + key=value overrides) and print it resolved")
     add_config_arguments(p)
+    p.add_argument("--keys", action="store_true", help="print the table of every key (type, default, meaning)")
     p.set_defaults(func=_cmd_show_config)
 
     p = sub.add_parser("init-model", help="write a randomly initialised HF-format model with a local tokenizer")
@@ -87,7 +88,13 @@ def _cmd_alloc(args: argparse.Namespace) -> int:
 def _cmd_show_config(args: argparse.Namespace) -> int:
     from tandem.config.loader import to_yaml
 
-    print(to_yaml(config_from_args(args)), end="")
+    cfg = config_from_args(args)
+    if args.keys:
+        from tandem.config.keys_doc import keys_markdown
+
+        print(keys_markdown(type(cfg), cfg))
+    else:
+        print(to_yaml(cfg), end="")
     return 0
 
 

@@ -12,12 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
-
-
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
 
 LEVELS = ("batch", "group", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")

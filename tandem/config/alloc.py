@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from tandem.config.alloc_rules import check_colocation, check_names, resolve_layout
 from tandem.config.alloc_syntax import INFERENCE_BACKENDS, parse_syntax
-from tandem.errors import AllocationError
+from tandem.errors import AllocationError, ConfigError
 
-__all__ = ["AllocationMode", "Component", "parse_allocation"]
+__all__ = ["AllocationMode", "Component", "parse_allocation", "parse_allocation_of_kind"]
 
 MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
@@ -162,3 +162,20 @@ def parse_allocation(spec: str) -> AllocationMode:
                 )
             )
     return AllocationMode(spec=spec, components=tuple(components))
+
+
+def parse_allocation_of_kind(spec: str, key: str, inference: bool) -> AllocationMode:
+    """Parse the allocation in config field `key`, whose components must all be inference
+    (`inference=True`) or all training backends; a `ConfigError` names the field otherwise."""
+    try:
+        mode = parse_allocation(spec)
+    except AllocationError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if inference:
+        wanted, wrong, example = "an inference allocation (sglang, vllm or tandem)", "a training", "tandem:d2"
+    else:
+        wanted, wrong, example = "a training allocation (archon or fsdp)", "an inference", "archon:d2"
+    for comp in mode.components:
+        if comp.is_inference != inference:
+            raise ConfigError(f"{key}: {comp.backend!r} is {wrong} backend but {key} takes {wanted}, e.g. {example!r}")
+    return mode

@@ -37,7 +37,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), schema: 
     for source, data in layers:
         _check_keys(schema, data, prefix="", source=source, root=schema)
 
-    merged = OmegaConf.structured(schema)
+    merged = OmegaConf.structured(_defaults(schema, [data for _, data in layers]))
     for source, data in layers:
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(data))
@@ -49,6 +49,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), schema: 
         raise ConfigError(f"cannot resolve config: {_first_line(exc)}") from None
     validate(cfg)
     return cfg  # type: ignore[return-value]
+
+
+def _defaults(schema: type[T], layers: list[dict]) -> T:
+    """The schema's defaults; a schema with `defaults_for(user_data)` derives them from the user's
+    choices (e.g. an algorithm recipe named in the config)."""
+    defaults_for = getattr(schema, "defaults_for", None)
+    if defaults_for is None:
+        return schema()
+    user: dict = {}
+    for data in layers:
+        user = _deep_merge(user, data)
+    return defaults_for(user)
+
+
+def _deep_merge(base: dict, update: Mapping) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def to_yaml(cfg: Any) -> str:

@@ -3,7 +3,9 @@
 Every field has a default, so a config file only states what differs. Field metadata carries the
 help text shown in docs and, where a field takes one of a fixed set of values, its `choices`, and
 `min` for a numeric floor; `tandem.config.loader` checks both and names the field on failure.
-New sections (rollout workflow, algorithm, weight sync, ...) are added here as their issues land.
+The `rollout` and `algo` sections live next to the code they configure (`tandem.rollout.config`,
+`tandem.algo.config`); `algo.name` picks a recipe whose settings become the defaults that the
+file and overrides then adjust.
 """
 
 from __future__ import annotations
@@ -11,14 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.config.alloc import parse_allocation
-from tandem.errors import AllocationError, ConfigError
-
-
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field with a default and metadata (help text, choices, min)."""
-    return field(default=default, metadata={"help": help, **meta})
-
+from tandem.algo.config import RECIPES, AlgoConfig, recipe
+from tandem.config.alloc import parse_allocation_of_kind
+from tandem.config.fields import config_field as _f
+from tandem.config.optimizer import OptimizerConfig
+from tandem.errors import ConfigError
+from tandem.rollout.config import RolloutConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,38 +32,67 @@ class ExperimentConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    type: str = _f("adamw", "Optimizer.", choices=("adamw",))
-    lr: float = _f(1e-6, "Peak learning rate.", min=0.0)
-    weight_decay: float = _f(0.01, "Decoupled weight decay.", min=0.0)
-    beta1: float = _f(0.9, "Adam beta1.", min=0.0)
-    beta2: float = _f(0.999, "Adam beta2.", min=0.0)
-    eps: float = _f(1e-8, "Adam epsilon.", min=0.0)
-    gradient_clipping: float = _f(1.0, "Max global grad norm (0 disables clipping).", min=0.0)
-    lr_scheduler: str = _f(
-        "constant", "Learning-rate schedule after warmup.", choices=("constant", "linear", "cosine")
-    )
-    warmup_steps_proportion: float = _f(0.0, "Fraction of total steps spent in linear warmup.", min=0.0)
-    min_lr_ratio: float = _f(0.0, "Floor of the decayed learning rate, as a fraction of lr.", min=0.0)
-
-
-@dataclass
 class ActorConfig:
     path: str = _f("", "HF model directory (config.json + safetensors) the actor starts from.")
     dtype: str = _f("float32", "Parameter dtype of the training engine.", choices=DTYPES)
     backend: str = _f("archon:d1", "Training allocation, e.g. 'archon:d2' or 'archon:d2t2' (see tandem alloc).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    max_tokens_per_mb: int = _f(8192, "Token budget of one micro-batch on a trainer rank.", min=1)
+    activation_checkpoint: str = _f("none", "Recompute activations in backward.", choices=("none", "full", "selective"))
+    ac_every: int = _f(1, "With selective checkpointing: every N-th block.", min=1)
+    compile: bool = _f(False, "torch.compile each transformer block.")
+    deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
 
     def check(self, prefix: str) -> None:
-        check_backend(self.backend, f"{prefix}backend", inference=False)
+        parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False)
 
 
 @dataclass
-class RolloutConfig:
-    backend: str = _f("tandem:d1", "Inference allocation, e.g. 'tandem:d2' or 'sglang:d4t2' (see tandem alloc).")
+class GenerationConfig:
+    n_samples: int = _f(4, "Samples per prompt (the GRPO group size).", min=1)
+    max_new_tokens: int = _f(16, "Generation budget per sample.", min=1)
+    temperature: float = _f(1.0, "Sampling temperature of rollouts.", min=0.0)
+    top_p: float = _f(1.0, "Nucleus sampling threshold, in (0, 1].", min=0.0)
+    top_k: int = _f(-1, "Top-k sampling (-1: the whole vocabulary).", min=-1)
 
-    def check(self, prefix: str) -> None:
-        check_backend(self.backend, f"{prefix}backend", inference=True)
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arithmetic", "Built-in task: arithmetic, countdown or gsm8k (see docs/tasks.md).")
+    options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Task options, e.g. {difficulty: add2, instruction: false}."}
+    )
+    train_size: int = _f(20000, "Training items generated (cycled in order).", min=1)
+    eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
+    system_prompt: str | None = _f(None, "System message prepended to every prompt.")
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = _f(20, "RL steps (one batch and one weight update each).", min=1)
+    n_minibatches: int = _f(1, "Optimizer steps per batch (PPO minibatches).", min=1)
+    weight_sync: str = _f("distributed", "How new weights reach the servers.", choices=("disk", "distributed", "shm"))
+    bucket_mb: int = _f(64, "Weight-sync bucket size in MiB.", min=1)
+    verify_weights: bool = _f(False, "After each update, compare per-tensor checksums with every server.")
+    eval_every: int = _f(0, "Evaluate every N steps (0: only before and after training).", min=0)
+    save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: never).", min=0)
+    resume_from: str | None = _f(None, "Directory of a checkpoint written by save_every to continue from.")
+
+
+@dataclass
+class SFTConfig:
+    steps: int = _f(100, "Optimizer steps of `tandem sft`.", min=1)
+    batch_size: int = _f(32, "Examples per SFT step.", min=1)
+    output: str | None = _f(None, "HF directory the SFT model is written to (default: the run directory/sft).")
+    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).", min=0)
+
+
+@dataclass
+class StatsConfig:
+    progress: bool = _f(True, "Show a progress bar.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files to the run directory.")
+    plot: bool = _f(True, "Write plot.png (reward, accuracy, mismatch, time split) at the end.")
+    wandb_project: str | None = _f(None, "Log to this Weights & Biases project (needs `wandb` installed).")
 
 
 @dataclass
@@ -71,18 +100,24 @@ class TandemConfig:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    gen: GenerationConfig = field(default_factory=GenerationConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
 
+    @classmethod
+    def defaults_for(cls, data: dict[str, Any]) -> TandemConfig:
+        """Defaults given what the user wrote: `algo.name` selects a recipe (grpo, dapo, ...)."""
+        name = (data.get("algo") or {}).get("name", "grpo")
+        if name not in RECIPES:
+            raise ConfigError(f"algo.name: {name!r} is not one of {', '.join(RECIPES)}")
+        max_new_tokens = (data.get("gen") or {}).get("max_new_tokens", GenerationConfig.max_new_tokens)
+        return cls(algo=recipe(name, max_new_tokens=int(max_new_tokens)))
 
-def check_backend(spec: str, key: str, inference: bool) -> None:
-    """`key` must hold a valid allocation string whose components are all of the wanted kind."""
-    try:
-        mode = parse_allocation(spec)
-    except AllocationError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    if inference:
-        wanted, wrong, example = "an inference allocation (sglang, vllm or tandem)", "a training", "tandem:d2"
-    else:
-        wanted, wrong, example = "a training allocation (archon or fsdp)", "an inference", "archon:d2"
-    for comp in mode.components:
-        if comp.is_inference != inference:
-            raise ConfigError(f"{key}: {comp.backend!r} is {wrong} backend but {key} takes {wanted}, e.g. {example!r}")
+    def check(self, prefix: str = "") -> None:
+        # Derived fields: the algorithm validates against the rollout's bound and budget.
+        self.algo.ppo.max_head_offpolicyness = self.rollout.max_head_offpolicyness
+        self.algo.reward.max_new_tokens = self.gen.max_new_tokens
+        self.algo.check(f"{prefix}algo.")

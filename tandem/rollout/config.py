@@ -1,27 +1,33 @@
-"""The `rollout` section: what the rollout controller needs (servers, bounds, workers, callbacks).
+"""The `rollout` section: the inference fleet and the rollout controller (bounds, workers, callbacks).
 
-Kept here (not in `tandem.config.schema`) until the controller is wired into the global schema;
-fields carry the same `help` / `choices` / `min` metadata as the schema's sections.
+`backend` is an allocation string (`tandem:d2`, `sglang:d4t2`, `vllm:d2`): Tandem launches `tandem`
+servers itself; SGLang and vLLM servers are started by the user and listed in `servers`. The wire
+protocol follows from the backend (vLLM's OpenAI routes, or SGLang's native routes, which
+`tandem serve` speaks too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
+from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
+from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
 @dataclass
 class RolloutConfig:
-    servers: list[str] = field(default_factory=list, metadata={"help": "Inference server addresses (host:port or URL)."})
-    backend: str = _f("native", "Server protocol.", choices=("native", "tandem", "sglang", "vllm"))
+    backend: str = _f("tandem:d1", "Inference allocation, e.g. 'tandem:d2' (launched by Tandem) or 'sglang:d4t2' (see tandem alloc).")
+    servers: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Addresses (host:port or URL) of servers started elsewhere; required for sglang/vllm."},
+    )
+    server_args: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Extra `tandem serve` options for launched servers, e.g. ['--max-num-seqs', '128']."},
+    )
     model: str | None = _f(None, "vLLM served model name, when the server checks it.")
     api_key: str | None = _f(None, "The servers' API key (sent as 'Authorization: Bearer').")
     max_concurrent_rollouts: int = _f(64, "Episodes running at once.", min=1)
@@ -38,8 +44,23 @@ class RolloutConfig:
                                   min=0.0)
     worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", min=0.0)
 
+    @property
+    def allocation(self) -> AllocationMode:
+        return parse_allocation_of_kind(self.backend, "rollout.backend", inference=True)
+
+    @property
+    def protocol(self) -> str:
+        """How the client talks to the servers: 'vllm' or 'native' (SGLang's routes, also tandem's)."""
+        return "vllm" if self.allocation.components[0].backend == "vllm" else "native"
+
+    @property
+    def launched_by_tandem(self) -> bool:
+        """True when Tandem starts the servers (a `tandem` backend and no addresses given)."""
+        return self.allocation.components[0].backend == "tandem" and not self.servers
+
     def check(self, prefix: str = "rollout.") -> None:
-        """Raise ConfigError naming the field for a value outside its choices or floor."""
+        """Raise ConfigError naming the field for a value outside its choices or floor, a bad
+        allocation, or servers Tandem cannot start and that were not listed."""
         for f in fields(self):
             value = getattr(self, f.name)
             choices, floor = f.metadata.get("choices"), f.metadata.get("min")
@@ -47,12 +68,19 @@ class RolloutConfig:
                 raise ConfigError(f"{prefix}{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
             if floor is not None and value is not None and value < floor:
                 raise ConfigError(f"{prefix}{f.name}={value!r} must be >= {floor}")
-        if not self.servers:
-            raise ConfigError(f"{prefix}servers is empty: give at least one inference server address")
+        mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
+        if len(mode.components) != 1:
+            raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")
+        backend = mode.components[0].backend
+        if backend != "tandem" and not self.servers:
+            raise ConfigError(
+                f"{prefix}servers is empty: Tandem does not start {backend} servers; start them and list their "
+                f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN"
+            )
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(
-            backend=self.backend, model=self.model, deadline_s=self.request_deadline_s,
+            backend=self.protocol, model=self.model, deadline_s=self.request_deadline_s,
             call_timeout_s=self.call_timeout_s, api_key=self.api_key,
         )
 

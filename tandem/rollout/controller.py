@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.data.trajectory import Trajectory
+from tandem.errors import ConfigError
 from tandem.rollout.callback import (
     RolloutCallback,
     bucket_from_json,
@@ -77,6 +78,9 @@ class RolloutController:
     def __init__(self, config: RolloutConfig, secret: str | None = None, deadlines: Deadlines | None = None,
                  start: bool = True):
         config.check()
+        if not config.servers:
+            raise ConfigError("the rollout controller needs server addresses (rollout.servers); for a tandem "
+                              "backend the launcher fills them in after starting the servers")
         self.config = config
         self.secret = secret or secrets.token_urlsafe(32)
         self.pool = ServerPool(config.servers)

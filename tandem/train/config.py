@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.errors import ConfigError
 from tandem.parallel import ParallelizeConfig
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 

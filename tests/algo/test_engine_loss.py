@@ -20,7 +20,7 @@ from tandem.algo import (
     shape_rewards,
     summarize_stats,
 )
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.data.trajectory import Trajectory
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams

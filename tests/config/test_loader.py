@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import main
-from tandem.config.loader import load_config, schema_keys, to_yaml
+from tandem.config.loader import load_config, to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.errors import ConfigError
 
@@ -126,9 +126,15 @@ def test_missing_and_broken_files(tmp_path):
 
 
 def test_every_schema_key_is_documented():
+    """docs/configuration.md holds exactly the generated table (run `tandem show-config --keys`)."""
+    from tandem.config.keys_doc import BEGIN, END, keys_markdown
+
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    missing = [key for key, _ in schema_keys(TandemConfig) if f"`{key}`" not in doc]
-    assert not missing, f"document these keys in docs/configuration.md: {missing}"
+    assert BEGIN in doc and END in doc
+    documented = doc.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert documented == keys_markdown(TandemConfig, load_config(None)), (
+        "docs/configuration.md is out of date: paste the output of `tandem show-config --keys` between the markers"
+    )
 
 
 # --- through the command line -------------------------------------------------------------------
@@ -167,3 +173,31 @@ def test_console_script_exit_code(tmp_path):
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load(path):
     load_config(path)
+
+
+def test_algo_recipe_sets_defaults_and_overrides_win():
+    cfg = load_config(None, ["algo.name=dapo", "gen.max_new_tokens=64"])
+    assert cfg.algo.ppo.eps_clip_higher == 0.28  # DAPO's clip-higher
+    assert cfg.algo.ppo.dynamic_filtering
+    assert cfg.algo.reward.overlong_penalty.enabled
+    assert cfg.algo.reward.max_new_tokens == 64
+    cfg = load_config(None, ["algo.name=dapo", "algo.ppo.eps_clip_higher=0.3"])
+    assert cfg.algo.ppo.eps_clip_higher == 0.3
+    assert load_config(None, ["algo.name=dr_grpo"]).algo.advantage.std_level == "none"
+    with pytest.raises(ConfigError, match=r"algo.name: 'ppo2' is not one of grpo"):
+        load_config(None, ["algo.name=ppo2"])
+
+
+def test_async_without_off_policy_correction_is_refused():
+    """Staleness comes from the rollout section; the refusal from the algorithm's rules."""
+    load_config(None, ["rollout.max_head_offpolicyness=0", "algo.ppo.behave_imp_weight_mode=off"])
+    with pytest.raises(ConfigError, match=r"algo.ppo.behave_imp_weight_mode"):
+        load_config(None, ["rollout.max_head_offpolicyness=2", "algo.ppo.behave_imp_weight_mode=off"])
+
+
+def test_external_servers_must_be_listed():
+    with pytest.raises(ConfigError, match=r"rollout.servers is empty: Tandem does not start sglang servers"):
+        load_config(None, ["rollout.backend=sglang:d2"])
+    cfg = load_config(None, ["rollout.backend=vllm:d1", "rollout.servers=[127.0.0.1:8000]"])
+    assert cfg.rollout.protocol == "vllm"
+    assert load_config(None).rollout.launched_by_tandem

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.data.balance import karmarkar_karp
 from tandem.train import MicroBatchConfig, TrainEngine, plan_micro_batches
 from tests.train.helpers import engine_config, full_params, make_batch, train_steps

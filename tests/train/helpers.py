@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
 
 LENGTHS = [5, 17, 3, 30, 9, 12, 24, 2, 40, 7, 15, 11]

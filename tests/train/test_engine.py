@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.train import LRSchedule, MicroBatchConfig, TrainEngine
