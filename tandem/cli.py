@@ -41,6 +41,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="print the table of every key (type, default, meaning)")
     p.set_defaults(func=_cmd_show_config)
 
+    p = sub.add_parser("train", help="asynchronous RL: launch servers and trainers, train, sync weights, evaluate")
+    add_config_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sft", help="supervised warm start on a task's reference completions; saves an HF model")
+    add_config_arguments(p)
+    p.set_defaults(func=_cmd_sft)
+
     p = sub.add_parser("init-model", help="write a randomly initialised HF-format model with a local tokenizer")
     p.add_argument("out_dir", help="directory to create")
     p.add_argument("--arch", choices=["qwen3", "qwen2"], default="qwen3")
@@ -95,6 +103,35 @@ def _cmd_show_config(args: argparse.Namespace) -> int:
         print(keys_markdown(type(cfg), cfg))
     else:
         print(to_yaml(cfg), end="")
+    return 0
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "aiohttp.access", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from tandem.rl.trainer import run_rl
+
+    cfg = config_from_args(args)
+    _setup_logging()
+    summary = run_rl(cfg)
+    print(summary.describe())
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from tandem.rl.sft import run_sft
+
+    cfg = config_from_args(args)
+    _setup_logging()
+    out, result = run_sft(cfg)
+    print(f"SFT model written to {out}; eval accuracy {result.get('eval/accuracy', float('nan')):.3f}")
     return 0
 
 

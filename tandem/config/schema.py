@@ -29,6 +29,8 @@ class ExperimentConfig:
     trial: str = _f("trial0", "Trial name within the experiment.")
     seed: int = _f(1, "Seed for Python, NumPy and torch RNGs.", min=0)
     fileroot: str = _f("runs", "Root directory of logs, checkpoints and weight copies.")
+    device: str = _f("cpu", "Device of trainers and launched servers (cuda: one GPU per rank/server).",
+                     choices=("cpu", "cuda"))
 
 
 @dataclass
@@ -42,6 +44,7 @@ class ActorConfig:
     ac_every: int = _f(1, "With selective checkpointing: every N-th block.", min=1)
     compile: bool = _f(False, "torch.compile each transformer block.")
     deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
+    num_threads: int = _f(0, "torch threads per trainer rank (0: torch's default).", min=0)
 
     def check(self, prefix: str) -> None:
         parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False)

@@ -1,0 +1,70 @@
+"""Bringing up a run's processes: inference servers, trainer workers, the rollout controller.
+
+Shared by `tandem train` and `tandem sft`. Servers come from `rollout.backend` (launched when it is
+`tandem:dN` without addresses; SGLang/vLLM servers are used by address), trainer workers from
+`actor.backend` (one SPMD group); the `LocalScheduler` tears everything down on exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.config.alloc import parse_allocation_of_kind
+from tandem.config.schema import TandemConfig
+from tandem.errors import ConfigError
+from tandem.launch import LocalScheduler
+from tandem.launch.rpc import WorkerGroup
+from tandem.train import MicroBatchConfig, TrainEngineConfig
+
+
+def run_dir_of(cfg: TandemConfig) -> Path:
+    return Path(cfg.experiment.fileroot) / cfg.experiment.name / cfg.experiment.trial
+
+
+def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> TrainEngineConfig:
+    actor = cfg.actor
+    return TrainEngineConfig(
+        path=model_path,
+        device=cfg.experiment.device,
+        dtype=actor.dtype,
+        seed=cfg.experiment.seed,
+        deterministic=actor.deterministic,
+        activation_checkpoint=actor.activation_checkpoint,
+        ac_every=actor.ac_every,
+        compile=actor.compile,
+        total_train_steps=total_steps,
+        optimizer=actor.optimizer,
+        mb=MicroBatchConfig(max_tokens_per_mb=actor.max_tokens_per_mb),
+    )
+
+
+def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> WorkerGroup:
+    """The trainer group for `actor.backend`, with the engine initialised on every rank."""
+    comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
+    if comp.launch_error:
+        raise ConfigError(f"actor.backend: {comp.launch_error}")
+    if comp.tp * comp.pp * comp.cp * comp.ep > 1:
+        raise ConfigError(
+            f"actor.backend={cfg.actor.backend!r}: only data parallelism (d) is applied by the trainer so "
+            "far; tensor/pipeline/context/expert parallel training is not available yet"
+        )
+    env = {"OMP_NUM_THREADS": str(cfg.actor.num_threads)} if cfg.actor.num_threads else None
+    workers = scheduler.start_workers(comp, name="actor", device=cfg.experiment.device, env=env)
+    workers.call("initialize", engine_config(cfg, model_path, total_steps))
+    return workers
+
+
+@dataclass
+class Fleet:
+    servers: list[str]  # URLs
+    launched: bool
+
+
+def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str) -> Fleet:
+    if not cfg.rollout.launched_by_tandem:
+        return Fleet(list(cfg.rollout.servers), launched=False)
+    comp = cfg.rollout.allocation.components[0]
+    handles = scheduler.start_servers(comp, model_path, server_args=cfg.rollout.server_args,
+                                      device=cfg.experiment.device)
+    return Fleet([f"http://{h.address}" for h in handles], launched=True)

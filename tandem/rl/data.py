@@ -1,0 +1,48 @@
+"""Task items for a run: the train stream (with a cursor, for resuming) and the eval set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.config.schema import TandemConfig
+from tandem.data.tasks import Task, get_task
+from tandem.data.tasks.chat import with_input_ids
+
+
+class CursorLoader:
+    """An endless, ordered stream over `items` (epoch after epoch) that counts what it handed out.
+
+    The rollout executor draws from it as capacity opens; `cursor` is saved in checkpoints so a
+    resumed run continues with the next unseen item instead of replaying the start.
+    """
+
+    def __init__(self, items: list[dict[str, Any]], cursor: int = 0):
+        if not items:
+            raise ValueError("no training items")
+        self.items, self.cursor = items, cursor
+
+    def __iter__(self) -> CursorLoader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        item = self.items[self.cursor % len(self.items)]
+        self.cursor += 1
+        return item
+
+
+@dataclass
+class TaskData:
+    task: Task
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+
+
+def load_task_data(cfg: TandemConfig, tokenizer: Any) -> TaskData:
+    """The configured task's train and eval items, prompts rendered to token ids once."""
+    task = get_task(cfg.task.name, **dict(cfg.task.options))
+    seed = cfg.experiment.seed
+    system = cfg.task.system_prompt
+    train = with_input_ids(task.generate(cfg.task.train_size, seed=seed, split="train"), tokenizer, system)
+    evals = with_input_ids(task.generate(cfg.task.eval_size, seed=seed, split="eval"), tokenizer, system)
+    return TaskData(task, train, evals)

@@ -1,0 +1,56 @@
+"""`tandem sft`: supervised warm start on a task's reference completions, with the same engine.
+
+Loss on the completion tokens only; the batch is split across the trainer ranks like RL batches;
+the result is an HF directory, evaluated greedily by one inference server at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.config.loader import to_yaml
+from tandem.config.schema import TandemConfig
+from tandem.data.tasks.chat import sft_example
+from tandem.launch import LocalScheduler
+from tandem.rl.cluster import run_dir_of, start_workers
+from tandem.rl.data import CursorLoader, load_task_data
+from tandem.rl.dispatch import split_for_ranks
+from tandem.rl.evaluate import evaluate
+from tandem.rl.metrics import MetricsLogger
+from tandem.train.batch import SequenceBatch
+
+
+def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
+    """Train, save, evaluate; returns the HF directory and the eval stats."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "sft-config.yaml").write_text(to_yaml(cfg))
+    out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+    data = load_task_data(cfg, tokenizer)
+    examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.stats.tensorboard)
+    try:
+        with LocalScheduler(run_dir / "logs") as scheduler:
+            workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
+            dp = len(workers.call("ping"))
+            for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
+                chunk = [next(examples) for _ in range(cfg.sft.batch_size)]
+                batch = SequenceBatch.from_token_lists(
+                    [e["input_ids"] for e in chunk], loss_mask=[e["loss_mask"] for e in chunk]
+                )
+                shards, _ = split_for_ranks(batch, dp)
+                stats = workers.call_per_rank("call", [("tandem.rl.worker_fns:sft_step", s) for s in shards])[0]
+                metrics.log(step + 1, stats, phase="sft")
+            workers.call("save_hf", str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
+            workers.shutdown()
+            server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
+            result = evaluate([f"http://{server.address}"], data.eval, data.task, tokenizer,
+                              max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())
+            metrics.log(cfg.sft.steps, result, phase="sft")
+    finally:
+        metrics.close()
+    return out, result

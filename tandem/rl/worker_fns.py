@@ -1,0 +1,82 @@
+"""Steps of the RL loop that run on every trainer rank (through `TrainWorker.call`).
+
+Each function takes the worker first (`worker.engine` is the rank's `TrainEngine`) and is called
+on all ranks with their own shard; everything inside is collective over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.algo.config import AlgoConfig
+from tandem.algo.losses import (
+    make_policy_loss,
+    policy_loss_weight,
+    reduce_stats,
+    set_prox_logprobs,
+    summarize_stats,
+)
+from tandem.algo.mismatch import batch_logprob_mismatch
+from tandem.train.batch import SequenceBatch
+from tandem.train.losses import sft_loss
+
+
+def ppo_update(
+    worker: Any, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float, n_minibatches: int = 1
+) -> dict[str, float]:
+    """Decoupled PPO on this rank's shard: proximal logprobs (one forward pass with the weights of
+    `version`), then one optimizer step per minibatch. Returns stats reduced over all ranks."""
+    engine = worker.engine
+    stats: dict[str, float] = {}
+    if algo.ppo.prox_logp == "recompute":
+        prox = engine.forward_logprobs(shard, temperature=temperature)
+        set_prox_logprobs(shard, prox.logprobs)
+        stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
+    loss_stats: dict[str, Any] = {}
+    loss = make_policy_loss(algo.ppo, version=version, stats=loss_stats)
+    train_stats: list[dict[str, float]] = []
+    for part in _minibatches(shard, n_minibatches):
+        train_stats.append(engine.train_batch(part, loss, policy_loss_weight, temperature=temperature))
+    reduce_stats(loss_stats, engine.dp_group)
+    stats.update({f"ppo/{k}": v for k, v in summarize_stats(loss_stats).items()})
+    last = train_stats[-1]
+    stats.update({
+        "train/loss": sum(s["loss"] for s in train_stats) / len(train_stats),
+        "train/grad_norm": last["grad_norm"],
+        "train/lr": last["lr"],
+        "train/n_tokens": sum(s["n_tokens"] for s in train_stats),
+        "train/n_loss_tokens": sum(s["n_loss_tokens"] for s in train_stats),
+    })
+    return stats
+
+
+def sft_step(worker: Any, shard: SequenceBatch) -> dict[str, float]:
+    """One supervised step (loss on the completion tokens)."""
+    return worker.engine.train_batch(shard, sft_loss)
+
+
+def _minibatches(shard: SequenceBatch, n: int) -> list[SequenceBatch]:
+    """`n` contiguous minibatches (each rank's shard is already balanced; order is arbitrary)."""
+    size = -(-len(shard) // n)
+    return [shard.select(range(i, min(i + size, len(shard)))) for i in range(0, len(shard), size)] or [shard]
+
+
+def _reduce_mismatch(local: dict[str, float], engine: Any) -> dict[str, float]:
+    """Token-weighted means and maxima of the logprob mismatch (`mismatch/[current_]{mean,max,
+    n_tokens}`) over all data-parallel ranks."""
+    out: dict[str, float] = {}
+    for prefix in ("mismatch/", "mismatch/current_"):
+        n, mean, peak = (float(local.get(f"{prefix}{k}", 0.0)) for k in ("n_tokens", "mean", "max"))
+        sums = torch.tensor([n, mean * n], dtype=torch.float64, device=engine.device)
+        top = torch.tensor([peak], dtype=torch.float64, device=engine.device)
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=engine.dp_group)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=engine.dp_group)
+        total = float(sums[0])
+        out[f"{prefix}mean"] = float(sums[1]) / total if total else 0.0
+        out[f"{prefix}max"] = float(top[0])
+        out[f"{prefix}n_tokens"] = total
+    return out
