@@ -1,0 +1,143 @@
+"""`tandem train` as a user runs it: real servers, real trainer ranks, real weight sync.
+
+Each test starts the command as a subprocess with a tiny model on 127.0.0.1 and reads what the run
+wrote (metrics, plot, event files), or signals it and checks that nothing of it remains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.models.tiny import init_model
+from tests.launch.procs import alive, descendants
+
+pytestmark = pytest.mark.slow
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
+
+
+def write_config(tmp_path: Path, model: Path, **sections: dict) -> Path:
+    cfg = {
+        "experiment": {"name": "e2e", "trial": "t", "fileroot": str(tmp_path / "runs")},
+        "actor": {"path": str(model), "backend": "archon:d2", "num_threads": 1, "optimizer": {"lr": 1e-3}},
+        "rollout": {"backend": "tandem:d2", "server_args": ["--num-threads", "1"], "consumer_batch_size": 4},
+        "gen": {"n_samples": 2, "max_new_tokens": 6},
+        "task": {"name": "arithmetic", "options": {"difficulty": "add1", "instruction": False},
+                 "train_size": 64, "eval_size": 8},
+        "train": {"total_steps": 2},
+        "stats": {"progress": False},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "runs" / "e2e" / "t"
+
+
+def rl_rows(tmp_path: Path) -> list[dict]:
+    path = run_dir(tmp_path) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["phase"] == "rl" and r["step"] > 0]
+
+
+def test_staleness_zero_gives_ratio_one_and_no_mismatch(tmp_path, model_dir):
+    """Synchronous setting: the first PPO minibatch's ratio is exactly 1 and the servers' logprobs
+    equal the trainer's (fp32, CPU); the run leaves its plot, event files and summary."""
+    cfg = write_config(tmp_path, model_dir, rollout={"max_head_offpolicyness": 0}, train={"total_steps": 2})
+    proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval accuracy:" in proc.stdout
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ppo/ratio_max"] == 1.0 and r["ppo/ratio"] == 1.0
+        assert r["ppo/clip_frac"] == 0.0
+        assert r["mismatch/max"] <= 1e-5, r["mismatch/max"]
+        assert r["mismatch/n_tokens"] > 0
+        assert r["staleness/max"] == 0.0  # every token from the trainer's current version
+        assert r["version"] == r["step"]
+    out = run_dir(tmp_path)
+    assert (out / "plot.png").stat().st_size > 10_000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert "eval accuracy" in (out / "summary.txt").read_text()
+
+
+def _start(tmp_path: Path, model: Path) -> subprocess.Popen:
+    cfg = write_config(tmp_path, model, train={"total_steps": 200})
+    return subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_steps(tmp_path: Path, proc: subprocess.Popen, steps: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while len(rl_rows(tmp_path)) < steps:  # bounded by the deadline; the run writes a row per step
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.5)
+
+
+def test_ctrl_c_leaves_no_process(tmp_path, model_dir):
+    proc = _start(tmp_path, model_dir)
+    try:
+        _wait_for_steps(tmp_path, proc, 1)
+        tree = descendants(proc.pid)
+        assert len(tree) >= 4  # two servers and two trainer ranks at least
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree if alive(p)], "processes left behind after Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _trainer_rank(pids: set[int], rank: int) -> int:
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tandem.launch.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no trainer rank {rank} among {sorted(pids)}")
+
+
+def test_trainer_crash_ends_the_run_naming_the_rank(tmp_path, model_dir):
+    proc = _start(tmp_path, model_dir)
+    try:
+        _wait_for_steps(tmp_path, proc, 1)
+        tree = descendants(proc.pid)
+        os.kill(_trainer_rank(tree, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+        assert proc.returncode != 0
+        assert "rank 1" in err and "SIGKILL" in err, err[-3000:]
+        assert took < 30, f"the run noticed the crash after {took:.1f}s"
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree if alive(p)], "processes left behind after the crash"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
