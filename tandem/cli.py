@@ -18,6 +18,9 @@ EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tandem.launch.affinity import apply_cpu_affinity_from_env
+
+    apply_cpu_affinity_from_env()  # launched servers may be pinned to their cores
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:

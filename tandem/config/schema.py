@@ -18,6 +18,7 @@ from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
 from tandem.config.optimizer import OptimizerConfig
 from tandem.errors import ConfigError
+from tandem.launch.affinity import parse_cpus
 from tandem.rollout.config import RolloutConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,9 +46,11 @@ class ActorConfig:
     compile: bool = _f(False, "torch.compile each transformer block.")
     deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
     num_threads: int = _f(0, "torch threads per trainer rank (0: torch's default).", min=0)
+    cpus: str = _f("", "Pin trainer ranks to these cores, e.g. '1' or '2-3' (empty: no pinning).")
 
     def check(self, prefix: str) -> None:
         parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False)
+        check_cpus(self.cpus, f"{prefix}cpus")
 
 
 @dataclass
@@ -124,3 +127,11 @@ class TandemConfig:
         self.algo.ppo.max_head_offpolicyness = self.rollout.max_head_offpolicyness
         self.algo.reward.max_new_tokens = self.gen.max_new_tokens
         self.algo.check(f"{prefix}algo.")
+
+
+def check_cpus(spec: str, key: str) -> None:
+    if spec:
+        try:
+            parse_cpus(spec)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None

@@ -28,6 +28,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from tandem.launch.affinity import apply_cpu_affinity_from_env
 from tandem.launch.guard import die_with_parent
 from tandem.launch.local import ENV_AUTHKEY, ENV_PARENT_PID, ENV_READY_FD
 from tandem.launch.rpc import ExitAfterReply, serve
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=None, help="name in logs")
     parser.add_argument("--pg-timeout", type=float, default=1800.0, help="seconds for rendezvous and each collective")
     args = parser.parse_args(argv)
+    apply_cpu_affinity_from_env()
 
     if (parent := os.environ.get(ENV_PARENT_PID)) is not None:
         die_with_parent(int(parent))

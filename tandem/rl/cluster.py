@@ -14,6 +14,7 @@ from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.schema import TandemConfig
 from tandem.errors import ConfigError
 from tandem.launch import LocalScheduler
+from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.rpc import WorkerGroup
 from tandem.train import MicroBatchConfig, TrainEngineConfig
 
@@ -49,7 +50,11 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
             f"actor.backend={cfg.actor.backend!r}: only data parallelism (d) is applied by the trainer so "
             "far; tensor/pipeline/context/expert parallel training is not available yet"
         )
-    env = {"OMP_NUM_THREADS": str(cfg.actor.num_threads)} if cfg.actor.num_threads else None
+    env = {}
+    if cfg.actor.num_threads:
+        env["OMP_NUM_THREADS"] = str(cfg.actor.num_threads)
+    if cfg.actor.cpus:
+        env[ENV_CPUS] = cfg.actor.cpus
     workers = scheduler.start_workers(comp, name="actor", device=cfg.experiment.device, env=env)
     workers.call("initialize", engine_config(cfg, model_path, total_steps))
     return workers
@@ -65,6 +70,7 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str)
     if not cfg.rollout.launched_by_tandem:
         return Fleet(list(cfg.rollout.servers), launched=False)
     comp = cfg.rollout.allocation.components[0]
+    env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
     handles = scheduler.start_servers(comp, model_path, server_args=cfg.rollout.server_args,
-                                      device=cfg.experiment.device)
+                                      device=cfg.experiment.device, env=env)
     return Fleet([f"http://{h.address}" for h in handles], launched=True)

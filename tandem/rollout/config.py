@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
+from tandem.launch.affinity import parse_cpus
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 
@@ -28,6 +29,7 @@ class RolloutConfig:
         default_factory=list,
         metadata={"help": "Extra `tandem serve` options for launched servers, e.g. ['--max-num-seqs', '128']."},
     )
+    cpus: str = _f("", "Pin launched servers to these cores, e.g. '0' (empty: no pinning).")
     model: str | None = _f(None, "vLLM served model name, when the server checks it.")
     api_key: str | None = _f(None, "The servers' API key (sent as 'Authorization: Bearer').")
     max_concurrent_rollouts: int = _f(64, "Episodes running at once.", min=1)
@@ -68,6 +70,11 @@ class RolloutConfig:
                 raise ConfigError(f"{prefix}{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
             if floor is not None and value is not None and value < floor:
                 raise ConfigError(f"{prefix}{f.name}={value!r} must be >= {floor}")
+        if self.cpus:
+            try:
+                parse_cpus(self.cpus)
+            except ValueError as exc:
+                raise ConfigError(f"{prefix}cpus: {exc}") from None
         mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
         if len(mode.components) != 1:
             raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")

@@ -1,0 +1,36 @@
+"""CPU pinning of launched processes: `TANDEM_CPUS=0-1,4` restricts a process to those cores.
+
+The launcher sets it per role (`actor.cpus`, `rollout.cpus`), so servers and trainers can be kept
+on separate cores (no time slicing between generation and training); every entry point (the
+`tandem` command, the trainer worker) applies it before doing any work.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_CPUS = "TANDEM_CPUS"
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0-2,5' -> {0, 1, 2, 5}; ValueError naming the spec when it is malformed."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"CPU list {spec!r} must look like '0-3,6' (cores and ranges)") from None
+    if not cpus:
+        raise ValueError(f"CPU list {spec!r} names no core")
+    return cpus
+
+
+def apply_cpu_affinity_from_env() -> set[int] | None:
+    """Pin this process to the cores in `TANDEM_CPUS`, if set; returns them."""
+    spec = os.environ.get(ENV_CPUS)
+    if not spec:
+        return None
+    cpus = parse_cpus(spec)
+    os.sched_setaffinity(0, cpus)
+    return cpus
