@@ -8,6 +8,7 @@ on separate cores (no time slicing between generation and training); every entry
 from __future__ import annotations
 
 import os
+import re
 
 ENV_CPUS = "TANDEM_CPUS"
 
@@ -15,12 +16,12 @@ ENV_CPUS = "TANDEM_CPUS"
 def parse_cpus(spec: str) -> set[int]:
     """'0-2,5' -> {0, 1, 2, 5}; ValueError naming the spec when it is malformed."""
     cpus: set[int] = set()
-    try:
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"CPU list {spec!r} must look like '0-3,6' (cores and ranges)") from None
+    for part in (p.strip() for p in spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if match is None:
+            raise ValueError(f"CPU list {spec!r} must look like '0-3,6' (cores and ranges)")
+        lo, hi = int(match[1]), int(match[2] or match[1])
+        cpus.update(range(lo, hi + 1))
     if not cpus:
         raise ValueError(f"CPU list {spec!r} names no core")
     return cpus
