@@ -7,24 +7,26 @@ bf16. Per model, every transport runs the full update (pause, transfer, commit, 
 - **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
 - **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
 - **disk**: HF checkpoint written by the trainer, staged by the server;
-- **shm**: one /dev/shm segment per bucket, mapped and copied by the server, unlinked after the
-  update; **shm, reused segments** (`shm_reuse=True`): the same, keeping the segments between
-  updates (created outside the timing).
-The transfer group is formed once before timing. Also measured in the same run, on the same
-bytes: **raw gloo** (a plain broadcast of the same tensors to a bare receiver process that
-receives into buffers allocated once) and **raw memcpy** (one copy of the same tensors into
-buffers allocated once). GB/s = payload bytes / seconds of the whole update.
+- **shm**: one /dev/shm segment per bucket (the default `shm_reuse=True`: segments kept between
+  updates, created by an untimed first update), mapped and copied by the server;
+  **shm, fresh segments** (`shm_reuse=False`): segments created and unlinked by every update.
+Distributed buckets travel as one flat buffer each (one broadcast per bucket) into persistent
+receive buffers on the server; the group and those buffers are made by an untimed first update.
+Also measured in the same run, on the same bytes: **raw gloo** (a plain broadcast to a bare
+receiver process that receives into buffers allocated once; the faster of one broadcast per
+tensor and one per flat bucket) and **raw memcpy** (one copy of the same tensors into buffers
+allocated once). GB/s = payload bytes / seconds of the whole update.
 
-Run: `.venv/bin/python bench/weight_sync.py` (about 5-8 minutes on 2 cores); prints a table and
+Run: `.venv/bin/python bench/weight_sync.py` (about 2-3 minutes on 2 cores); prints a table and
 appends it to docs/benchmarks.md (`--no-report` to skip). `--sizes 10M,100M` picks models.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ from tandem.train import TrainEngine, TrainEngineConfig
 from tandem.weights import host_store, init_weight_group
 from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import Deadlines, WeightUpdateMeta
+from tandem.weights.shm import layout, pack
 from tandem.weights.update import WeightUpdater
 from tests.inference.server_utils import ServerProcess
 
@@ -52,7 +55,7 @@ SIZES = {
     "500M": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, head_dim=64, intermediate_size=4864),
 }
-REPS = {"10M": 3, "100M": 2, "500M": 1}
+REPS = {"10M": 7, "100M": 5, "500M": 3}
 DEADLINES = Deadlines(init_group_s=120, bucket_s=300, update_s=1200, http_s=120)
 
 
@@ -67,10 +70,10 @@ def make_model(root: Path, size: str) -> tuple[Path, int]:
     return save_model(model, root / f"qwen-{size}"), n_params
 
 
-def _raw_receiver(port: int, shapes: list[tuple[int, ...]], reps: int) -> None:
+def _raw_receiver(port: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], reps: int) -> None:
     torch.set_num_threads(1)
     group = init_weight_group("127.0.0.1", port, 1, 2, timeout_s=300)
-    bufs = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    bufs = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
     for _ in range(reps):
         for b in bufs:
             group.broadcast(b)
@@ -80,10 +83,11 @@ def _raw_receiver(port: int, shapes: list[tuple[int, ...]], reps: int) -> None:
 
 
 def raw_gloo(tensors: list[torch.Tensor], reps: int) -> float:
-    """Seconds for a plain gloo broadcast of `tensors` (one op per tensor) to another process."""
+    """Seconds for a plain gloo broadcast of `tensors` (one op each) to another process."""
     store = host_store("127.0.0.1", 0, timeout_s=300)
-    proc = mp.get_context("spawn").Process(target=_raw_receiver,
-                                           args=(store.port, [tuple(t.shape) for t in tensors], reps + 1))
+    proc = mp.get_context("spawn").Process(
+        target=_raw_receiver, args=(store.port, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors],
+                                    reps + 1))
     proc.start()
     group = init_weight_group("127.0.0.1", store.port, 0, 2, timeout_s=300, store=store)
     times = []
@@ -98,6 +102,17 @@ def raw_gloo(tensors: list[torch.Tensor], reps: int) -> float:
     return min(times[1:])
 
 
+def flat_buckets(buckets: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each bucket as one uint8 buffer (the layout the updater sends)."""
+    out = []
+    for tensors in buckets:
+        offsets, nbytes = layout(tensors)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        pack(buf, tensors, offsets)
+        out.append(buf)
+    return out
+
+
 def raw_memcpy(tensors: list[torch.Tensor], reps: int) -> float:
     dst = [torch.empty_like(t) for t in tensors]
     times = []
@@ -109,40 +124,65 @@ def raw_memcpy(tensors: list[torch.Tensor], reps: int) -> float:
     return min(times[1:])
 
 
-def run_size(size: str, root: Path, log_dir: Path) -> dict:
+LABELS = ("serial", "pipelined", "disk", "shm", "shm_fresh")
+
+
+def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = None,
+             labels: tuple[str, ...] = LABELS) -> dict:
     model_dir, n_params = make_model(root, size)
     server = ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
                            "--weight-sync-timeout", "300", timeout=600)
     engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
     payload = sum(p.numel() for p in engine.model.parameters()) * 2
-    bucket = max(4 << 20, payload // 16)
+    bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
     reps = REPS[size]
     out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket}
-    tensors = [t.clone() for b in engine.export_weights(bucket) for _, t in b]
-    out["raw_gloo"] = raw_gloo(tensors, reps)
+    buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
+    tensors = [t for b in buckets for t in b]
+    out["raw_gloo_tensors"] = raw_gloo(tensors, reps)
+    out["raw_gloo_flat"] = raw_gloo(flat_buckets(buckets), reps)
+    out["raw_gloo"] = min(out["raw_gloo_tensors"], out["raw_gloo_flat"])
     out["raw_memcpy"] = raw_memcpy(tensors, reps)
-    del tensors
+    del tensors, buckets
+    print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
+          f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
     try:
-        with HttpFleet([server.url], deadlines=DEADLINES) as fleet:
+        with HttpFleet([server.url], deadlines=DEADLINES) as fleet, contextlib.ExitStack() as stack:
             version = 0
-            for label, kind, pipeline in (("serial", "distributed", False), ("pipelined", "distributed", True),
-                                          ("disk", "disk", True), ("shm", "shm", True), ("shm_reuse", "shm", True)):
+            # One updater per transport, all open at once; serial and pipelined share one (and its
+            # group), toggling `pipeline`. Runs are interleaved (every transport once per round), so
+            # the noise of a shared machine hits all of them alike.
+            updaters: dict[str, WeightUpdater] = {}
+            for label in labels:
+                kind = {"serial": "distributed", "pipelined": "distributed", "shm_fresh": "shm"}.get(label, label)
+                if kind == "distributed" and "distributed" in updaters:
+                    updaters[label] = updaters["distributed"]
+                    continue
                 meta = WeightUpdateMeta(type=kind, path=str(root / f"versions-{size}"), bucket_bytes=bucket,
                                         deadlines=DEADLINES)
-                reuse = label == "shm_reuse"
-                with WeightUpdater(engine, fleet, meta, pipeline=pipeline, shm_reuse=reuse) as updater:
-                    if kind == "distributed" or reuse:  # form the group / the segments outside the timing
-                        version += 1
-                        updater.update(version)
-                    times, phases = [], []
-                    for _ in range(reps):
-                        version += 1
-                        report = updater.update(version)
-                        times.append(report.seconds)
-                        phases.append(report.phases)
-                out[label] = statistics.median(times)
-                out[label + "_phases"] = phases[len(phases) // 2]
-                print(f"  {size} {label}: {out[label]:.3f}s {out[label + '_phases']}", flush=True)
+                updater = stack.enter_context(WeightUpdater(engine, fleet, meta, shm_reuse=label != "shm_fresh"))
+                updaters[label] = updater
+                if kind == "distributed":
+                    updaters["distributed"] = updater
+                # Outside the timing: the group, the server's two sets of staging buffers (ping-pong:
+                # steady from the third update on), the trainer's send buffers, the shm segments.
+                for _ in range(2 if kind == "distributed" else 1 if label == "shm" else 0):
+                    version += 1
+                    updater.update(version)
+            results: dict[str, list] = {label: [] for label in labels}
+            for _ in range(reps):
+                for label in labels:
+                    updater = updaters[label]
+                    updater.pipeline = label != "serial"
+                    version += 1
+                    report = updater.update(version)
+                    results[label].append((report.seconds, report.phases))
+            for label in labels:
+                runs = sorted(results[label], key=lambda r: r[0])
+                out[label], out[label + "_phases"] = runs[len(runs) // 2]
+                shown = {p: round(v, 3) for p, v in out[label + "_phases"].items()}
+                print(f"  {size} {label}: {out[label]:.3f}s (runs {[round(r[0], 3) for r in results[label]]}) "
+                      f"{shown}", flush=True)
     finally:
         engine.close()
         server.stop()
@@ -151,9 +191,9 @@ def run_size(size: str, root: Path, log_dir: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | params | bf16 bytes | buckets of | serial | pipelined | disk | shm | shm, reused segments "
+        "| model | params | bf16 bytes | buckets of | serial | pipelined | disk | shm | shm, fresh segments "
         "| raw gloo | raw memcpy | pipelined / serial | pipelined / raw gloo | shm / pipelined "
-        "| shm reused / pipelined |",
+        "| shm fresh / pipelined |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
@@ -164,9 +204,9 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} MiB | {r['bucket'] / 2**20:.0f} MiB "
             f"| {cell(r, 'serial')} | {cell(r, 'pipelined')} | {cell(r, 'disk')} | {cell(r, 'shm')} "
-            f"| {cell(r, 'shm_reuse')} | {cell(r, 'raw_gloo')} | {cell(r, 'raw_memcpy')} "
+            f"| {cell(r, 'shm_fresh')} | {cell(r, 'raw_gloo')} | {cell(r, 'raw_memcpy')} "
             f"| {r['serial'] / r['pipelined']:.2f}x | {r['raw_gloo'] / r['pipelined'] * 100:.0f}% "
-            f"| {r['pipelined'] / r['shm']:.2f}x | {r['pipelined'] / r['shm_reuse']:.2f}x |"
+            f"| {r['pipelined'] / r['shm']:.2f}x | {r['pipelined'] / r['shm_fresh']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -175,6 +215,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10M,100M,500M")
     ap.add_argument("--no-report", action="store_true")
+    ap.add_argument("--bucket-mib", type=float, default=None, help="bucket size (default: payload / 16, >= 4 MiB)")
+    ap.add_argument("--only", default=",".join(LABELS), help="transports to run (a quick look; no report)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -184,16 +226,19 @@ def main() -> None:
         log_dir.mkdir()
         for size in args.sizes.split(","):
             print(f"model {size} ...", flush=True)
-            rows.append(run_size(size, root, log_dir))
+            rows.append(run_size(size, root, log_dir, args.bucket_mib, tuple(args.only.split(","))))
+    if args.only != ",".join(LABELS):
+        return
     body = table(rows)
     phases = "\n".join(f"- {r['size']}: " + "; ".join(
         f"{k}: " + ", ".join(f"{p} {s:.2f}s" for p, s in r[f"{k}_phases"].items())
-        for k in ("serial", "pipelined", "disk", "shm", "shm_reuse")) for r in rows)
+        for k in LABELS) for r in rows)
     text = (f"{body}\n\nPhases of the median run (seconds):\n{phases}\n\n"
             "Times are whole updates (pause, transfer, commit, version, continue) between one trainer process "
             "(TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket) and one `tandem serve` "
-            "process (bf16, 1 torch thread); raw gloo = a plain broadcast of the same tensors into buffers "
-            "allocated once; raw memcpy = one copy of the same tensors into buffers allocated once.")
+            "process (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
+            "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
+            "across transports, median of 7 / 5 / 3 rounds; raw memcpy = one copy of the same tensors into buffers allocated once.")
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)

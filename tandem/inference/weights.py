@@ -55,11 +55,31 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     return staged
 
 
+ADOPT = "_tandem_adopt"  # set on a staged tensor the model may keep as its parameter's storage
+ADOPTED = "_tandem_adopted"  # set by `swap_weights` on tensors it did keep
+
+
+def mark_adoptable(tensor: torch.Tensor) -> torch.Tensor:
+    setattr(tensor, ADOPT, True)
+    return tensor
+
+
 @torch.no_grad()
-def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> None:
+def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> bool:
+    """Put `staged` into the parameters. When EVERY staged tensor is marked adoptable
+    (`mark_adoptable`) and has its parameter's dtype and device, the parameters are rebound to
+    those tensors (no copy; a server's ping-pong staging buffers) and each is marked `ADOPTED`;
+    otherwise every tensor is copied in place (cast when dtypes differ). -> whether adopted."""
     params = dict(model.named_parameters())
+    adopt = bool(staged) and all(getattr(t, ADOPT, False) and t.dtype == params[n].dtype
+                                 and t.device == params[n].device for n, t in staged.items())
     for name, tensor in staged.items():
-        params[name].copy_(tensor)
+        if adopt:
+            params[name].data = tensor
+            setattr(tensor, ADOPTED, True)
+        else:
+            params[name].copy_(tensor)
+    return adopt
 
 
 def weight_checksums(model: nn.Module, hf_names: Iterable[str] | None = None) -> dict[str, str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.errors import TandemError
-from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.meta import FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,11 @@ class Fleet(Protocol):
 
     def update_weights_from_distributed(
         self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *, commit: bool = True,
-        bucket_index: int | None = None,
+        bucket_index: int | None = None, flat: FlatLayout | None = None,
     ) -> Future[FleetResult]:
-        """Announce one bucket; servers then receive `broadcast(src=0)` for each spec in order."""
+        """Announce one bucket; servers then receive `broadcast(src=0)` for each spec in order, or
+        with `flat`, ONE broadcast of a uint8 buffer of `flat.nbytes` holding every tensor at its
+        offset. Only fleets whose `supports_flat_buckets` is true accept `flat`."""
         ...
 
     def update_weights_from_shm(

@@ -24,10 +24,12 @@ from typing import Any
 import aiohttp
 
 from tandem.weights.fleet import FleetError, FleetResult, ServerChecksums, ServerResult
-from tandem.weights.meta import Deadlines, ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 
 
 class HttpFleet:
+    supports_flat_buckets = True  # one broadcast per bucket (`flat`), see Fleet
+
     def __init__(self, addresses: Sequence[str], *, api_key: str | None = None,
                  deadlines: Deadlines | None = None):
         if not addresses:
@@ -50,10 +52,9 @@ class HttpFleet:
 
     async def _post(self, address: str, path: str, body: dict[str, Any], timeout: float) -> tuple[ServerResult, Any]:
         if self._session is None:
-            # A fresh connection per call: on a kept-alive connection the server's reply waits ~40 ms
-            # for a delayed ACK (Nagle on its side); connecting over loopback/LAN costs far less.
-            self._session = aiohttp.ClientSession(headers=self._headers,
-                                                  connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            # Kept-alive connections (`tandem serve` sets TCP_NODELAY on accepted sockets, so a
+            # reply is not held back by Nagle + delayed ACK); no per-host limit: calls fan out.
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0))
         try:
             async with self._session.post(address + path, json=body,
                                           timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -136,8 +137,11 @@ class HttpFleet:
         return route if bucket_index is None else f"{route} (bucket {bucket_index})"
 
     def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *,
-                                        commit: bool = True, bucket_index: int | None = None) -> Future[FleetResult]:
+                                        commit: bool = True, bucket_index: int | None = None,
+                                        flat: FlatLayout | None = None) -> Future[FleetResult]:
         body = {**self._bucket_fields(meta, specs, commit, bucket_index), "group_name": meta.group_name}
+        if flat is not None:
+            body.update(offsets=list(flat.offsets), nbytes=flat.nbytes)
         return self._async(self._bucket_phase("update_weights_from_distributed", bucket_index),
                            "/update_weights_from_distributed", body, self.deadlines.bucket_s)
 

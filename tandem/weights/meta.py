@@ -42,6 +42,16 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class FlatLayout:
+    """How one bucket travels as a single flat byte buffer: tensor i (in the announced specs'
+    dtype and shape) starts at `offsets[i]` (a multiple of 64) of a uint8 buffer of `nbytes`.
+    One broadcast per bucket instead of one per tensor."""
+
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ShmBucket:
     """One bucket in shared memory: its tensors' specs and byte offsets in a segment of `nbytes`,
     which is a /dev/shm file (`segment`) or, on GPU, a CUDA IPC handle (`cuda_ipc`)."""

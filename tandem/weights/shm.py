@@ -1,11 +1,14 @@
 """Shared-memory buckets for inference servers on the trainer's host (data plane only).
 
 A bucket is one segment: a file in /dev/shm named `tandem-w-<pid>-<token>-<k>` holding its tensors
-back to back, each at an offset aligned to `ALIGN` bytes. Trainer rank 0 creates and writes it
-(`ShmWriter`), the server maps it read-only (`map_segment`) and copies out of it when the update
-commits; the trainer unlinks it after the update (committed or not). A server keeps no mapping
-after commit/discard, so nothing of the segment outlives the update. The segment's name carries
-the creator's pid, so `remove_stale_segments` can delete what a killed trainer left behind.
+back to back, each at an offset aligned to `ALIGN` bytes (the same layout a distributed bucket
+uses in its flat buffer: `layout`, `pack`). Trainer rank 0 creates it and casts the tensors
+straight into it (`ShmWriter`); the server maps it read-only (`map_segment`), copies it into its
+staging buffer and unmaps it while answering the request (a one-shot update instead keeps views
+until it commits). The trainer keeps its segments between updates (their pages stay allocated) or
+unlinks them after each one; either way they are unlinked at close and after a failure. The
+segment's name carries the creator's pid, so `remove_stale_segments` can delete what a killed
+trainer left behind.
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
 (`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file.
@@ -38,14 +41,33 @@ class ShmError(TandemError, RuntimeError):
     """A shared-memory segment is missing, malformed or too small."""
 
 
-def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Offsets of each tensor in a segment and the segment's size."""
+def layout(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> tuple[list[int], int]:
+    """Offsets of each tensor in a segment (or flat buffer) and its size, each tensor stored in
+    `dtype` (default: its own) at an offset aligned to `ALIGN` bytes."""
     offsets, end = [], 0
     for t in tensors:
+        element = t.element_size() if dtype is None else _element_size(dtype)
         end = -(-end // ALIGN) * ALIGN
         offsets.append(end)
-        end += t.numel() * t.element_size()
+        end += t.numel() * element
     return offsets, max(end, 1)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def pack(buf: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+         dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Copy (casting to `dtype` when given) each tensor into the uint8 buffer `buf` at its offset;
+    -> the views (one per tensor, in the stored dtype). No allocation: the cast writes straight
+    into `buf`."""
+    views = []
+    for t, off in zip(tensors, offsets, strict=True):
+        view = _view(buf, off, t.shape, dtype or t.dtype)
+        view.copy_(t)
+        views.append(view)
+    return views
 
 
 def segment_path(name: str) -> Path:
@@ -58,7 +80,7 @@ def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dty
     numel = 1
     for d in shape:
         numel *= int(d)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * _element_size(dtype)
     if offset < 0 or offset % ALIGN or offset + nbytes > buf.numel():
         raise ShmError(f"tensor at offset {offset} ({nbytes} bytes) does not fit the segment of {buf.numel()} bytes "
                        f"(offsets must be multiples of {ALIGN})")
@@ -79,9 +101,11 @@ class ShmWriter:
     def rewind(self) -> None:
         self._next = 0
 
-    def write(self, tensors: Sequence[torch.Tensor]) -> tuple[str, list[int], int]:
-        """`tensors` into the next segment; -> (segment name, offsets, size in bytes)."""
-        offsets, nbytes = layout(tensors)
+    def write(self, tensors: Sequence[torch.Tensor],
+              dtype: torch.dtype | None = None) -> tuple[str, list[int], int, list[torch.Tensor]]:
+        """`tensors` (cast to `dtype` when given, straight into the segment) into the next segment;
+        -> (segment name, offsets, size in bytes, views of the written tensors)."""
+        offsets, nbytes = layout(tensors, dtype)
         k = self._next
         self._next += 1
         if k < len(self._maps) and len(self._maps[k]) != nbytes:
@@ -103,14 +127,11 @@ class ShmWriter:
                 self.paths.append(path)
                 self._maps.append(mm)
         mm, name = self._maps[k], self.paths[k].name
-        buf = torch.frombuffer(mm, dtype=torch.uint8)
-        for t, off in zip(tensors, offsets, strict=True):
-            _view(buf, off, t.shape, t.dtype).copy_(t)
-        del buf
-        return name, offsets, nbytes
+        views = pack(torch.frombuffer(mm, dtype=torch.uint8), tensors, offsets, dtype)
+        return name, offsets, nbytes, views
 
     def close(self) -> None:
-        """Unmap and unlink every segment (idempotent)."""
+        """Unmap and unlink every segment (idempotent). Views returned by `write` must be gone."""
         for mm in self._maps:
             with contextlib.suppress(BufferError, ValueError, AttributeError):
                 mm.close()
@@ -170,15 +191,16 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------ CUDA IPC
-def cuda_ipc_handle(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, str, list[int], int]:
-    """GPU trainer: one device buffer with the layout above and its IPC handle (base64 text).
-    Keep the returned buffer alive until every server has committed or discarded the update."""
+def cuda_ipc_handle(tensors: Sequence[torch.Tensor],
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, str, list[int], int]:
+    """GPU trainer: one device buffer with the layout above (tensors cast to `dtype` when given)
+    and its IPC handle (base64 text). Keep the returned buffer alive until every server has
+    committed or discarded the update."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    offsets, nbytes = layout(tensors)
+    offsets, nbytes = layout(tensors, dtype)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
-    for t, off in zip(tensors, offsets, strict=True):
-        _view(buf, off, t.shape, t.dtype).copy_(t)
+    pack(buf, tensors, offsets, dtype)
     handle = base64.b64encode(pickle.dumps(reduce_tensor(buf))).decode()
     return buf, handle, offsets, nbytes
 

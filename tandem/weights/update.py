@@ -20,11 +20,16 @@ Transports (`meta.type`):
   renamed when complete); servers stage it concurrently; after every server committed version N,
   older versions are deleted (N stays).
 - distributed: rank 0 hosts a store, forms the group with the servers (its rank 0, server i at
-  1 + i) and, per bucket, sends the HTTP announcement and the broadcasts concurrently. Pipelined
-  (default): bucket k + 1 is gathered while bucket k is broadcast, its request issued when k is
-  acknowledged; at most one bucket in flight. Serial: gather, send, wait, next.
-- shm: per bucket, rank 0 writes one /dev/shm segment and the servers map it; the same pipeline;
-  every segment is unlinked when the update ends, committed or not.
+  1 + i) and, per bucket, sends the HTTP announcement and the broadcast concurrently. Each bucket
+  is cast straight into one of two flat send buffers kept between updates and goes out as ONE
+  broadcast (`FlatLayout`: offsets in the announcement), when the fleet supports it (HttpFleet);
+  otherwise one broadcast per tensor (views of the same buffer). Pipelined (default): bucket k + 1
+  is gathered/cast while bucket k is broadcast, its request issued when k is acknowledged; at most
+  one bucket in flight. Serial: gather, send, wait, next.
+- shm: per bucket, rank 0 casts straight into one /dev/shm segment and the servers copy it out at
+  once; the same pipeline. Segments are kept between updates (`shm_reuse=True`, the default) and
+  unlinked at `close`, after a failure, or (a dead trainer's) by the next updater; with
+  `shm_reuse=False` every segment is unlinked when the update ends, committed or not.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import dataclasses
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +52,8 @@ import torch.distributed as dist
 from tandem.errors import TandemError
 from tandem.weights.fleet import Fleet, FleetError, ServerResult
 from tandem.weights.group import WeightGroup, WeightGroupError, dtype_from_name, host_store, init_weight_group
-from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
-from tandem.weights.shm import ShmWriter, cuda_ipc_handle, remove_stale_segments
+from tandem.weights.meta import FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.shm import ShmWriter, cuda_ipc_handle, layout, pack, remove_stale_segments, tensor_views
 from tandem.weights.verify import compare_checksums, tensor_checksum
 
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
@@ -103,11 +108,11 @@ class _InFlight:
 class WeightUpdater:
     def __init__(self, engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, pipeline: bool = True,
                  verify: bool = False, dtype: torch.dtype | None = None, keep_group: bool = True,
-                 shm_reuse: bool = False):
+                 shm_reuse: bool = True):
         self.engine, self.fleet, self.meta = engine, fleet, meta
         self.pipeline, self.verify, self.dtype, self.keep_group = pipeline, verify, dtype, keep_group
         # shm: keep the segments between updates (unlinked by `close` or on a failure) instead of
-        # unlinking them after each update; saves allocating fresh shared pages every time.
+        # unlinking them after each update; fresh tmpfs pages cost far more than the copy itself.
         self.shm_reuse = shm_reuse
         if dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -121,6 +126,7 @@ class WeightUpdater:
         self._stuck: list[Future] = []  # trainer-side work that outlived its deadline
         self._shm: ShmWriter | None = None
         self._keep: list[torch.Tensor] = []  # CUDA IPC buffers, alive until the update ends
+        self._flat = _FlatBuffers()  # distributed: the send buffers, kept between updates
         self._checksums: dict[str, dict[str, str]] = {}  # served dtype -> name -> sha256
         if self.rank == 0 and meta.type == "shm":
             remove_stale_segments()
@@ -196,77 +202,131 @@ class WeightUpdater:
     # ------------------------------------------------------------------ streaming (all ranks)
     def _stream(self, meta: WeightUpdateMeta, clock: _Clock, report: UpdateReport,
                 failure: WeightSyncError | None) -> WeightSyncError | None:
-        """Iterate the export on every rank; rank 0 sends while nothing failed (the gathers must
-        run to the end on every rank either way)."""
+        """Iterate the export on every rank; rank 0 packs each bucket (cast straight into a reused
+        flat buffer or the bucket's shm segment) and sends it while nothing failed (the gathers
+        must run to the end on every rank either way).
+
+        Pipelined: bucket k is packed into one of two flat buffers while bucket k - 1 (in the
+        other) is broadcast by the worker thread; k is sent once k - 1 is acknowledged."""
         rank0 = self.rank == 0
         if rank0 and meta.type == "shm":
             if self._shm is None:
                 self._shm = ShmWriter()
             self._shm.rewind()
+        wire_dtype, buckets = self._buckets(meta)
         in_flight: _InFlight | None = None
-        for k, bucket in enumerate(self.engine.export_weights(meta.bucket_bytes, self.dtype)):
+        k = -1
+        while True:
+            with _timed(report, "export"):  # the gather (a collective), or nothing on the fast path
+                bucket = next(buckets, None)
+            if bucket is None:
+                break
+            k += 1
             report.buckets += 1
             if not rank0:
                 continue
-            report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            report.bytes += sum(t.numel() * (wire_dtype or t.dtype).itemsize for _, t in bucket)
             if failure is not None:
                 continue
+            try:
+                with _timed(report, "pack"):
+                    packed = self._pack(meta, k, bucket, wire_dtype)
+            except Exception as exc:  # e.g. /dev/shm full: fail the update, keep iterating the gathers
+                phase = f"update_weights_from_{meta.type} (bucket {k})"
+                failure = WeightSyncError(f"{phase}: the trainer could not pack the bucket: "
+                                          f"{type(exc).__name__}: {exc}", phase)
+                if in_flight is not None:  # reap k - 1 before anything is torn down
+                    self._settle(in_flight, clock, report)
+                    in_flight = None
+                continue
+            del bucket
             if self.verify:
-                self._hash(bucket)
-            if in_flight is not None:  # pipelined: bucket k was gathered while k - 1 was in flight
-                failure = self._settle(in_flight, clock)
+                self._hash(list(zip(packed.names, packed.views, strict=True)))
+            packed.views = []  # shm: no exported view of a segment may outlive the write
+            if in_flight is not None:  # pipelined: bucket k was packed while k - 1 was in flight
+                with _timed(report, "wait"):
+                    failure = self._settle(in_flight, clock, report)
                 in_flight = None
                 if failure is not None:
                     continue
-            in_flight = self._send(meta, k, bucket, clock)
+            in_flight = self._send(meta, k, packed, clock)
             if not self.pipeline:
-                failure = self._settle(in_flight, clock)
+                with _timed(report, "wait"):
+                    failure = self._settle(in_flight, clock, report)
                 in_flight = None
         if in_flight is not None:
-            failure = self._settle(in_flight, clock)
+            with _timed(report, "wait"):
+                failure = self._settle(in_flight, clock, report)
         if rank0 and failure is None and report.buckets == 0:
             failure = WeightSyncError("the engine exported no weights", "export")
         return failure
 
-    def _send(self, meta: WeightUpdateMeta, k: int, bucket: list[tuple[str, torch.Tensor]],
-              clock: _Clock) -> _InFlight:
-        specs = [ParamSpec.of(n, t) for n, t in bucket]
-        tensors = [t for _, t in bucket]
+    def _buckets(self, meta: WeightUpdateMeta) -> tuple[torch.dtype | None, Iterator[list[tuple[str, torch.Tensor]]]]:
+        """(dtype on the wire, buckets of `(hf_name, tensor)`). At trainer world size 1 with plain
+        parameters the buckets hold the parameters themselves, uncast: `_pack` casts them straight
+        into the flat buffer / segment, so no tensor is allocated per bucket. Otherwise (FSDP
+        world > 1, or an engine that is not a TrainEngine) the engine's own export (gathers, the
+        cast happening on the shard) in `self.dtype`; `_pack` then copies into the buffer."""
+        wire = self.dtype or getattr(self.engine, "param_dtype", None)
+        if self.world_size == 1 and wire is not None:
+            params = _plain_parameters(self.engine)
+            if params is not None:
+                return wire, _plan_buckets(params, meta.bucket_bytes, wire)
+        return self.dtype, iter(self.engine.export_weights(meta.bucket_bytes, self.dtype))
+
+    def _pack(self, meta: WeightUpdateMeta, k: int, bucket: list[tuple[str, torch.Tensor]],
+              dtype: torch.dtype | None) -> _Packed:
+        names = [n for n, _ in bucket]
+        tensors = [t.detach() for _, t in bucket]
+        specs = tuple(ParamSpec(n, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch."))
+                      for n, t in zip(names, tensors, strict=True))
+        if meta.type == "shm":
+            if tensors[0].is_cuda:
+                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors, dtype)
+                self._keep.append(buf)
+                views = tensor_views(buf, offsets, [s.shape for s in specs], [dtype_from_name(s.dtype) for s in specs])
+                return _Packed(names, specs, offsets, nbytes, views, shm=ShmBucket(specs, tuple(offsets), nbytes,
+                                                                                     cuda_ipc=handle))
+            name, offsets, nbytes, views = self._shm.write(tensors, dtype)
+            return _Packed(names, specs, offsets, nbytes, views,
+                           shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name))
+        offsets, nbytes = layout(tensors, dtype)
+        device = torch.device("cpu") if meta.backend == "gloo" else tensors[0].device
+        buf = self._flat.get(k % 2 if self.pipeline else 0, nbytes, device)
+        views = pack(buf, tensors, offsets, dtype)
+        return _Packed(names, specs, offsets, nbytes, views, flat=buf)
+
+    def _send(self, meta: WeightUpdateMeta, k: int, packed: _Packed, clock: _Clock) -> _InFlight:
         deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
         if meta.type == "distributed":
-            if meta.backend == "gloo":
-                tensors = [t.detach().cpu().contiguous() for t in tensors]
-            else:
-                tensors = [t.detach().contiguous() for t in tensors]
-            fleet_future = self.fleet.update_weights_from_distributed(meta, specs, commit=False, bucket_index=k)
             timeout = meta.deadlines.bucket_s
-            local = self._pool.submit(_broadcast_all, self._group, tensors, timeout)
+            if getattr(self.fleet, "supports_flat_buckets", False):  # one broadcast for the bucket
+                flat = FlatLayout(tuple(packed.offsets), packed.nbytes)
+                fleet_future = self.fleet.update_weights_from_distributed(meta, packed.specs, commit=False,
+                                                                          bucket_index=k, flat=flat)
+                sends = [packed.flat]
+            else:  # a fleet that only knows the SGLang protocol: one broadcast per tensor (views)
+                fleet_future = self.fleet.update_weights_from_distributed(meta, packed.specs, commit=False,
+                                                                          bucket_index=k)
+                sends = tensor_views(packed.flat, packed.offsets, [s.shape for s in packed.specs],
+                                     [dtype_from_name(s.dtype) for s in packed.specs])
+            local = self._pool.submit(_broadcast_all, self._group, sends, timeout)
             return _InFlight(f"update_weights_from_distributed (bucket {k})", fleet_future, local, deadline)
+        fleet_future = self.fleet.update_weights_from_shm(meta, packed.shm, commit=False, bucket_index=k)
+        return _InFlight(f"update_weights_from_shm (bucket {k})", fleet_future, None, deadline)
 
-        def write_and_announce() -> Future:
-            if tensors[0].is_cuda:
-                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors)
-                self._keep.append(buf)
-                shm = ShmBucket(tuple(specs), tuple(offsets), nbytes, cuda_ipc=handle)
-            else:
-                name, offsets, nbytes = self._shm.write(tensors)
-                shm = ShmBucket(tuple(specs), tuple(offsets), nbytes, segment=name)
-            return self.fleet.update_weights_from_shm(meta, shm, commit=False, bucket_index=k)
-
-        return _InFlight(f"update_weights_from_shm (bucket {k})", None, self._pool.submit(write_and_announce),
-                         deadline)
-
-    def _settle(self, item: _InFlight, clock: _Clock) -> WeightSyncError | None:
+    def _settle(self, item: _InFlight, clock: _Clock, report: UpdateReport | None = None) -> WeightSyncError | None:
         """Wait for one bucket (both halves) up to its deadline; -> the failure, if any."""
         problems: list[WeightSyncError] = []
         fleet_future = item.fleet_future
         if item.local_future is not None:
+            local = item.local_future
             try:
-                value = item.local_future.result(timeout=max(0.0, item.deadline - time.monotonic()))
-                if fleet_future is None:
-                    fleet_future = value  # shm: the announcement went out after the write
+                seconds = local.result(timeout=max(0.0, item.deadline - time.monotonic()))
+                if report is not None:  # the worker's broadcast time (overlaps the next pack)
+                    report.phases["broadcast"] = report.phases.get("broadcast", 0.0) + seconds
             except cf.TimeoutError:
-                self._stuck.append(item.local_future)
+                self._stuck.append(local)
                 problems.append(WeightSyncError(f"{item.phase}: the trainer's side did not finish within the "
                                                 "bucket deadline", item.phase))
             except Exception as exc:
@@ -424,6 +484,7 @@ class WeightUpdater:
             self._release_shm()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            self._flat.clear()
 
     def __enter__(self) -> WeightUpdater:
         return self
@@ -441,9 +502,89 @@ def update_weights(engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, 
         return updater.update(meta.version)
 
 
-def _broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> None:
+def _broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
+    start = time.perf_counter()
     for t in tensors:
         group.broadcast(t, src=0, timeout_s=timeout_s)
+    return time.perf_counter() - start
+
+
+@dataclass
+class _Packed:
+    """One bucket, packed: its tensors' names/specs, their offsets in a flat buffer (distributed)
+    or an shm segment / CUDA IPC buffer (shm), and views of the packed tensors (for hashing)."""
+
+    names: list[str]
+    specs: tuple[ParamSpec, ...]
+    offsets: list[int]
+    nbytes: int
+    views: list[torch.Tensor]
+    flat: torch.Tensor | None = None
+    shm: ShmBucket | None = None
+
+
+class _FlatBuffers:
+    """Flat uint8 send buffers, one per slot (two when pipelined), allocated once and grown only
+    when a bucket needs more: every later update casts into warm memory."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, torch.Tensor] = {}
+
+    def get(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self.slots.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = None
+            self.slots.pop(slot, None)  # free the old one before allocating the larger one
+            buf = self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+
+def _plain_parameters(engine: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """(HF name, whole parameter) of a single-process engine's model in export order, or None when
+    the engine has no such model (then its own `export_weights` is used)."""
+    model = getattr(engine, "model", None)
+    if model is None or not hasattr(model, "spec"):
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from tandem.train import TrainEngine
+        from tandem.train.weight_export import hf_parameter_names
+
+        if getattr(type(engine), "export_weights", None) is not TrainEngine.export_weights:
+            return None  # an engine with its own export (e.g. merging adapters): use it
+
+        out = []
+        for _, hf_name, param in hf_parameter_names(model):
+            t = param.detach()
+            if isinstance(t, DTensor):  # FSDP over a mesh of one: the local shard is the whole tensor
+                if t.device_mesh.size() != 1 or t.to_local().shape != t.shape:
+                    return None
+                t = t.to_local()
+            out.append((hf_name, t))
+        return out
+    except Exception:
+        return None
+
+
+def _plan_buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The same boundaries as `iter_weight_buckets` (at most `bucket_bytes` in `dtype`; a larger
+    tensor travels alone), over uncast parameters."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in params:
+        nbytes = t.numel() * dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 class _timed:

@@ -13,6 +13,18 @@ starts a new staged set (dropping any earlier one), k > 0 must follow bucket k -
 `/commit_staged_weights` checks that the set is complete and swaps it in with its version;
 `/discard_staged_weights` drops it. Any failed bucket drops the whole set. So a fleet either
 commits everything everywhere or keeps the previous weights.
+
+Flat buckets (`offsets` + `nbytes` on /update_weights_from_distributed): the bucket arrives as ONE
+broadcast of a uint8 buffer and its tensors are views at the announced offsets. Staged buckets are
+received into persistent staging buffers, one per bucket index (`state.weight_buffers`), never
+into fresh memory once warm. Ping-pong: when a whole staged set came in that way in the serving
+dtype, the commit rebinds every parameter to its view (no copy) and the buffers that backed the
+parameters until then (`state.live_buffers`) become the next update's staging buffers; otherwise
+the commit copies into the parameters in place. So from the third update on nothing is allocated
+(the first allocates staging, the second the other half), and a server taking distributed updates
+holds two copies of the weights. A failed or discarded update leaves the live weights untouched
+(its staging buffers are simply overwritten next time). `/release_memory_occupation` with the
+`weights` tag drops the staging buffers (and what is staged).
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from tandem.inference.server.protocol import (
 )
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
-from tandem.inference.weights import stage_weights, weight_checksums
+from tandem.inference.weights import ADOPTED, mark_adoptable, stage_weights, weight_checksums
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, dtype_from_name, init_weight_group
 from tandem.weights.shm import ShmError, map_segment, open_cuda_ipc, tensor_views
@@ -59,11 +71,17 @@ class Staging:
     names: set[str] = field(default_factory=set)
     buckets: int = 0
     discarded: bool = False
+    flat: set[int] = field(default_factory=set)  # buckets received into staging buffer k
+    all_flat: bool = True  # every bucket so far: the commit may adopt the views (ping-pong)
 
-    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def add(self, named: list[tuple[str, torch.Tensor]], flat_index: int | None = None) -> None:
         self.tensors.extend(named)
         self.names.update(n for n, _ in named)
         self.buckets += 1
+        if flat_index is None:
+            self.all_flat = False
+        else:
+            self.flat.add(flat_index)
 
 
 def _discard(state: ServerState) -> None:
@@ -105,11 +123,11 @@ def _check_bucket(state: ServerState, staging: Staging, named: list[tuple[str, t
 
 
 async def _finish(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]], commit: bool,
-                  version: str | None, abort_all: bool, what: str) -> Response:
+                  version: str | None, abort_all: bool, what: str, flat_index: int | None = None) -> Response:
     if staging.discarded:
         raise ControlError("the staged update was discarded while this bucket arrived; the previous weights "
                            "keep serving")
-    staging.add(named)
+    staging.add(named, flat_index)
     if not commit:
         return control_response(True, f"staged {what} (bucket {staging.buckets - 1}, {len(staging.names)} tensors "
                                       "so far)")
@@ -124,7 +142,17 @@ async def _commit(state: ServerState, staging: Staging, version: str | None, abo
     device = state.engine.device
     tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
     staging.tensors = []
+    if staging.all_flat and staging.flat:
+        for _, t in tensors:
+            mark_adoptable(t)
     await _load(state, tensors, version, abort_all)
+    if any(getattr(t, ADOPTED, False) for _, t in tensors):
+        # Ping-pong: the parameters now live in this set's staging buffers; the buffers that held
+        # them until now are free (every parameter was rebound) and become the next staging set.
+        staging_buffers: dict[int, torch.Tensor] = getattr(state, "weight_buffers", None) or {}
+        live = {k: staging_buffers.pop(k) for k in staging.flat if k in staging_buffers}
+        state.weight_buffers = {**staging_buffers, **(getattr(state, "live_buffers", None) or {})}
+        state.live_buffers = live
     return control_response(True, f"loaded {what} ({len(tensors)} tensors)", weight_version=state.engine.weight_version)
 
 
@@ -254,8 +282,9 @@ async def update_weights_from_distributed(request: Request) -> Response:
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                        "weight_version", "load_format"} | STAGE_FIELDS)
+                        "weight_version", "load_format", "offsets", "nbytes"} | STAGE_FIELDS)
     names, torch_dtypes, shapes = _tensor_meta(body)
+    flat = _flat_layout(body, len(names))
     name = get_field(body, "group_name", str, "weight_update_group")
     commit, bucket_index, version, abort_all = _stage_args(body)
     get_field(body, "flush_cache", bool, True)  # the prefix cache is always flushed after an update
@@ -268,19 +297,33 @@ async def update_weights_from_distributed(request: Request) -> Response:
         try:
             staging = _staging_for(state, f"group {name!r}", commit, bucket_index)
             _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
-        except ControlError as exc:
+            if flat is not None:  # the layout must fit the buffer (checked on a meta tensor)
+                tensor_views(torch.empty(flat[1], dtype=torch.uint8, device="meta"), flat[0], shapes, torch_dtypes)
+        except (ControlError, ShmError) as exc:
             problem = str(exc)
         kill_after = fault.after_tensors if fault is not None else None
+        reuse = None
         try:
-            tensors = await asyncio.to_thread(_receive, group, shapes, torch_dtypes, kill_after)
+            if flat is None:
+                tensors = await asyncio.to_thread(_receive, group, shapes, torch_dtypes, kill_after)
+            else:
+                # Persistent buffer only for a well-formed staged bucket: bucket k of a set is the
+                # only user of buffer k, and bucket 0 drops the previous set before it lands.
+                reuse = bucket_index if problem is None and bucket_index is not None else None
+                buf = _receive_buffer(state, reuse, flat[1], group.device)
+                tensors = await asyncio.to_thread(_receive_flat, group, buf, flat[0], shapes, torch_dtypes,
+                                                  kill_after)
         except WeightGroupError as exc:
             _discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         if problem is not None:
             _discard(state)
             raise ControlError(f"{problem}; the tensors were received and dropped, the previous weights keep serving")
+        if len(tensors) != len(names):
+            raise ControlError("the flat bucket's layout does not fit its buffer")
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
-                             f"{len(names)} tensors from group {name!r}")
+                             f"{len(names)} tensors from group {name!r}",
+                             flat_index=reuse)
 
 
 def _receive(group: WeightGroup, shapes: list[list[int]], dtypes: list[torch.dtype],
@@ -291,6 +334,41 @@ def _receive(group: WeightGroup, shapes: list[list[int]], dtypes: list[torch.dty
             os.kill(os.getpid(), signal.SIGKILL)  # injected fault: die mid-broadcast
         out.append(group.broadcast(torch.empty(shape, dtype=dtype, device=group.device), src=0))
     return out
+
+
+def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | None:
+    offsets = get_field(body, "offsets", list)
+    nbytes = get_field(body, "nbytes", int)
+    if offsets is None and nbytes is None:
+        return None
+    if offsets is None or nbytes is None or nbytes <= 0 or len(offsets) != count or not all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise ControlError("a flat bucket needs 'offsets' (one integer per tensor) and a positive 'nbytes'")
+    return offsets, nbytes
+
+
+def _receive_buffer(state: ServerState, index: int | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer of `nbytes` for one flat bucket: the persistent one of staged bucket `index`
+    (grown when too small), or a fresh one when `index` is None."""
+    if index is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffers: dict[int, torch.Tensor] = getattr(state, "weight_buffers", None) or {}
+    state.weight_buffers = buffers
+    buf = buffers.get(index)
+    if buf is None or buf.numel() < nbytes or buf.device != device:
+        buffers[index] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]
+
+
+def _receive_flat(group: WeightGroup, buf: torch.Tensor, offsets: list[int], shapes: list[list[int]],
+                  dtypes: list[torch.dtype], kill_after: int | None = None) -> list[torch.Tensor]:
+    if kill_after is not None:
+        os.kill(os.getpid(), signal.SIGKILL)  # injected fault: die as the bucket's one broadcast starts
+    group.broadcast(buf, src=0)
+    try:
+        return tensor_views(buf, offsets, shapes, dtypes)
+    except ShmError:  # a bad layout was reported before receiving; the bytes are dropped
+        return []
 
 
 @router.post("/update_weights_from_shm")
@@ -321,18 +399,30 @@ async def update_weights_from_shm(request: Request) -> Response:
             staging = _staging_for(state, "shared memory", commit, bucket_index)
             _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
 
+            # A staged segment bucket is copied at once into staging buffer k (as a distributed flat
+            # bucket is received into it) and unmapped: the copy overlaps the trainer writing the
+            # next bucket, the commit adopts the buffers (ping-pong), and no mapping outlives the
+            # request. CUDA IPC buckets arrive as a server-owned copy already (copied at commit).
+            reuse = bucket_index if segment is not None and bucket_index is not None else None
+            staged_buf = _receive_buffer(state, reuse, nbytes, state.engine.device) if reuse is not None else None
+
             def read() -> list[torch.Tensor]:
-                buf = map_segment(segment, nbytes) if segment is not None else \
-                    open_cuda_ipc(handle, state.engine.device)
-                # Views into the mapping: copied into the parameters when the update commits.
-                return tensor_views(buf, offsets, shapes, torch_dtypes)
+                if segment is None:
+                    return tensor_views(open_cuda_ipc(handle, state.engine.device), offsets, shapes, torch_dtypes)
+                mapped = map_segment(segment, nbytes)
+                if staged_buf is None:  # a one-shot update: views into the mapping, copied at commit
+                    return tensor_views(mapped, offsets, shapes, torch_dtypes)
+                tensor_views(mapped, offsets, shapes, torch_dtypes)  # the layout fits the segment
+                staged_buf.copy_(mapped)
+                del mapped  # unmapped here
+                return tensor_views(staged_buf, offsets, shapes, torch_dtypes)
 
             tensors = await asyncio.to_thread(read)
         except (ControlError, ShmError) as exc:
             _discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
-                             f"{len(names)} tensors from shared memory")
+                             f"{len(names)} tensors from shared memory", flat_index=reuse)
 
 
 @router.post("/commit_staged_weights")
@@ -531,6 +621,9 @@ async def release_memory_occupation(request: Request) -> Response:
             state.update_gate()
             raise ControlError(str(exc)) from exc
         await state.engine_loop.set_hold(True)
+        if "weights" in tags:  # the staging buffers of flat buckets (re-made by the next update)
+            _discard(state)
+            state.weight_buffers, state.live_buffers = {}, {}
     return control_response(True, f"released {tags}")
 
 

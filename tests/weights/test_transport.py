@@ -1,0 +1,188 @@
+"""The data plane's fast paths: flat buckets (one broadcast per bucket) into the server's ping-pong
+staging buffers, the per-tensor fallback for fleets that only speak the SGLang protocol, the
+trainer's packing, and kept-alive HTTP connections to `tandem serve` (TCP_NODELAY)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from tandem.inference.server.app import bind
+from tandem.models import load_model
+from tandem.models.tiny import init_model
+from tandem.train.weight_export import iter_weight_buckets
+from tandem.weights.http_fleet import HttpFleet
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.shm import layout, pack, tensor_views
+from tandem.weights.update import WeightSyncError, WeightUpdater, _plan_buckets
+from tests.inference.conftest import make_model_dir
+from tests.weights.common import (
+    FAST,
+    CheckpointSource,
+    expected_checksums,
+    served_checksums,
+    start_server,
+    version_of,
+)
+
+BUCKET = 48 * 1024
+
+
+# ------------------------------------------------------------------------------ no server needed
+def test_bind_sets_tcp_nodelay():
+    """The listening socket is a TCP socket (proto IPPROTO_TCP, so asyncio sets TCP_NODELAY on every
+    accepted connection) with TCP_NODELAY itself; an accepted socket has both too."""
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        client = socket.create_connection(sock.getsockname()[:2])
+        accepted, _ = sock.accept()
+        try:
+            assert accepted.proto == socket.IPPROTO_TCP
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        finally:
+            accepted.close()
+            client.close()
+    finally:
+        sock.close()
+
+
+def test_pack_casts_into_the_flat_buffer():
+    tensors = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 2, 2)]
+    offsets, nbytes = layout(tensors, torch.bfloat16)
+    assert all(o % 64 == 0 for o in offsets) and nbytes == offsets[-1] + 8 * 2
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    views = pack(buf, tensors, offsets, torch.bfloat16)
+    again = tensor_views(buf, offsets, [t.shape for t in tensors], [torch.bfloat16] * 3)
+    for t, v, w in zip(tensors, views, again, strict=True):
+        assert v.data_ptr() == w.data_ptr() and torch.equal(v, t.to(torch.bfloat16))
+
+
+def test_plan_buckets_match_the_engine_export(tmp_path):
+    """The single-process fast path (uncast parameters, cast while packing) cuts the same buckets
+    as `iter_weight_buckets` in the wire dtype."""
+    model = load_model(init_model(tmp_path / "m", arch="qwen3", preset="tiny"))
+    from tandem.train.weight_export import hf_parameter_names
+
+    params = [(hf, p.detach()) for _, hf, p in hf_parameter_names(model)]
+    for bucket_bytes in (1, 10_000, 48 * 1024, 10**9):
+        ours = [[n for n, _ in b] for b in _plan_buckets(params, bucket_bytes, torch.bfloat16)]
+        theirs = [[n for n, _ in b] for b in iter_weight_buckets(model, bucket_bytes, torch.bfloat16)]
+        assert ours == theirs
+
+
+# ---------------------------------------------------------------------------------- one server
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = start_server(model_dir, tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+def test_kept_alive_calls(server):
+    """20 sequential calls on ONE kept-alive connection all succeed (before the TCP_NODELAY fix each
+    took ~40 ms: the reply's body waited for the client's delayed ACK)."""
+
+    async def run() -> tuple[list[float], int]:
+        created = 0
+
+        async def on_create(session, ctx, params):
+            nonlocal created
+            created += 1
+
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(on_create)
+        latencies = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]) as session:
+            for i in range(20):
+                start = time.perf_counter()
+                async with session.post(server.url + "/update_weight_version", json={"new_version": str(i)}) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                latencies.append(time.perf_counter() - start)
+        return latencies, created
+
+    latencies, created = asyncio.run(run())
+    ms = sorted(x * 1e3 for x in latencies)
+    print(f"\n[kept-alive /update_weight_version] median {ms[len(ms) // 2]:.2f} ms, max {ms[-1]:.2f} ms, "
+          f"{created} connection(s)")
+    assert created == 1
+    assert version_of(server) == "19"
+
+
+def _update(model_dir, fleet, version: int, **kw) -> CheckpointSource:
+    src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+    meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=FAST)
+    with WeightUpdater(src, fleet, meta, verify=True, **kw) as u:
+        report = u.update(version)
+    assert report.verified and report.buckets >= 5
+    return src
+
+
+@pytest.mark.slow
+def test_ping_pong_staging_keeps_atomicity(server, model_dir):
+    """Flat buckets, five updates: the server's staging buffers and live weights trade places at each
+    commit; a failed update in between (after the buffers have swapped twice) leaves the live
+    weights and version exactly as they were, and the next update lands exactly."""
+    server.ok("/_fault", {"clear": True})
+    with HttpFleet([server.url], deadlines=FAST) as fleet:
+        assert fleet.supports_flat_buckets
+        for version in (101, 102, 103):
+            src = _update(model_dir, fleet, version)
+            assert served_checksums(server) == expected_checksums(src.tensors)
+        server.ok("/_fault", {"route": "update_weights_from_distributed", "action": "500", "nth": 3})
+        with pytest.raises(WeightSyncError) as info:
+            _update(model_dir, fleet, 104)
+        assert "bucket 2" in info.value.phase
+        assert version_of(server) == "103" and served_checksums(server) == expected_checksums(src.tensors)
+        server.ok("/_fault", {"clear": True})
+        for version in (105, 106):
+            src = _update(model_dir, fleet, version)
+            assert version_of(server) == str(version)
+            assert served_checksums(server) == expected_checksums(src.tensors)
+
+
+class _SglangOnlyFleet(HttpFleet):
+    supports_flat_buckets = False
+
+
+@pytest.mark.slow
+def test_per_tensor_broadcast_for_fleets_without_flat_buckets(server, model_dir):
+    server.ok("/_fault", {"clear": True})
+    with _SglangOnlyFleet([server.url], deadlines=FAST) as fleet:
+        for version, pipeline in ((201, True), (202, False)):
+            src = _update(model_dir, fleet, version, pipeline=pipeline)
+            assert served_checksums(server) == expected_checksums(src.tensors)
+
+
+def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
+    from tandem.inference.weights import ADOPTED, mark_adoptable, stage_weights, swap_weights
+    from tandem.train.weight_export import hf_parameter_names
+
+    model = load_model(init_model(tmp_path / "m", arch="qwen3", preset="tiny"))
+    names = [(hf, p) for _, hf, p in hf_parameter_names(model)]
+    new = [(hf, torch.randn_like(p)) for hf, p in names]
+    # One tensor unmarked: everything is copied in place, nothing adopted.
+    for _, t in new[1:]:
+        mark_adoptable(t)
+    ptrs = [p.data_ptr() for _, p in names]
+    assert not swap_weights(model, stage_weights(model, new))
+    assert [p.data_ptr() for _, p in names] == ptrs and not any(getattr(t, ADOPTED, False) for _, t in new)
+    assert all(torch.equal(p, t) for (_, p), (_, t) in zip(names, new, strict=True))
+    # All marked: the parameters are rebound to the staged tensors (no copy).
+    newer = [(hf, mark_adoptable(torch.randn_like(p))) for hf, p in names]
+    assert swap_weights(model, stage_weights(model, newer))
+    assert all(p.data_ptr() == t.data_ptr() and getattr(t, ADOPTED) for (_, p), (_, t) in zip(names, newer,
+                                                                                               strict=True))
