@@ -3,13 +3,14 @@
 Transport: one `multiprocessing.connection` socket per worker on 127.0.0.1, authenticated with a
 per-run key (HMAC challenge on connect). A message is a header frame (pickle protocol 5) followed
 by one raw frame per tensor: CPU tensors travel as out-of-band buffers, never through JSON and
-never through `torch.save` (see `dumps`/`loads`). CUDA tensors are copied to the CPU on the way.
+never through `torch.save` (`rpc_wire.py`: `dumps`, `Channel`). CUDA tensors are copied to the CPU
+on the way.
 
-Worker side: `serve(conn, obj)` answers `(call_id, method, args, kwargs)` requests by calling
-`obj.method(*args, **kwargs)` in the worker's main thread, one at a time, and replies with the
-value or with the exception's type, message and formatted traceback.
+Worker side (`rpc_worker.py`): `serve(conn, obj)` answers `(call_id, method, args, kwargs)`
+requests by calling `obj.method(*args, **kwargs)` in the worker's main thread, one at a time, and
+replies with the value or with the exception's type, message and formatted traceback.
 
-Controller side: `WorkerGroup.call` sends the same request to every rank and returns the list of
+Controller side (this module): `WorkerGroup.call` sends the same request to every rank and returns the list of
 results in rank order; `call_per_rank` gives each rank its own arguments. Every rank executes every
 call (they are usually collectives), so one call is in flight per group at a time. While waiting,
 the controller blocks in `multiprocessing.connection.wait` on every rank's connection *and* its
@@ -23,31 +24,24 @@ step and refuses further calls (`GroupBrokenError`); restart it.
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import os
 import pickle
 import queue
-import socket
-import struct
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
-import torch
-
 from tandem.errors import TandemError
+from tandem.launch.rpc_wire import OK, Channel, Failure, dumps, frames_nbytes
+from tandem.launch.rpc_worker import ExitAfterReply, serve  # noqa: F401  (re-exported: the worker side)
 
 # Messages whose buffers add up to more than this are sent by per-rank threads (in parallel, and
 # without blocking the wait for replies); smaller ones are written inline.
 INLINE_SEND_BYTES = 1 << 20
-_OK, _ERR = "ok", "error"
-
 
 # ---------------------------------------------------------------------------------------- errors
 
@@ -93,152 +87,6 @@ class RPCTimeoutError(RPCError, TimeoutError):
 
 class GroupBrokenError(RPCError):
     """The group failed before (crash, deadline, ranks out of step) and takes no more calls."""
-
-
-# ------------------------------------------------------------------------------ serialisation
-
-
-class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_quantized:
-            return _reduce_tensor(obj)
-        return NotImplemented
-
-
-def _reduce_tensor(t: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-    requires_grad = t.requires_grad
-    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    data: Any = pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if flat.numel() else b""
-    return _rebuild_tensor, (data, t.dtype, tuple(t.shape), requires_grad)
-
-
-def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
-    if memoryview(data).nbytes == 0:
-        t = torch.empty(shape, dtype=dtype)
-    else:  # shares memory with the received buffer (a bytearray, so the tensor is writable)
-        t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
-    return t.requires_grad_(requires_grad) if requires_grad else t
-
-
-def dumps(obj: Any) -> list[Any]:
-    """Frames of one message: header (buffer sizes + pickle) then each out-of-band buffer."""
-    buffers: list[pickle.PickleBuffer] = []
-    f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-    raws = [b.raw() for b in buffers]
-    header = struct.pack(f"<I{len(raws)}Q", len(raws), *(r.nbytes for r in raws)) + f.getvalue()
-    return [header, *raws]
-
-
-class Channel:
-    """One end of a message connection: a `multiprocessing.connection.Connection` for headers
-    (length-prefixed frames) plus a duplicate of its socket for the raw tensor bytes, which are
-    received straight into their final buffers (no intermediate copies)."""
-
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
-        self.sock.setblocking(True)
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    def send(self, frames: Sequence[Any]) -> None:
-        self.conn.send_bytes(frames[0])
-        for raw in frames[1:]:
-            self.sock.sendall(raw)
-
-    def recv(self) -> Any:
-        header = self.conn.recv_bytes()
-        (n,) = struct.unpack_from("<I", header)
-        sizes = struct.unpack_from(f"<{n}Q", header, 4)
-        buffers = []
-        for size in sizes:
-            buf = bytearray(size)
-            view, got = memoryview(buf), 0
-            while got < size:
-                k = self.sock.recv_into(view[got:], min(size - got, 1 << 24))
-                if k == 0:
-                    raise EOFError("connection closed in the middle of a message")
-                got += k
-            buffers.append(buf)
-        return pickle.loads(memoryview(header)[4 + 8 * n:], buffers=buffers)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(OSError):
-            self.conn.close()
-
-
-def frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
-
-
-# ----------------------------------------------------------------------------------- worker side
-
-
-@dataclass
-class ExitAfterReply:
-    """Return this from a served method to send `value` and then leave the serve loop."""
-
-    value: Any = None
-
-
-@dataclass
-class _Failure:
-    exc_type: str
-    message: str
-    traceback: str
-    exc: bytes | None  # the pickled exception, when it pickles
-
-
-def _failure(exc: BaseException) -> _Failure:
-    try:
-        pickled: bytes | None = pickle.dumps(exc, protocol=5)
-        pickle.loads(pickled)
-    except Exception:
-        pickled = None
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return _Failure(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, pickled)
-
-
-def serve(conn: Connection, obj: Any) -> None:
-    """Answer requests on `conn` with `obj`'s public methods until the controller disconnects or
-    a method returns `ExitAfterReply`. Runs in the calling (main) thread."""
-    channel = Channel(conn)
-    while True:
-        try:
-            call_id, method, args, kwargs = channel.recv()
-        except (EOFError, OSError):
-            return  # the controller is gone
-        leave = False
-        try:
-            if method.startswith("_"):
-                raise AttributeError(f"{method!r} is private; only public methods are served")
-            fn = getattr(obj, method, None)
-            if not callable(fn):
-                raise AttributeError(f"{type(obj).__name__} has no method {method!r}")
-            value = fn(*args, **kwargs)
-            if isinstance(value, ExitAfterReply):
-                value, leave = value.value, True
-            try:
-                reply = dumps((call_id, _OK, value))
-            except Exception as exc:
-                raise TypeError(f"the result of {method!r} cannot be sent: {exc}") from exc
-        except BaseException as exc:  # reported to the controller, which decides
-            reply = dumps((call_id, _ERR, _failure(exc)))
-            if isinstance(exc, SystemExit | KeyboardInterrupt):
-                leave = True
-        try:
-            channel.send(reply)
-        except OSError:
-            return
-        if leave:
-            return
 
 
 # ------------------------------------------------------------------------------- controller side
@@ -495,7 +343,7 @@ class WorkerGroup:
         deadline = None if timeout is None else start + timeout
         results: list[Any] = [None] * n
         pending = set(range(n))
-        errors: dict[int, _Failure] = {}
+        errors: dict[int, Failure] = {}
         grace_end: float | None = None
         while pending:
             now = time.monotonic()
@@ -532,7 +380,7 @@ class WorkerGroup:
                     self._broken = RPCError(f"{self.name}: rank {rank} answered call {reply_id}, expected {call_id}")
                     raise self._broken
                 pending.discard(rank)
-                if status == _OK:
+                if status == OK:
                     results[rank] = value
                 else:
                     errors[rank] = value
@@ -549,7 +397,7 @@ class WorkerGroup:
                 s.failed = None
                 raise self._crash(r, method)
 
-    def _remote_error(self, method: str, errors: dict[int, _Failure], stuck: Sequence[int]) -> RemoteError:
+    def _remote_error(self, method: str, errors: dict[int, Failure], stuck: Sequence[int]) -> RemoteError:
         rank = min(errors)
         f = errors[rank]
         others = ""

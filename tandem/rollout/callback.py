@@ -11,13 +11,13 @@ whole or raises `FleetError` naming the phase and each failing server (or the co
 controller itself could not be reached or refused the secret).
 
 A callback is two strings: pickle it into a worker process, or pass `callback.env()` and rebuild it
-there with `RolloutCallback.from_env()`.
+there with `RolloutCallback.from_env()`. The request bodies are `tandem.rollout.fleet_wire`'s, the
+same module the controller decodes them with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import threading
@@ -27,51 +27,26 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
+from tandem.rollout.fleet_wire import (  # noqa: F401  (re-exported: the wire forms' old home)
+    bucket_from_json,
+    bucket_to_json,
+    checksums_from_json,
+    encode_call,
+    meta_from_json,
+    meta_to_json,
+    result_from_json,
+    result_to_json,
+    spec_from_json,
+    spec_to_json,
+)
 from tandem.weights.fleet import FleetError, FleetResult, ServerChecksums, ServerResult
-from tandem.weights.meta import Deadlines, ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.meta import FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 
 ENV_ADDRESS = "TANDEM_ROLLOUT_CALLBACK_ADDRESS"
 ENV_SECRET = "TANDEM_ROLLOUT_CALLBACK_SECRET"
 # Extra seconds the callback gives the controller beyond the fleet's own deadline, so that the
 # controller's per-server timeout (which names the server) fires first.
 MARGIN_S = 10.0
-
-
-# -- wire forms (shared with the controller) --------------------------------------------------------
-def meta_to_json(meta: WeightUpdateMeta) -> dict[str, Any]:
-    return dataclasses.asdict(meta)
-
-
-def meta_from_json(data: dict[str, Any]) -> WeightUpdateMeta:
-    data = dict(data)
-    data["deadlines"] = Deadlines(**data.get("deadlines", {}))
-    return WeightUpdateMeta(**data)
-
-
-def spec_to_json(spec: ParamSpec) -> dict[str, Any]:
-    return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
-
-
-def spec_from_json(data: dict[str, Any]) -> ParamSpec:
-    return ParamSpec(str(data["name"]), tuple(int(d) for d in data["shape"]), str(data["dtype"]))
-
-
-def bucket_to_json(bucket: ShmBucket) -> dict[str, Any]:
-    return {"specs": [spec_to_json(s) for s in bucket.specs], "offsets": list(bucket.offsets),
-            "nbytes": bucket.nbytes, "segment": bucket.segment, "cuda_ipc": bucket.cuda_ipc}
-
-
-def bucket_from_json(data: dict[str, Any]) -> ShmBucket:
-    return ShmBucket(tuple(spec_from_json(s) for s in data["specs"]), tuple(int(o) for o in data["offsets"]),
-                     int(data["nbytes"]), data.get("segment"), data.get("cuda_ipc"))
-
-
-def result_to_json(result: FleetResult) -> dict[str, Any]:
-    return {"phase": result.phase, "results": [dataclasses.asdict(r) for r in result.results]}
-
-
-def result_from_json(data: dict[str, Any]) -> FleetResult:
-    return FleetResult(str(data["phase"]), tuple(ServerResult(**r) for r in data.get("results", [])))
 
 
 class RolloutCallback:
@@ -105,6 +80,9 @@ class RolloutCallback:
         return f"RolloutCallback({self.address!r})"  # never the secret
 
     # -- Fleet ------------------------------------------------------------------------------------
+    # The controller forwards to `HttpFleet`, which sends each flat bucket as one broadcast.
+    supports_flat_buckets = True
+
     def pause_generation(self) -> FleetResult:
         return self._call("pause_generation", {}, self._deadline("http_s"))
 
@@ -112,42 +90,45 @@ class RolloutCallback:
         return self._call("continue_generation", {}, self._deadline("http_s"))
 
     def set_version(self, version: int) -> FleetResult:
-        return self._call("set_version", {"version": int(version)}, self._deadline("http_s"))
+        return self._call("set_version", encode_call("set_version", version=version), self._deadline("http_s"))
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[FleetResult]:
-        return self._async("init_weights_update_group", {"meta": meta_to_json(meta)}, self._deadline("init_group_s"))
+        return self._async("init_weights_update_group", encode_call("init_weights_update_group", meta=meta),
+                           self._deadline("init_group_s"))
 
     def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *,
-                                        commit: bool = True, bucket_index: int | None = None) -> Future[FleetResult]:
-        body = {"meta": meta_to_json(meta), "specs": [spec_to_json(s) for s in specs], "commit": commit,
-                "bucket_index": bucket_index}
+                                        commit: bool = True, bucket_index: int | None = None,
+                                        flat: FlatLayout | None = None) -> Future[FleetResult]:
+        body = encode_call("update_weights_from_distributed", meta=meta, specs=specs, commit=commit,
+                           bucket_index=bucket_index, flat=flat)
         return self._async("update_weights_from_distributed", body, self._deadline("bucket_s"))
 
     def update_weights_from_shm(self, meta: WeightUpdateMeta, bucket: ShmBucket, *, commit: bool = True,
                                 bucket_index: int | None = None) -> Future[FleetResult]:
-        body = {"meta": meta_to_json(meta), "bucket": bucket_to_json(bucket), "commit": commit,
-                "bucket_index": bucket_index}
+        body = encode_call("update_weights_from_shm", meta=meta, bucket=bucket, commit=commit,
+                           bucket_index=bucket_index)
         return self._async("update_weights_from_shm", body, self._deadline("bucket_s"))
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("destroy_weights_update_group", {"meta": meta_to_json(meta)}, self._deadline("http_s"))
+        return self._call("destroy_weights_update_group", encode_call("destroy_weights_update_group", meta=meta),
+                          self._deadline("http_s"))
 
     def update_weights_from_disk(self, meta: WeightUpdateMeta, *, commit: bool = True) -> Future[FleetResult]:
-        body = {"meta": meta_to_json(meta), "commit": commit}
+        body = encode_call("update_weights_from_disk", meta=meta, commit=commit)
         return self._async("update_weights_from_disk", body, self._deadline("update_s"))
 
     def commit_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("commit_weights", {"meta": meta_to_json(meta)},
+        return self._call("commit_weights", encode_call("commit_weights", meta=meta),
                           max(self._deadline("http_s"), self._deadline("bucket_s")))
 
     def discard_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("discard_weights", {"meta": meta_to_json(meta)}, self._deadline("http_s"))
+        return self._call("discard_weights", encode_call("discard_weights", meta=meta), self._deadline("http_s"))
 
     def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, ServerChecksums]:
-        body = {"names": None if names is None else list(names)}
+        body = encode_call("weight_checksums", names=names)
         status, data = self._request("POST", "/fleet/weight_checksums", body, self._deadline("update_s") + MARGIN_S)
         if status == 200 and isinstance(data, dict) and "checksums" in data:
-            return {a: ServerChecksums(**c) for a, c in data["checksums"].items()}
+            return checksums_from_json(data["checksums"])
         self._raise("weight_checksums", status, data)
 
     @property

@@ -22,7 +22,8 @@ Transports (`meta.type`):
 - distributed: rank 0 hosts a store, forms the group with the servers (its rank 0, server i at
   1 + i) and, per bucket, sends the HTTP announcement and the broadcast concurrently. Each bucket
   is cast straight into one of two flat send buffers kept between updates and goes out as ONE
-  broadcast (`FlatLayout`: offsets in the announcement), when the fleet supports it (HttpFleet);
+  broadcast (`FlatLayout`: offsets in the announcement), when the fleet supports it (HttpFleet,
+  RolloutCallback);
   otherwise one broadcast per tensor (views of the same buffer). Pipelined (default): bucket k + 1
   is gathered/cast while bucket k is broadcast, its request issued when k is acknowledged; at most
   one bucket in flight. Serial: gather, send, wait, next.
@@ -30,6 +31,9 @@ Transports (`meta.type`):
   once; the same pipeline. Segments are kept between updates (`shm_reuse=True`, the default) and
   unlinked at `close`, after a failure, or (a dead trainer's) by the next updater; with
   `shm_reuse=False` every segment is unlinked when the update ends, committed or not.
+
+This module is the orchestration (fleet calls, deadlines, the pipeline, rollback, the outcome);
+which tensors form a bucket and how a bucket becomes bytes on the wire is `packing.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import dataclasses
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +56,10 @@ import torch.distributed as dist
 from tandem.errors import TandemError
 from tandem.weights.fleet import Fleet, FleetError, ServerResult
 from tandem.weights.group import WeightGroup, WeightGroupError, dtype_from_name, host_store, init_weight_group
-from tandem.weights.meta import FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
-from tandem.weights.shm import ShmWriter, cuda_ipc_handle, layout, pack, remove_stale_segments, tensor_views
+from tandem.weights.meta import FlatLayout, WeightUpdateMeta
+from tandem.weights.packing import Packed, SendBuffers, broadcast_all, export_buckets
+from tandem.weights.packing import plan_buckets as _plan_buckets  # noqa: F401  (its old name, for tests)
+from tandem.weights.shm import remove_stale_segments
 from tandem.weights.verify import compare_checksums, tensor_checksum
 
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
@@ -124,9 +130,7 @@ class WeightUpdater:
         self._store: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if self.rank == 0 else None
         self._stuck: list[Future] = []  # trainer-side work that outlived its deadline
-        self._shm: ShmWriter | None = None
-        self._keep: list[torch.Tensor] = []  # CUDA IPC buffers, alive until the update ends
-        self._flat = _FlatBuffers()  # distributed: the send buffers, kept between updates
+        self._buffers = SendBuffers()  # flat send buffers (kept between updates), shm segments
         self._checksums: dict[str, dict[str, str]] = {}  # served dtype -> name -> sha256
         if self.rank == 0 and meta.type == "shm":
             remove_stale_segments()
@@ -210,10 +214,8 @@ class WeightUpdater:
         other) is broadcast by the worker thread; k is sent once k - 1 is acknowledged."""
         rank0 = self.rank == 0
         if rank0 and meta.type == "shm":
-            if self._shm is None:
-                self._shm = ShmWriter()
-            self._shm.rewind()
-        wire_dtype, buckets = self._buckets(meta)
+            self._buffers.rewind_shm()
+        wire_dtype, buckets = export_buckets(self.engine, self.world_size, self.dtype, meta.bucket_bytes)
         in_flight: _InFlight | None = None
         k = -1
         while True:
@@ -230,7 +232,7 @@ class WeightUpdater:
                 continue
             try:
                 with _timed(report, "pack"):
-                    packed = self._pack(meta, k, bucket, wire_dtype)
+                    packed = self._buffers.pack(meta, k % 2 if self.pipeline else 0, bucket, wire_dtype)
             except Exception as exc:  # e.g. /dev/shm full: fail the update, keep iterating the gathers
                 phase = f"update_weights_from_{meta.type} (bucket {k})"
                 failure = WeightSyncError(f"{phase}: the trainer could not pack the bucket: "
@@ -261,42 +263,7 @@ class WeightUpdater:
             failure = WeightSyncError("the engine exported no weights", "export")
         return failure
 
-    def _buckets(self, meta: WeightUpdateMeta) -> tuple[torch.dtype | None, Iterator[list[tuple[str, torch.Tensor]]]]:
-        """(dtype on the wire, buckets of `(hf_name, tensor)`). At trainer world size 1 with plain
-        parameters the buckets hold the parameters themselves, uncast: `_pack` casts them straight
-        into the flat buffer / segment, so no tensor is allocated per bucket. Otherwise (FSDP
-        world > 1, or an engine that is not a TrainEngine) the engine's own export (gathers, the
-        cast happening on the shard) in `self.dtype`; `_pack` then copies into the buffer."""
-        wire = self.dtype or getattr(self.engine, "param_dtype", None)
-        if self.world_size == 1 and wire is not None:
-            params = _plain_parameters(self.engine)
-            if params is not None:
-                return wire, _plan_buckets(params, meta.bucket_bytes, wire)
-        return self.dtype, iter(self.engine.export_weights(meta.bucket_bytes, self.dtype))
-
-    def _pack(self, meta: WeightUpdateMeta, k: int, bucket: list[tuple[str, torch.Tensor]],
-              dtype: torch.dtype | None) -> _Packed:
-        names = [n for n, _ in bucket]
-        tensors = [t.detach() for _, t in bucket]
-        specs = tuple(ParamSpec(n, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch."))
-                      for n, t in zip(names, tensors, strict=True))
-        if meta.type == "shm":
-            if tensors[0].is_cuda:
-                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors, dtype)
-                self._keep.append(buf)
-                views = tensor_views(buf, offsets, [s.shape for s in specs], [dtype_from_name(s.dtype) for s in specs])
-                return _Packed(names, specs, offsets, nbytes, views, shm=ShmBucket(specs, tuple(offsets), nbytes,
-                                                                                     cuda_ipc=handle))
-            name, offsets, nbytes, views = self._shm.write(tensors, dtype)
-            return _Packed(names, specs, offsets, nbytes, views,
-                           shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name))
-        offsets, nbytes = layout(tensors, dtype)
-        device = torch.device("cpu") if meta.backend == "gloo" else tensors[0].device
-        buf = self._flat.get(k % 2 if self.pipeline else 0, nbytes, device)
-        views = pack(buf, tensors, offsets, dtype)
-        return _Packed(names, specs, offsets, nbytes, views, flat=buf)
-
-    def _send(self, meta: WeightUpdateMeta, k: int, packed: _Packed, clock: _Clock) -> _InFlight:
+    def _send(self, meta: WeightUpdateMeta, k: int, packed: Packed, clock: _Clock) -> _InFlight:
         deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
         if meta.type == "distributed":
             timeout = meta.deadlines.bucket_s
@@ -308,9 +275,8 @@ class WeightUpdater:
             else:  # a fleet that only knows the SGLang protocol: one broadcast per tensor (views)
                 fleet_future = self.fleet.update_weights_from_distributed(meta, packed.specs, commit=False,
                                                                           bucket_index=k)
-                sends = tensor_views(packed.flat, packed.offsets, [s.shape for s in packed.specs],
-                                     [dtype_from_name(s.dtype) for s in packed.specs])
-            local = self._pool.submit(_broadcast_all, self._group, sends, timeout)
+                sends = packed.tensor_views()
+            local = self._pool.submit(broadcast_all, self._group, sends, timeout)
             return _InFlight(f"update_weights_from_distributed (bucket {k})", fleet_future, local, deadline)
         fleet_future = self.fleet.update_weights_from_shm(meta, packed.shm, commit=False, bucket_index=k)
         return _InFlight(f"update_weights_from_shm (bucket {k})", fleet_future, None, deadline)
@@ -386,13 +352,13 @@ class WeightUpdater:
         if meta.type == "distributed":
             self._teardown_group(meta)
         self._drain_stuck()
-        self._release_shm()
+        self._buffers.release_shm()
         if meta.type == "disk":
             shutil.rmtree(meta.versioned_path(), ignore_errors=True)
 
     def _after_success(self, meta: WeightUpdateMeta) -> None:
         if not self.shm_reuse:
-            self._release_shm()
+            self._buffers.release_shm()
         if meta.type == "distributed" and not self.keep_group:
             self._teardown_group(meta)
         if meta.type == "disk":  # every server acknowledged `version`: older copies can go
@@ -400,12 +366,6 @@ class WeightUpdater:
                 m = _VERSION_DIR.match(path.name)
                 if m and int(m.group(1)) < meta.version and path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
-
-    def _release_shm(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        self._keep.clear()
 
     def _agree(self, failure: WeightSyncError | None, meta: WeightUpdateMeta) -> None:
         """Rank 0's outcome becomes every rank's (raised everywhere or nowhere)."""
@@ -481,10 +441,10 @@ class WeightUpdater:
         if self.rank == 0:
             if self._group is not None:
                 self._teardown_group(self.meta)
-            self._release_shm()
+            self._buffers.release_shm()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._flat.clear()
+            self._buffers.clear()
 
     def __enter__(self) -> WeightUpdater:
         return self
@@ -500,91 +460,6 @@ def update_weights(engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, 
     with WeightUpdater(engine, fleet, meta, pipeline=pipeline, verify=verify, dtype=dtype,
                        keep_group=False) as updater:
         return updater.update(meta.version)
-
-
-def _broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
-    start = time.perf_counter()
-    for t in tensors:
-        group.broadcast(t, src=0, timeout_s=timeout_s)
-    return time.perf_counter() - start
-
-
-@dataclass
-class _Packed:
-    """One bucket, packed: its tensors' names/specs, their offsets in a flat buffer (distributed)
-    or an shm segment / CUDA IPC buffer (shm), and views of the packed tensors (for hashing)."""
-
-    names: list[str]
-    specs: tuple[ParamSpec, ...]
-    offsets: list[int]
-    nbytes: int
-    views: list[torch.Tensor]
-    flat: torch.Tensor | None = None
-    shm: ShmBucket | None = None
-
-
-class _FlatBuffers:
-    """Flat uint8 send buffers, one per slot (two when pipelined), allocated once and grown only
-    when a bucket needs more: every later update casts into warm memory."""
-
-    def __init__(self) -> None:
-        self.slots: dict[int, torch.Tensor] = {}
-
-    def get(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = self.slots.get(slot)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = None
-            self.slots.pop(slot, None)  # free the old one before allocating the larger one
-            buf = self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
-    def clear(self) -> None:
-        self.slots.clear()
-
-
-def _plain_parameters(engine: Any) -> list[tuple[str, torch.Tensor]] | None:
-    """(HF name, whole parameter) of a single-process engine's model in export order, or None when
-    the engine has no such model (then its own `export_weights` is used)."""
-    model = getattr(engine, "model", None)
-    if model is None or not hasattr(model, "spec"):
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-
-        from tandem.train import TrainEngine
-        from tandem.train.weight_export import hf_parameter_names
-
-        if getattr(type(engine), "export_weights", None) is not TrainEngine.export_weights:
-            return None  # an engine with its own export (e.g. merging adapters): use it
-
-        out = []
-        for _, hf_name, param in hf_parameter_names(model):
-            t = param.detach()
-            if isinstance(t, DTensor):  # FSDP over a mesh of one: the local shard is the whole tensor
-                if t.device_mesh.size() != 1 or t.to_local().shape != t.shape:
-                    return None
-                t = t.to_local()
-            out.append((hf_name, t))
-        return out
-    except Exception:
-        return None
-
-
-def _plan_buckets(params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                  dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The same boundaries as `iter_weight_buckets` (at most `bucket_bytes` in `dtype`; a larger
-    tensor travels alone), over uncast parameters."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in params:
-        nbytes = t.numel() * dtype.itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class _timed:

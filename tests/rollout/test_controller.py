@@ -4,6 +4,8 @@ rollout worker processes (episodes reported over HTTP, a dying worker's episodes
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import pickle
@@ -27,8 +29,10 @@ from tandem.rollout import (
     RolloutWorkflow,
 )
 from tandem.rollout.callback import meta_from_json, meta_to_json, result_from_json, result_to_json
-from tandem.weights.fleet import FleetError, FleetResult, ServerResult
-from tandem.weights.meta import Deadlines, WeightUpdateMeta
+from tandem.rollout.fleet_wire import FLEET_OPS, decode_call, encode_call
+from tandem.weights.fleet import Fleet, FleetError, FleetResult, ServerResult
+from tandem.weights.http_fleet import HttpFleet
+from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 from tests.rollout.conftest import REPO
 from tests.rollout.fake_server import chain
 
@@ -109,6 +113,40 @@ def test_wire_forms_round_trip():
     assert meta_from_json(json.loads(json.dumps(meta_to_json(meta)))) == meta
     res = FleetResult("p", (ServerResult("a", True, "ok"), ServerResult("b", False, "no")))
     assert result_from_json(json.loads(json.dumps(result_to_json(res)))) == res
+
+
+def test_every_fleet_argument_travels_through_the_controller():
+    """The callback, the controller and HttpFleet take the same arguments for every Fleet
+    operation, and the wire form carries each of them (flat layouts, shm buckets, staging)."""
+    for op, (positional, keywords) in FLEET_OPS.items():
+        want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(HttpFleet, op)).parameters.values()]
+        assert [n for n, *_ in want[1:]] == [*positional, *keywords], op
+        assert {n: d for n, k, d in want if k is inspect.Parameter.KEYWORD_ONLY} == keywords, op
+        for cls in (RolloutCallback, RolloutController, Fleet):
+            got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, op)).parameters.values()]
+            assert got == want, (cls.__name__, op)
+    assert {m for m in dir(Fleet) if not m.startswith("_")} - {"world_size"} == set(FLEET_OPS)
+    assert RolloutCallback.supports_flat_buckets and RolloutController.supports_flat_buckets
+    meta = WeightUpdateMeta("distributed", version=7, deadlines=Deadlines(bucket_s=3))
+    specs = [ParamSpec("a", (2, 3), "bfloat16"), ParamSpec("b", (4,), "float32")]
+    shm = ShmBucket(tuple(specs), (0, 64), 80, segment="tandem-w-1-0")
+    calls = {
+        "update_weights_from_distributed": dict(meta=meta, specs=specs, commit=False, bucket_index=2,
+                                                flat=FlatLayout((0, 64), 80)),
+        "update_weights_from_shm": dict(meta=meta, bucket=shm, commit=False, bucket_index=0),
+        "update_weights_from_disk": dict(meta=dataclasses.replace(meta, type="disk", path="/w"), commit=False),
+        "weight_checksums": dict(names=["a"]),
+        "set_version": dict(version=7),
+    }
+    for op, arguments in calls.items():
+        args, kwargs = decode_call(op, json.loads(json.dumps(encode_call(op, **arguments))))
+        positional, _ = FLEET_OPS[op]
+        assert {**dict(zip(positional, args, strict=True)), **kwargs} == arguments, op
+    # Keywords left out (an older caller) take the Fleet defaults: one full-set update, per tensor.
+    args, kwargs = decode_call("update_weights_from_distributed", {"meta": meta_to_json(meta), "specs": []})
+    assert kwargs == {"commit": True, "bucket_index": None, "flat": None}
+    with pytest.raises(TypeError):
+        encode_call("update_weights_from_shm", meta=meta, bucket=shm)
 
 
 def test_callback_fans_out_and_names_failing_servers(make_server, make_controller):

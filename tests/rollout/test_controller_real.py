@@ -9,6 +9,9 @@
   continue through `RolloutCallback`, the controller in between; the servers' weights change. While a
   fan-out waits 3 s (the servers wait for the group's rank 0), neither the controller process nor the
   trainer worker burns CPU.
+- A `WeightUpdater` whose fleet is a `RolloutCallback` (what `tandem train` does): distributed buckets
+  travel flat, one broadcast per bucket; per tensor only for a fleet that does not advertise it; shm
+  too; every server holds the sent tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ from tandem.rollout import (
     ModelRequest,
     RewardRunner,
     RLVRWorkflow,
+    RolloutCallback,
     RolloutConfig,
     RolloutController,
     RolloutWorkflow,
 )
+from tandem.weights.group import WeightGroup
 from tandem.weights.meta import Deadlines, ParamSpec, WeightUpdateMeta
+from tandem.weights.update import WeightUpdater
 from tests.inference.conftest import make_model_dir, prompts
 from tests.inference.server_utils import ServerProcess, wait_for
 from tests.rollout import rewards
 from tests.rollout.controller_proc import proc_cpu_s
+from tests.weights.common import CheckpointSource, expected_checksums
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,3 +287,56 @@ def test_rollout_callback_from_a_trainer_worker_process(make_controller, servers
     assert len({(v, tuple(c.items())) for v, c in sums.values()}) == 1 and next(iter(sums.values()))[0] == "3"
     assert report["controller_cpu_s"] < 0.1
     assert report["worker_cpu_s"] < 0.1
+
+
+# ------------------------------------------------------- a WeightUpdater whose fleet is the controller
+class PerTensorCallback(RolloutCallback):
+    """A callback that does not advertise flat buckets: the updater's SGLang-style fallback."""
+
+    supports_flat_buckets = False
+
+
+def test_weight_updater_through_the_callback_sends_one_broadcast_per_bucket(make_controller, servers, weights,
+                                                                             monkeypatch):
+    """`tandem train`'s path: WeightUpdater -> RolloutCallback -> controller -> HttpFleet -> servers.
+    Distributed buckets travel flat (ONE uint8 broadcast each, layout forwarded by the controller);
+    the servers then hold the sent tensors bit for bit. Shm buckets and checksums go the same way."""
+    ctl = make_controller()
+    sent: list[torch.Tensor] = []
+    real_broadcast = WeightGroup.broadcast
+
+    def counting(group, tensor, src=0, timeout_s=None):  # only the trainer's side runs in this process
+        sent.append(tensor)
+        return real_broadcast(group, tensor, src, timeout_s)
+
+    monkeypatch.setattr(WeightGroup, "broadcast", counting)
+    deadlines = Deadlines(init_group_s=30, bucket_s=60, update_s=120, http_s=30)
+    rows = []
+    for version, (kind, callback) in enumerate([("distributed", ctl.callback()),
+                                                ("distributed", PerTensorCallback(ctl.callback_address(), ctl.secret)),
+                                                ("shm", ctl.callback())], start=4):
+        assert callback.supports_flat_buckets == (type(callback) is RolloutCallback)
+        source = CheckpointSource(weights / "distributed", scale=1.0 + version / 8)  # each version differs
+        meta = WeightUpdateMeta(kind, bucket_bytes=64 * 1024, deadlines=deadlines)
+        sent.clear()
+        with WeightUpdater(source, callback, meta, verify=True) as updater:  # verify: checksums forwarded
+            report = updater.update(version)
+        callback.close()
+        rows.append((kind, report.buckets, len(source.tensors), len(sent), report.phases.get("broadcast")))
+        assert report.verified and report.buckets >= 3, report
+        want = expected_checksums(source.tensors)
+        for s in servers:  # bit for bit: every tensor's sha256, and one whole tensor
+            assert s.ok("/get_weights_checksum", {})["checksums"] == want
+            full = s.ok("/get_weights_by_name", {"name": Q, "truncate_size": source.tensors[Q].numel()})
+            assert torch.equal(torch.tensor(full, dtype=torch.float32).view(-1), source.tensors[Q].view(-1))
+            assert s.ok("/get_weight_version", method="GET") == {"weight_version": str(version)}
+        if kind == "shm":
+            assert sent == []
+        elif callback.supports_flat_buckets:  # one flat uint8 broadcast per bucket
+            assert len(sent) == report.buckets and all(t.dtype == torch.uint8 and t.dim() == 1 for t in sent)
+            assert sum(t.numel() for t in sent) >= report.bytes
+        else:  # one broadcast per tensor
+            assert len(sent) == len(source.tensors) > report.buckets
+    print("\n" + "\n".join(f"{kind}: {buckets} buckets, {tensors} tensors, {n} broadcasts"
+                           f"{'' if t is None else f' ({t * 1000:.0f} ms)'}" for kind, buckets, tensors, n, t in rows))
+    assert ctl.version == 6 and not ctl.executor.stats()["paused"]

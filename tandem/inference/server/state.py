@@ -34,7 +34,7 @@ class ServerState:
         self.waiting: dict[str, asyncio.Future] = {}  # rid -> abort signal, requests held at the gate
         self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
         self.groups: dict[str, Any] = {}  # group name -> tandem.weights.WeightGroup
-        self.staged: Any = None  # weight_sync.Staging: buckets of an update not committed yet
+        self.staged: Any = None  # weight_staging.Staging: buckets of an update not committed yet
         self.update_lock = asyncio.Lock()  # one weight update / memory change at a time
         self.started = time.time()
 

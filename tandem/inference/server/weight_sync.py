@@ -1,6 +1,8 @@
 """Weight and memory routes: updates from disk, over a distributed group and from shared memory,
 staged multi-bucket updates, group lifecycle, checksums, memory release/resume for colocated
-training, and (for tests only) fault injection.
+training. The control plane: request parsing, validation, answers; the tensors are handled by
+`weight_staging.py` (staged sets, receives, the swap) and `memory.py` (release/resume), fault
+injection for tests by `faults.py` (its route is part of this module's `router`).
 
 Every update is staged and validated before anything is swapped (`LLMEngine.load_weights`); a
 failure answers `success: false` and the previous weights and version keep serving. Tensors are
@@ -16,31 +18,25 @@ commits everything everywhere or keeps the previous weights.
 
 Flat buckets (`offsets` + `nbytes` on /update_weights_from_distributed): the bucket arrives as ONE
 broadcast of a uint8 buffer and its tensors are views at the announced offsets. Staged buckets are
-received into persistent staging buffers, one per bucket index (`state.weight_buffers`), never
-into fresh memory once warm. Ping-pong: when a whole staged set came in that way in the serving
-dtype, the commit rebinds every parameter to its view (no copy) and the buffers that backed the
-parameters until then (`state.live_buffers`) become the next update's staging buffers; otherwise
-the commit copies into the parameters in place. So from the third update on nothing is allocated
-(the first allocates staging, the second the other half), and a server taking distributed updates
-holds two copies of the weights. A failed or discarded update leaves the live weights untouched
-(its staging buffers are simply overwritten next time). `/release_memory_occupation` with the
-`weights` tag drops the staging buffers (and what is staged).
+received into persistent staging buffers, one per bucket index, never into fresh memory once warm;
+the commit adopts them (ping-pong, see `weight_staging.py`), so a server taking distributed
+updates holds two copies of the weights. `/release_memory_occupation` with the `weights` tag drops
+the staging buffers (and what is staged).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, WeightUpdateError
+from tandem.inference.server import faults
+from tandem.inference.server.faults import fault_point
+from tandem.inference.server.memory import MEMORY_TAGS, release_memory, resume_memory
 from tandem.inference.server.protocol import (
     ApiError,
     ControlError,
@@ -51,75 +47,26 @@ from tandem.inference.server.protocol import (
 )
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
-from tandem.inference.weights import ADOPTED, mark_adoptable, stage_weights, weight_checksums
+from tandem.inference.server.weight_staging import (
+    Staging,
+    check_bucket,
+    check_weights_present,
+    discard,
+    load_tensors,
+    receive,
+    receive_buffer,
+    receive_flat,
+    staging_for,
+    swap_in,
+)
+from tandem.inference.weights import stage_weights, weight_checksums
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, dtype_from_name, init_weight_group
 from tandem.weights.shm import ShmError, map_segment, open_cuda_ipc, tensor_views
 
 router = APIRouter()
-MEMORY_TAGS = ("kv_cache", "weights")
+router.include_router(faults.router)  # POST /_fault (only with TANDEM_FAULT_INJECTION=1)
 STAGE_FIELDS = {"commit", "bucket_index"}
-
-
-# ------------------------------------------------------------------------------------- staging
-@dataclass
-class Staging:
-    """Buckets of one update received so far (tensors stay referenced until commit/discard)."""
-
-    source: str
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    names: set[str] = field(default_factory=set)
-    buckets: int = 0
-    discarded: bool = False
-    flat: set[int] = field(default_factory=set)  # buckets received into staging buffer k
-    all_flat: bool = True  # every bucket so far: the commit may adopt the views (ping-pong)
-
-    def add(self, named: list[tuple[str, torch.Tensor]], flat_index: int | None = None) -> None:
-        self.tensors.extend(named)
-        self.names.update(n for n, _ in named)
-        self.buckets += 1
-        if flat_index is None:
-            self.all_flat = False
-        else:
-            self.flat.add(flat_index)
-
-
-def _discard(state: ServerState) -> None:
-    if state.staged is not None:
-        state.staged.discarded = True
-    state.staged = None
-
-
-def _staging_for(state: ServerState, source: str, commit: bool, bucket_index: int | None) -> Staging:
-    """The staged set this bucket belongs to (a fresh one for bucket 0 or a one-shot update)."""
-    current: Staging | None = state.staged
-    if bucket_index == 0 or (current is None and bucket_index is None):
-        _discard(state)
-        current = Staging(source)
-        if not commit or bucket_index is not None:
-            state.staged = current
-        return current
-    if current is None:
-        raise ControlError(f"bucket {bucket_index} arrived but nothing is staged (bucket 0 missing or discarded)")
-    if current.source != source:
-        raise ControlError(f"a staged update from {current.source} is pending; commit or discard it first")
-    if bucket_index is not None and bucket_index != current.buckets:
-        _discard(state)
-        raise ControlError(f"bucket {bucket_index} arrived after {current.buckets} staged bucket(s); "
-                           "the staged update was discarded")
-    return current
-
-
-def _check_bucket(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Names/shapes/dtypes of one bucket (meta tensors are fine) against the model and the set."""
-    _check_weights_present(state)
-    twice = sorted({n for n, _ in named} & staging.names)
-    if twice or len({n for n, _ in named}) != len(named):
-        raise ControlError(f"weight update sends tensor(s) twice: {twice or 'within one bucket'}")
-    try:
-        stage_weights(state.engine.model, named, strict_dtype=False, partial=True)
-    except WeightUpdateError as exc:
-        raise ControlError(str(exc)) from exc
 
 
 async def _finish(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]], commit: bool,
@@ -136,39 +83,8 @@ async def _finish(state: ServerState, staging: Staging, named: list[tuple[str, t
 
 async def _commit(state: ServerState, staging: Staging, version: str | None, abort_all: bool,
                   what: str) -> Response:
-    if state.staged is staging:
-        state.staged = None
-    staging.discarded = True  # consumed: late buckets of this set are refused
-    device = state.engine.device
-    tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
-    staging.tensors = []
-    if staging.all_flat and staging.flat:
-        for _, t in tensors:
-            mark_adoptable(t)
-    await _load(state, tensors, version, abort_all)
-    if any(getattr(t, ADOPTED, False) for _, t in tensors):
-        # Ping-pong: the parameters now live in this set's staging buffers; the buffers that held
-        # them until now are free (every parameter was rebound) and become the next staging set.
-        staging_buffers: dict[int, torch.Tensor] = getattr(state, "weight_buffers", None) or {}
-        live = {k: staging_buffers.pop(k) for k in staging.flat if k in staging_buffers}
-        state.weight_buffers = {**staging_buffers, **(getattr(state, "live_buffers", None) or {})}
-        state.live_buffers = live
-    return control_response(True, f"loaded {what} ({len(tensors)} tensors)", weight_version=state.engine.weight_version)
-
-
-async def _load(state: ServerState, tensors: list[tuple[str, torch.Tensor]], version: str | None,
-                abort_all: bool) -> None:
-    if abort_all:
-        await state.engine_loop.abort(abort_all=True)
-    try:
-        await state.engine_loop.call(lambda e: e.load_weights(tensors, weight_version=version, strict_dtype=False))
-    except WeightUpdateError as exc:
-        raise ControlError(f"{exc}; the previous weights keep serving") from exc
-
-
-def _check_weights_present(state: ServerState) -> None:
-    if "weights" in state.released:
-        raise ControlError("weights are released; call /resume_memory_occupation first")
+    count = await swap_in(state, staging, version, abort_all)
+    return control_response(True, f"loaded {what} ({count} tensors)", weight_version=state.engine.weight_version)
 
 
 def _stage_args(body: dict[str, Any]) -> tuple[bool, int | None, str | None, bool]:
@@ -204,7 +120,7 @@ def _meta_tensors(names, shapes, dtypes) -> list[tuple[str, torch.Tensor]]:
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request) -> Response:
     state = state_of(request)
-    await _fault_point(request, "update_weights_from_disk")
+    await fault_point(request, "update_weights_from_disk")
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "commit"})
@@ -214,15 +130,15 @@ async def update_weights_from_disk(request: Request) -> Response:
         raise ApiError(f"load_format {load_format!r} is not supported; use 'auto' or 'safetensors'")
     commit, _, version, abort_all = _stage_args(body)
     async with state.update_lock:
-        _check_weights_present(state)
+        check_weights_present(state)
         try:
             tensors = await asyncio.to_thread(lambda: list(iter_hf_tensors(path)))
         except Exception as exc:  # missing directory, no safetensors, corrupt file
             raise ControlError(f"cannot read a checkpoint at {path!r}: {exc}; the previous weights keep serving") from exc
         if commit:
-            await _load(state, tensors, version, abort_all)
+            await load_tensors(state, tensors, version, abort_all)
             return control_response(True, f"loaded weights from {path}", weight_version=state.engine.weight_version)
-        _discard(state)
+        discard(state)
         try:  # a checkpoint is a full set: check it all now, so the commit cannot fail on it
             stage_weights(state.engine.model, tensors, strict_dtype=False)
         except WeightUpdateError as exc:
@@ -238,7 +154,7 @@ async def init_weights_update_group(request: Request) -> Response:
     """Join the trainer's weight group as rank `rank_offset`; answers once the group is formed.
     `timeout_s` (optional, tandem extension) bounds forming the group and each receive."""
     state = state_of(request)
-    await _fault_point(request, "init_weights_update_group")
+    await fault_point(request, "init_weights_update_group")
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
@@ -278,7 +194,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     When the metadata is wrong but well-formed, the tensors are still received (and dropped) so the
     group stays in step with the trainer; then the answer is `success: false`."""
     state = state_of(request)
-    fault = await _fault_point(request, "update_weights_from_distributed")
+    fault = await fault_point(request, "update_weights_from_distributed")
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
@@ -295,8 +211,8 @@ async def update_weights_from_distributed(request: Request) -> Response:
         problem = None
         staging = None
         try:
-            staging = _staging_for(state, f"group {name!r}", commit, bucket_index)
-            _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
+            staging = staging_for(state, f"group {name!r}", commit, bucket_index)
+            check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
             if flat is not None:  # the layout must fit the buffer (checked on a meta tensor)
                 tensor_views(torch.empty(flat[1], dtype=torch.uint8, device="meta"), flat[0], shapes, torch_dtypes)
         except (ControlError, ShmError) as exc:
@@ -305,35 +221,25 @@ async def update_weights_from_distributed(request: Request) -> Response:
         reuse = None
         try:
             if flat is None:
-                tensors = await asyncio.to_thread(_receive, group, shapes, torch_dtypes, kill_after)
+                tensors = await asyncio.to_thread(receive, group, shapes, torch_dtypes, kill_after)
             else:
                 # Persistent buffer only for a well-formed staged bucket: bucket k of a set is the
                 # only user of buffer k, and bucket 0 drops the previous set before it lands.
                 reuse = bucket_index if problem is None and bucket_index is not None else None
-                buf = _receive_buffer(state, reuse, flat[1], group.device)
-                tensors = await asyncio.to_thread(_receive_flat, group, buf, flat[0], shapes, torch_dtypes,
+                buf = receive_buffer(state, reuse, flat[1], group.device)
+                tensors = await asyncio.to_thread(receive_flat, group, buf, flat[0], shapes, torch_dtypes,
                                                   kill_after)
         except WeightGroupError as exc:
-            _discard(state)
+            discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         if problem is not None:
-            _discard(state)
+            discard(state)
             raise ControlError(f"{problem}; the tensors were received and dropped, the previous weights keep serving")
         if len(tensors) != len(names):
             raise ControlError("the flat bucket's layout does not fit its buffer")
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
                              f"{len(names)} tensors from group {name!r}",
                              flat_index=reuse)
-
-
-def _receive(group: WeightGroup, shapes: list[list[int]], dtypes: list[torch.dtype],
-             kill_after: int | None = None) -> list[torch.Tensor]:
-    out = []
-    for shape, dtype in zip(shapes, dtypes, strict=True):
-        if kill_after is not None and len(out) >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)  # injected fault: die mid-broadcast
-        out.append(group.broadcast(torch.empty(shape, dtype=dtype, device=group.device), src=0))
-    return out
 
 
 def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | None:
@@ -347,37 +253,13 @@ def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | No
     return offsets, nbytes
 
 
-def _receive_buffer(state: ServerState, index: int | None, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of `nbytes` for one flat bucket: the persistent one of staged bucket `index`
-    (grown when too small), or a fresh one when `index` is None."""
-    if index is None:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    buffers: dict[int, torch.Tensor] = getattr(state, "weight_buffers", None) or {}
-    state.weight_buffers = buffers
-    buf = buffers.get(index)
-    if buf is None or buf.numel() < nbytes or buf.device != device:
-        buffers[index] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes]
-
-
-def _receive_flat(group: WeightGroup, buf: torch.Tensor, offsets: list[int], shapes: list[list[int]],
-                  dtypes: list[torch.dtype], kill_after: int | None = None) -> list[torch.Tensor]:
-    if kill_after is not None:
-        os.kill(os.getpid(), signal.SIGKILL)  # injected fault: die as the bucket's one broadcast starts
-    group.broadcast(buf, src=0)
-    try:
-        return tensor_views(buf, offsets, shapes, dtypes)
-    except ShmError:  # a bad layout was reported before receiving; the bytes are dropped
-        return []
-
-
 @router.post("/update_weights_from_shm")
 async def update_weights_from_shm(request: Request) -> Response:
     """Copy one bucket from a shared-memory segment written by a trainer on this host (tandem
     extension): `segment` (a /dev/shm name `tandem-w-...`) or `cuda_ipc` (a CUDA IPC handle),
     `nbytes`, and per tensor `names`, `dtypes`, `shapes`, `offsets`; staged like the other routes."""
     state = state_of(request)
-    await _fault_point(request, "update_weights_from_shm")
+    await fault_point(request, "update_weights_from_shm")
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"names", "dtypes", "shapes", "offsets", "segment", "cuda_ipc", "nbytes", "flush_cache",
@@ -396,15 +278,15 @@ async def update_weights_from_shm(request: Request) -> Response:
         raise ControlError("'cuda_ipc' needs a CUDA server; this one runs on CPU, use 'segment'")
     async with state.update_lock:
         try:
-            staging = _staging_for(state, "shared memory", commit, bucket_index)
-            _check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
+            staging = staging_for(state, "shared memory", commit, bucket_index)
+            check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
 
             # A staged segment bucket is copied at once into staging buffer k (as a distributed flat
             # bucket is received into it) and unmapped: the copy overlaps the trainer writing the
             # next bucket, the commit adopts the buffers (ping-pong), and no mapping outlives the
             # request. CUDA IPC buckets arrive as a server-owned copy already (copied at commit).
             reuse = bucket_index if segment is not None and bucket_index is not None else None
-            staged_buf = _receive_buffer(state, reuse, nbytes, state.engine.device) if reuse is not None else None
+            staged_buf = receive_buffer(state, reuse, nbytes, state.engine.device) if reuse is not None else None
 
             def read() -> list[torch.Tensor]:
                 if segment is None:
@@ -419,7 +301,7 @@ async def update_weights_from_shm(request: Request) -> Response:
 
             tensors = await asyncio.to_thread(read)
         except (ControlError, ShmError) as exc:
-            _discard(state)
+            discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
                              f"{len(names)} tensors from shared memory", flat_index=reuse)
@@ -429,7 +311,7 @@ async def update_weights_from_shm(request: Request) -> Response:
 async def commit_staged_weights(request: Request) -> Response:
     """Swap in the staged update (it must be a full set) and set `weight_version` (tandem extension)."""
     state = state_of(request)
-    await _fault_point(request, "commit_staged_weights")
+    await fault_point(request, "commit_staged_weights")
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"weight_version", "abort_all_requests", "flush_cache"})
@@ -439,7 +321,7 @@ async def commit_staged_weights(request: Request) -> Response:
         staging: Staging | None = state.staged
         if staging is None:
             raise ControlError("no staged weight update to commit")
-        _check_weights_present(state)
+        check_weights_present(state)
         return await _commit(state, staging, version, abort_all, f"the staged update from {staging.source}")
 
 
@@ -448,11 +330,11 @@ async def discard_staged_weights(request: Request) -> Response:
     """Drop the staged update, if any (tandem extension). Does not wait for a bucket in flight: that
     bucket is refused when it arrives."""
     state = state_of(request)
-    await _fault_point(request, "discard_staged_weights")
+    await fault_point(request, "discard_staged_weights")
     state.check_ready()
     check_fields(await read_json(request), set())
     had = state.staged is not None
-    _discard(state)
+    discard(state)
     return control_response(True, "discarded the staged update" if had else "nothing was staged")
 
 
@@ -466,7 +348,7 @@ async def get_weights_checksum(request: Request) -> Response:
     check_fields(body, {"names"})
     names = get_field(body, "names", list)
     async with state.update_lock:
-        _check_weights_present(state)
+        check_weights_present(state)
         try:
             sums = await asyncio.to_thread(weight_checksums, state.engine.model, names)
         except WeightUpdateError as exc:
@@ -479,7 +361,7 @@ async def get_weights_checksum(request: Request) -> Response:
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> Response:
     state = state_of(request)
-    await _fault_point(request, "destroy_weights_update_group")
+    await fault_point(request, "destroy_weights_update_group")
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"group_name"})
@@ -488,76 +370,9 @@ async def destroy_weights_update_group(request: Request) -> Response:
     if group is None:
         raise ControlError(f"no weight group {name!r}")
     if state.staged is not None and state.staged.source == f"group {name!r}":
-        _discard(state)
+        discard(state)
     await asyncio.to_thread(group.destroy)
     return control_response(True, f"left weight group {name!r}")
-
-
-# ------------------------------------------------------------------------------ fault injection
-FAULT_ENV = "TANDEM_FAULT_INJECTION"
-FAULT_ROUTES = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
-                "update_weights_from_shm", "commit_staged_weights", "discard_staged_weights",
-                "destroy_weights_update_group")
-
-
-@dataclass
-class Fault:
-    action: str  # "500": answer 500; "hang": wait `seconds`, then 503; "kill": SIGKILL this server
-    nth: int = 1  # first call (1-based, counted from when the fault was set) that fails
-    times: int = 1  # how many calls fail from there on
-    seconds: float = 30.0
-    after_tensors: int | None = None  # kill on update_weights_from_distributed: after this many tensors
-    calls: int = 0
-
-
-def _faults(request: Request) -> dict[str, Fault]:
-    state = state_of(request)
-    if not hasattr(state, "faults"):
-        state.faults = {}
-    return state.faults
-
-
-async def _fault_point(request: Request, route: str) -> Fault | None:
-    """Testing aid: the fault set for `route` (see /_fault), applied when this call is one it hits."""
-    if os.environ.get(FAULT_ENV) != "1":
-        return None
-    fault = _faults(request).get(route)
-    if fault is None:
-        return None
-    fault.calls += 1
-    if not fault.nth <= fault.calls < fault.nth + fault.times:
-        return None
-    if fault.action == "500":
-        raise ApiError(f"injected fault on /{route}", 500)
-    if fault.action == "hang":
-        await asyncio.sleep(fault.seconds)
-        raise ApiError(f"injected fault on /{route}: hung for {fault.seconds}s", 503)
-    if fault.after_tensors is None or route != "update_weights_from_distributed":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return fault
-
-
-@router.post("/_fault")
-async def set_fault(request: Request) -> Response:
-    """Testing aid, only when the server runs with TANDEM_FAULT_INJECTION=1 (404 otherwise):
-    `{"route": "update_weights_from_distributed", "action": "500"|"hang"|"kill", "nth"?, "times"?,
-    "seconds"?, "after_tensors"?}` makes that route fail; `{"clear": true}` removes all faults."""
-    if os.environ.get(FAULT_ENV) != "1":
-        raise ApiError(f"no route POST {request.url.path}", 404)
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, {"route", "action", "nth", "times", "seconds", "after_tensors", "clear"})
-    faults = _faults(request)
-    if get_field(body, "clear", bool, False):
-        faults.clear()
-        return control_response(True, "faults cleared")
-    route = get_field(body, "route", str, required=True)
-    action = get_field(body, "action", str, required=True)
-    if route not in FAULT_ROUTES or action not in ("500", "hang", "kill"):
-        raise ApiError(f"route must be one of {list(FAULT_ROUTES)} and action one of 500, hang, kill")
-    faults[route] = Fault(action, nth=get_field(body, "nth", int, 1), times=get_field(body, "times", int, 1),
-                          seconds=float(get_field(body, "seconds", float, 30.0)),
-                          after_tensors=get_field(body, "after_tensors", int))
-    return control_response(True, f"fault set on /{route}: {action}")
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -567,40 +382,6 @@ def _tags(body: dict[str, Any]) -> list[str]:
     if bad:
         raise ApiError(f"unknown memory tag(s) {bad}; valid tags: {list(MEMORY_TAGS)}")
     return tags
-
-
-def release_memory(engine: LLMEngine, tags: list[str], host: dict[str, Any]) -> None:
-    """Engine thread. kv_cache: free the KV tensor (the prefix cache goes with it). weights: move
-    every parameter to host memory (on a CPU device that is where they already are: the copy is
-    the parameter itself, so nothing is freed)."""
-    if engine.has_unfinished():
-        raise EngineBusyError("cannot release memory while requests are in flight; pause generation first")
-    runner = engine.runner
-    if "kv_cache" in tags and "kv_cache" not in host:
-        host["kv_cache"] = (tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
-        engine.block_manager.flush()
-        runner.kv_cache = torch.empty(0, dtype=runner.kv_cache.dtype, device=runner.device)
-        runner.attn.k_caches, runner.attn.v_caches = [], []
-    if "weights" in tags and "weights" not in host:
-        params = dict(engine.model.named_parameters())
-        host["weights"] = {n: p.data.to("cpu") for n, p in params.items()}
-        for p in params.values():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def resume_memory(engine: LLMEngine, tags: list[str], host: dict[str, Any]) -> None:
-    runner = engine.runner
-    if "kv_cache" in tags and "kv_cache" in host:
-        shape, dtype = host.pop("kv_cache")
-        runner.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
-        runner.attn.k_caches = [runner.kv_cache[i, 0] for i in range(shape[0])]
-        runner.attn.v_caches = [runner.kv_cache[i, 1] for i in range(shape[0])]
-    if "weights" in tags and "weights" in host:
-        saved = host.pop("weights")
-        for n, p in engine.model.named_parameters():
-            p.data = saved[n].to(engine.device)
 
 
 @router.post("/release_memory_occupation")
@@ -622,7 +403,7 @@ async def release_memory_occupation(request: Request) -> Response:
             raise ControlError(str(exc)) from exc
         await state.engine_loop.set_hold(True)
         if "weights" in tags:  # the staging buffers of flat buckets (re-made by the next update)
-            _discard(state)
+            discard(state)
             state.weight_buffers, state.live_buffers = {}, {}
     return control_response(True, f"released {tags}")
 

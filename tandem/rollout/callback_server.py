@@ -1,0 +1,198 @@
+"""The rollout controller's callback server: a FastAPI app under uvicorn on an event loop of its
+own, in a daemon thread, that trainer workers (`RolloutCallback`) and rollout worker processes
+reach over HTTP with the run's secret. Control plane only.
+
+| route | caller | effect |
+|---|---|---|
+| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | the controller's Fleet method `op`, arguments decoded by `fleet_wire`; answers the per-server `FleetResult` |
+| `GET /fleet/info` | `RolloutCallback.world_size` / deadlines | servers, health, world size, version, the fleet's deadlines |
+| `POST /rollout/episode` | rollout worker processes | one finished episode; resolves the future its executor slot awaits |
+| `POST /rollout/worker_ready` | rollout worker processes | a worker is up |
+
+Every route needs `Authorization: Bearer <secret>` (constant-time comparison); 401 otherwise.
+Blocking fleet calls run in a thread off the server's loop, overlapped ones are awaited as futures,
+so a long transfer never blocks a worker's report. Nothing polls: uvicorn's main loop here waits on
+an event (its stock one wakes every 0.1 s to check a flag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import socket
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tandem.rollout.fleet_wire import FLEET_OPS, checksums_to_json, decode_call, result_to_json
+from tandem.rollout.workers import EPISODE_ROUTE, READY_ROUTE
+from tandem.weights.fleet import FleetError, FleetResult
+
+if TYPE_CHECKING:
+    from tandem.rollout.controller import RolloutController
+
+
+def build_app(ctl: RolloutController) -> ASGIApp:
+    """The callback routes over `ctl` (its Fleet methods, `fleet_info()` and rollout workers),
+    behind the bearer check with `ctl.secret`."""
+    app = FastAPI(title="tandem rollout controller", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            data = await request.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise _BadRequest("the body must be a JSON object")
+        return data
+
+    def fleet_route(op: str):
+        async def handler(request: Request) -> JSONResponse:
+            data = await body_of(request)
+            try:
+                args, kwargs = decode_call(op, data)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise _BadRequest(f"/fleet/{op}: bad body: {type(exc).__name__}: {exc}") from exc
+            call = functools.partial(getattr(ctl, op), *args, **kwargs)
+            try:
+                out = await asyncio.to_thread(call)  # blocking fleet calls run off this loop
+                if isinstance(out, Future):
+                    out = await asyncio.wrap_future(out)
+            except FleetError as exc:
+                return JSONResponse(result_to_json(FleetResult(exc.phase, exc.failures)))
+            if op == "weight_checksums":
+                return JSONResponse({"phase": "get_weights_checksum", "results": [],
+                                     "checksums": checksums_to_json(out)})
+            return JSONResponse(result_to_json(out))
+
+        return handler
+
+    for op in FLEET_OPS:
+        app.add_api_route(f"/fleet/{op}", fleet_route(op), methods=["POST"])
+
+    @app.get("/fleet/info")
+    async def info() -> JSONResponse:
+        return JSONResponse(ctl.fleet_info())
+
+    @app.post(EPISODE_ROUTE)
+    async def episode(request: Request) -> JSONResponse:
+        data = await body_of(request)
+        if ctl.workers is None:
+            raise _BadRequest("this controller has no rollout workers")
+        try:
+            known = ctl.workers.report(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _BadRequest(f"bad episode report: {type(exc).__name__}: {exc}") from exc
+        if not known:
+            return JSONResponse({"success": False, "message": "no episode waits for this task"}, 404)
+        return JSONResponse({"success": True})
+
+    @app.post(READY_ROUTE)
+    async def worker_ready(request: Request) -> JSONResponse:
+        data = await body_of(request)
+        if ctl.workers is not None:
+            ctl.workers.mark_ready(int(data.get("worker", -1)))
+        return JSONResponse({"success": True})
+
+    @app.exception_handler(_BadRequest)
+    async def bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
+        return JSONResponse({"success": False, "message": str(exc)}, 400)
+
+    return _BearerAuth(app, ctl.secret)
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class _BearerAuth:
+    """Every route needs `Authorization: Bearer <secret>` (constant-time comparison); 401 otherwise."""
+
+    def __init__(self, app: ASGIApp, secret: str):
+        self.app, self.expected = app, f"Bearer {secret}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse({"success": False, "message": "missing or wrong callback secret"}, 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _EventServer(uvicorn.Server):
+    """uvicorn whose main loop waits for `stop` instead of waking every 0.1 s to check a flag."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.started_event = threading.Event()
+        self._stop: asyncio.Event | None = None
+
+    def capture_signals(self):  # a server in a thread leaves the process's signals alone
+        return contextlib.nullcontext()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._stop = asyncio.Event()
+        await super().startup(sockets=sockets)
+        self.started_event.set()
+
+    async def main_loop(self) -> None:
+        await self.on_tick(0)  # sets the default headers once
+        assert self._stop is not None
+        await self._stop.wait()
+
+    def request_stop(self) -> None:
+        self.should_exit = True
+        if self._stop is not None:
+            self._stop.set()
+
+
+class CallbackServer:
+    """The callback app served by uvicorn on its own event loop, in a daemon thread."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(256)
+        bound_host, self.port = self.sock.getsockname()[:2]
+        self.address = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=60)
+        self.server = _EventServer(config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="tandem-rollout-callbacks", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self.server.started_event.set()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        if not self.server.started_event.wait(timeout) or self._error is not None or not self.server.started:
+            raise RuntimeError(f"the rollout callback server did not start: {self._error!r}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.server.request_stop)
+            self.thread.join(timeout)
+        self.sock.close()
+

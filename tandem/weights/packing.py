@@ -1,0 +1,179 @@
+"""Rank 0's data plane of a weight update: which tensors form each bucket, and how a bucket becomes
+bytes to send. No fleet calls here (see `update.py` for the orchestration).
+
+- `export_buckets`: the buckets of `(hf_name, tensor)` to send. At trainer world size 1 with plain
+  parameters, the parameters themselves, uncast (`plan_buckets` gives the boundaries); otherwise
+  the engine's own `export_weights` (gathers, a collective every rank joins).
+- `SendBuffers.pack`: one bucket cast straight into one of two flat uint8 send buffers
+  (distributed; kept for the updater's life, so no bucket allocates), a /dev/shm segment, or a CUDA
+  IPC buffer (shm), at 64-byte-aligned offsets: a `Packed` bucket.
+- `broadcast_all`: the trainer's side of one bucket's broadcasts (the flat buffer, or one per tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.weights.group import WeightGroup, dtype_from_name
+from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.weights.shm import ShmWriter, cuda_ipc_handle, layout, pack, tensor_views
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class Packed:
+    """One bucket, packed: its tensors' names/specs, their offsets in a flat buffer (distributed)
+    or an shm segment / CUDA IPC buffer (shm), and views of the packed tensors (for hashing)."""
+
+    names: list[str]
+    specs: tuple[ParamSpec, ...]
+    offsets: list[int]
+    nbytes: int
+    views: list[torch.Tensor]
+    flat: torch.Tensor | None = None
+    shm: ShmBucket | None = None
+
+    def tensor_views(self) -> list[torch.Tensor]:
+        """Each tensor of a flat bucket as a view of the buffer (the per-tensor broadcasts)."""
+        return tensor_views(self.flat, self.offsets, [s.shape for s in self.specs],
+                            [dtype_from_name(s.dtype) for s in self.specs])
+
+
+class FlatBuffers:
+    """Flat uint8 send buffers, one per slot (two when pipelined), allocated once and grown only
+    when a bucket needs more: every later update casts into warm memory."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, torch.Tensor] = {}
+
+    def get(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self.slots.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = None
+            self.slots.pop(slot, None)  # free the old one before allocating the larger one
+            buf = self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+
+class SendBuffers:
+    """Where rank 0 packs buckets: the flat send buffers (distributed), the shm writer's segments
+    and the CUDA IPC buffers that must stay alive until the update ends (shm)."""
+
+    def __init__(self) -> None:
+        self.flat = FlatBuffers()
+        self.shm: ShmWriter | None = None
+        self.keep: list[torch.Tensor] = []  # CUDA IPC buffers, alive until the update ends
+
+    def rewind_shm(self) -> None:
+        """Before an shm update: reuse the segments of the last one from the first."""
+        if self.shm is None:
+            self.shm = ShmWriter()
+        self.shm.rewind()
+
+    def pack(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None) -> Packed:
+        """Cast `bucket` into its send memory (flat buffer `slot`, or the bucket's shm segment)."""
+        names = [n for n, _ in bucket]
+        tensors = [t.detach() for _, t in bucket]
+        specs = tuple(ParamSpec(n, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch."))
+                      for n, t in zip(names, tensors, strict=True))
+        if meta.type == "shm":
+            if tensors[0].is_cuda:
+                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors, dtype)
+                self.keep.append(buf)
+                views = tensor_views(buf, offsets, [s.shape for s in specs], [dtype_from_name(s.dtype) for s in specs])
+                return Packed(names, specs, offsets, nbytes, views, shm=ShmBucket(specs, tuple(offsets), nbytes,
+                                                                                    cuda_ipc=handle))
+            name, offsets, nbytes, views = self.shm.write(tensors, dtype)
+            return Packed(names, specs, offsets, nbytes, views,
+                          shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name))
+        offsets, nbytes = layout(tensors, dtype)
+        device = torch.device("cpu") if meta.backend == "gloo" else tensors[0].device
+        buf = self.flat.get(slot, nbytes, device)
+        views = pack(buf, tensors, offsets, dtype)
+        return Packed(names, specs, offsets, nbytes, views, flat=buf)
+
+    def release_shm(self) -> None:
+        """Unlink the segments and drop the CUDA IPC buffers."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self.keep.clear()
+
+    def clear(self) -> None:
+        self.flat.clear()
+
+
+def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
+    """Broadcast each tensor from rank 0, in order; -> the seconds it took."""
+    start = time.perf_counter()
+    for t in tensors:
+        group.broadcast(t, src=0, timeout_s=timeout_s)
+    return time.perf_counter() - start
+
+
+def export_buckets(engine: Any, world_size: int, dtype: torch.dtype | None,
+                   bucket_bytes: int) -> tuple[torch.dtype | None, Iterator[Bucket]]:
+    """(dtype on the wire, buckets of `(hf_name, tensor)`). At trainer world size 1 with plain
+    parameters the buckets hold the parameters themselves, uncast: `SendBuffers.pack` casts them
+    straight into the flat buffer / segment, so no tensor is allocated per bucket. Otherwise (FSDP
+    world > 1, or an engine that is not a TrainEngine) the engine's own export (gathers, the cast
+    happening on the shard) in `dtype`; the pack then copies into the buffer."""
+    wire = dtype or getattr(engine, "param_dtype", None)
+    if world_size == 1 and wire is not None:
+        params = plain_parameters(engine)
+        if params is not None:
+            return wire, plan_buckets(params, bucket_bytes, wire)
+    return dtype, iter(engine.export_weights(bucket_bytes, dtype))
+
+
+def plain_parameters(engine: Any) -> Bucket | None:
+    """(HF name, whole parameter) of a single-process engine's model in export order, or None when
+    the engine has no such model (then its own `export_weights` is used)."""
+    model = getattr(engine, "model", None)
+    if model is None or not hasattr(model, "spec"):
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from tandem.train import TrainEngine
+        from tandem.train.weight_export import hf_parameter_names
+
+        if getattr(type(engine), "export_weights", None) is not TrainEngine.export_weights:
+            return None  # an engine with its own export (e.g. merging adapters): use it
+
+        out = []
+        for _, hf_name, param in hf_parameter_names(model):
+            t = param.detach()
+            if isinstance(t, DTensor):  # FSDP over a mesh of one: the local shard is the whole tensor
+                if t.device_mesh.size() != 1 or t.to_local().shape != t.shape:
+                    return None
+                t = t.to_local()
+            out.append((hf_name, t))
+        return out
+    except Exception:
+        return None
+
+
+def plan_buckets(params: Bucket, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
+    """The same boundaries as `iter_weight_buckets` (at most `bucket_bytes` in `dtype`; a larger
+    tensor travels alone), over uncast parameters."""
+    bucket: Bucket = []
+    size = 0
+    for name, t in params:
+        nbytes = t.numel() * dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
