@@ -138,6 +138,15 @@ class BlockManager:
                 tokens = seq.block_tokens(i, bs)
                 self._register(self.blocks[seq.block_table[i]], chain_hash(prev, tokens), tokens)
 
+    def num_shared_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of `seq` that other sequences also hold (ref count > 1): its shared prefix."""
+        n = 0
+        for block_id in seq.block_table:
+            if self.blocks[block_id].ref_count < 2:
+                break
+            n += 1
+        return n
+
     # ------------------------------------------------------------------------------ lifecycle
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (its prompt KV is computed once)."""

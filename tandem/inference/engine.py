@@ -115,7 +115,8 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if seqs:
             copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-            logits = self.runner.run(seqs, is_prefill, copies)
+            shared = None if is_prefill else [self.block_manager.num_shared_blocks(s) for s in seqs]
+            logits = self.runner.run(seqs, is_prefill, copies, shared)
             rows, batch = [], []
             for row, seq in enumerate(seqs):
                 if not seq.was_started:

@@ -1,8 +1,9 @@
 """Runs the trainer's native model over a step's sequences with a paged KV cache.
 
-Owns the KV tensors (one `[num_blocks, block_size, n_kv_heads, head_dim]` k and v per layer),
-turns a scheduled batch into packed inputs + attention metadata, and returns float32 logits of
-each sequence's last position (the only ones sampling needs).
+Owns the KV tensors (one `[n_kv_heads, num_blocks, block_size, head_dim]` k and v per layer, all in
+one `[n_layers, 2, n_kv_heads, num_blocks, block_size, head_dim]` tensor), turns a scheduled batch
+into packed inputs + attention metadata (built once per step, shared by every layer), and returns
+float32 logits of each sequence's last position (the only ones sampling needs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 import torch
 from torch import nn
 
-from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend
+from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend, build_decode_metadata
 from tandem.inference.sequence import Sequence
 
 
@@ -23,7 +24,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         args = model.args
-        shape = (args.n_layers, 2, num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        shape = (args.n_layers, 2, args.n_kv_heads, num_blocks, block_size, args.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.attn = PagedAttentionBackend(
             [self.kv_cache[i, 0] for i in range(args.n_layers)],
@@ -36,20 +37,24 @@ class ModelRunner:
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (input_ids [T], positions [T]); sets the attention metadata for this step."""
+    def prepare(self, seqs: list[Sequence], is_prefill: bool,
+                shared_blocks: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (input_ids [T], positions [T]); sets the attention metadata for this step.
+        `shared_blocks` (decode): leading blocks of each sequence that others may share."""
+        if not is_prefill:
+            return self._prepare_decode(seqs, shared_blocks or [0] * len(seqs))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_q = [0]
         for seq in seqs:
-            start = seq.num_computed_tokens if is_prefill else len(seq) - 1
+            start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:]
             positions += range(start, len(seq))
             slots += self._slots(seq, start, len(seq))
@@ -64,20 +69,41 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
             max_query_len=max(b - a for a, b in itertools.pairwise(cu_q)),
             max_context_len=max(len(s) for s in seqs),
-            no_cached_prefix=is_prefill and all(s.num_computed_tokens == 0 for s in seqs),
+            no_cached_prefix=all(s.num_computed_tokens == 0 for s in seqs),
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))
 
+    def _prepare_decode(self, seqs: list[Sequence], shared_blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, dev = self.block_size, self.device
+        lens = [len(s) for s in seqs]
+        tables = [s.block_table for s in seqs]
+        positions = [n - 1 for n in lens]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        self.attn.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=None,
+            max_query_len=1,
+            max_context_len=max(lens),
+            no_cached_prefix=False,
+            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev),
+        )
+        return (torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev))
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, copies: list[tuple[int, int]]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], is_prefill: bool, copies: list[tuple[int, int]],
+            shared_blocks: list[int] | None = None) -> torch.Tensor:
         """Forward the step's new tokens; -> `[len(seqs), vocab]` float32 next-token logits."""
         self.copy_blocks(copies)
-        input_ids, positions = self.prepare(seqs, is_prefill)
+        input_ids, positions = self.prepare(seqs, is_prefill, shared_blocks)
         meta = self.attn.meta
         assert meta is not None
         hidden = self.model.hidden_states(input_ids, meta.cu_seqlens_q, positions, attn=self.attn)
-        last = meta.cu_seqlens_q[1:].to(torch.long) - 1
-        logits = self.model.logits_from_hidden(hidden[last]).float()
+        if is_prefill:
+            hidden = hidden[meta.cu_seqlens_q[1:].to(torch.long) - 1]
+        logits = self.model.logits_from_hidden(hidden).float()
         self.attn.meta = None
         return logits

@@ -1,13 +1,28 @@
 """Attention over a paged KV cache, pure PyTorch (any device).
 
-The KV cache of one layer is `[num_blocks, block_size, n_kv_heads, head_dim]` for k and for v. A
-step's tokens are packed like the training path (`cu_seqlens_q`); each sequence's keys are the
-ones already cached plus its new ones, found through its block table. `paged_attention` is the one
-function a CUDA kernel (flash-attn / flashinfer with a block table) replaces.
+The KV cache of one layer is `[n_kv_heads, num_blocks, block_size, head_dim]` for k and for v: the
+keys of one head and one block are contiguous, so gathering the blocks a step reads
+(`index_select` on dim 1) yields `[n_kv_heads, ..., keys, head_dim]` ready for batched matmuls, no
+permute. A step's tokens are packed like the training path (`cu_seqlens_q`); each sequence's keys
+are the ones already cached plus its new ones, found through its block table.
+
+Two paths:
+- **Prefill** (`paged_attention`): sequences padded to the longest query and context, one masked
+  SDPA; the path a CUDA kernel (flash-attn / flashinfer with a block table) replaces.
+- **Decode** (`decode_attention`, one new token per sequence): *cascade* attention in key chunks.
+  The n samples of a request (and any sequences with the same cached prefix) share their prompt's
+  full blocks: those keys are attended ONCE per group, with the group's queries stacked as rows of
+  one matmul (the prefix pass); each sequence's own blocks form the suffix pass. Keys are cut into
+  chunks of a few blocks, so nothing is padded to the longest context; each chunk yields scores for
+  its task's query rows, and the softmax over a task's chunks, then over prefix and suffix, is
+  combined exactly with log-sum-exp (running max `m`, sum of exponentials `den`, weighted values `o`).
+  The gather indices, masks and group layout are built once per step (`build_decode_metadata`) and
+  reused by every layer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,20 +32,46 @@ from tandem.models.common import packed_causal_attention
 
 
 @dataclass
+class ChunkPass:
+    """One batch of attention work: tasks (a set of R query rows, the same keys) over key chunks.
+
+    A task's keys are cut into chunks of C blocks; chunk u belongs to task `chunk_task[u]`, reads
+    blocks `blocks[u*C:(u+1)*C]` (padding with block 0) and masks padded keys with `key_bias`.
+    """
+
+    q_rows: torch.Tensor  # [U, R] the sequence whose query fills each row of each chunk's task
+    blocks: torch.Tensor  # [U * C] block ids, chunk-major
+    key_bias: torch.Tensor  # [U, C * block_size] 0 for a valid key, -inf for padding
+    chunk_task: torch.Tensor  # [U] task of each chunk
+    num_tasks: int
+    single_chunk: bool  # one chunk per task, in task order: nothing to reduce across chunks
+    seq_row: torch.Tensor | None  # [B] flat row (task * R + r) of each sequence; num_tasks * R = none; None: identity
+
+
+@dataclass
+class DecodeMetadata:
+    suffix: ChunkPass  # every sequence: its keys past its shared prefix (at least its newest one)
+    prefix: list[ChunkPass]  # shared prefixes, one pass per padded group size
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
     cu_seqlens_q: torch.Tensor  # [B+1] new tokens per sequence, cumulative
     context_lens: torch.Tensor  # [B] keys per sequence: cached + new
-    block_tables: torch.Tensor  # [B, max_blocks], padded with 0 (masked out)
+    block_tables: torch.Tensor | None  # [B, max_blocks], padded with 0 (masked out); prefill only
     max_query_len: int
     max_context_len: int
     no_cached_prefix: bool  # every sequence attends only to its new tokens (plain prefill)
+    decode: DecodeMetadata | None = None  # set for decode steps (one new token per sequence)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """k/v `[T, H_kv, D]` into their slots of `[H_kv, num_blocks, block_size, D]` caches."""
+    h, d = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,10 +82,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     query at index t of a sequence with c keys and l new tokens sits at position c - l + t and may
     see keys 0..c - l + t. Padded query rows are computed and dropped.
     """
-    num_seqs = meta.context_lens.shape[0]
+    assert meta.block_tables is not None
+    num_seqs = meta.block_tables.shape[0]
     device = q.device
-    keys = k_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_context_len]  # [B, K, H_kv, D]
-    values = v_cache[meta.block_tables].flatten(1, 2)[:, : meta.max_context_len]
+    h_kv, d = k_cache.shape[0], k_cache.shape[-1]
+    flat = meta.block_tables.reshape(-1)
+    keys = k_cache.index_select(1, flat).view(h_kv, num_seqs, -1, d)[:, :, : meta.max_context_len]
+    values = v_cache.index_select(1, flat).view(h_kv, num_seqs, -1, d)[:, :, : meta.max_context_len]
     q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
     t = torch.arange(meta.max_query_len, device=device)
     q_index = (meta.cu_seqlens_q[:-1, None] + t[None, :]).clamp(max=q.shape[0] - 1)  # [B, Q]
@@ -54,14 +98,147 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
     out = F.scaled_dot_product_attention(
         q[q_index].transpose(1, 2),  # [B, H, Q, D]
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        keys.transpose(0, 1),  # [B, H_kv, K, D]
+        values.transpose(0, 1),
         attn_mask=mask[:, None],
         scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[2],
+        enable_gqa=q.shape[1] != h_kv,
     )
-    assert out.shape[0] == num_seqs
     return out.transpose(1, 2)[q_valid]
+
+
+# ------------------------------------------------------------------------------------------ decode
+def _choose_chunk(task_blocks: list[int], max_padding: float = 0.15) -> int:
+    """Blocks per chunk: the largest candidate whose padding stays within `max_padding` of the
+    real key blocks (bigger chunks mean fewer, larger matmuls); one chunk per task when it fits."""
+    total, longest = sum(task_blocks), max(task_blocks)
+    best = 1
+    for c in (2, 4, 8, 16, 32, longest):
+        if c <= longest and sum(-(-n // c) * c for n in task_blocks) <= total * (1 + max_padding):
+            best = max(best, c)
+    return best
+
+
+def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs: int, block_size: int,
+                device: torch.device, identity: bool = False) -> ChunkPass:
+    """tasks: (query sequences, key blocks, key count) -> the pass's tensors. `identity`: task i is
+    sequence i alone (the suffix pass), so results need no remapping."""
+    c = _choose_chunk([len(b) for _, b, _ in tasks])
+    q_rows: list[list[int]] = []
+    blocks: list[int] = []
+    valid: list[int] = []
+    chunk_task: list[int] = []
+    span = c * block_size
+    for t, (members, task_blocks, num_keys) in enumerate(tasks):
+        padded_members = members + [members[0]] * (rows - len(members))
+        for start in range(0, len(task_blocks), c):
+            chunk = task_blocks[start : start + c]
+            blocks += chunk + [0] * (c - len(chunk))
+            valid.append(min(span, num_keys - start * block_size))
+            q_rows.append(padded_members)
+            chunk_task.append(t)
+    valid_t = torch.tensor(valid, device=device)
+    key_bias = torch.zeros(len(valid), span, device=device)
+    key_bias.masked_fill_(torch.arange(span, device=device)[None, :] >= valid_t[:, None], float("-inf"))
+    seq_row = None
+    if not identity:
+        row_of = [len(tasks) * rows] * num_seqs
+        for t, (members, _, _) in enumerate(tasks):
+            for r, s in enumerate(members):
+                row_of[s] = t * rows + r
+        seq_row = torch.tensor(row_of, device=device)
+    return ChunkPass(
+        q_rows=torch.tensor(q_rows, device=device),
+        blocks=torch.tensor(blocks, device=device),
+        key_bias=key_bias,
+        chunk_task=torch.tensor(chunk_task, device=device),
+        num_tasks=len(tasks),
+        single_chunk=len(chunk_task) == len(tasks),
+        seq_row=seq_row,
+    )
+
+
+def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int], shared_blocks: list[int],
+                          block_size: int, device: torch.device) -> DecodeMetadata:
+    """Per step, for all layers. `shared_blocks[i]`: how many leading (full) blocks of sequence i
+    other sequences may share. Sequences whose leading `shared_blocks` block ids are identical form
+    a group whose prefix is attended once; groups are batched by their size rounded up to a power
+    of two (the rows of one prefix task)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (table, k) in enumerate(zip(block_tables, shared_blocks, strict=True)):
+        k = min(k, len(table) - 1)  # the last block is the sequence's own (it writes there)
+        if k > 0:
+            groups.setdefault(tuple(table[:k]), []).append(i)
+    prefix_len = [0] * len(block_tables)
+    by_rows: dict[int, list[tuple[list[int], list[int], int]]] = {}
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        for s in members:
+            prefix_len[s] = len(key)
+        rows = 1 << (len(members) - 1).bit_length()
+        by_rows.setdefault(rows, []).append((members, list(key), len(key) * block_size))
+    suffix_tasks = [([i], table[prefix_len[i]:], n - prefix_len[i] * block_size)
+                    for i, (table, n) in enumerate(zip(block_tables, context_lens, strict=True))]
+    num_seqs = len(block_tables)
+    return DecodeMetadata(
+        suffix=_chunk_pass(suffix_tasks, 1, num_seqs, block_size, device, identity=True),
+        prefix=[_chunk_pass(tasks, rows, num_seqs, block_size, device) for rows, tasks in sorted(by_rows.items())],
+    )
+
+
+def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 p: ChunkPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qv `[B, H_kv, G, D]` (pre-scaled) -> per sequence (m `[H_kv, B, G]`, den `[H_kv, B, G]`,
+    o `[H_kv, B, G, D]`): running max of the scores, sum of exp(score - m), sum of exp * value."""
+    num_seqs, h_kv, g, d = qv.shape
+    num_chunks, rows = p.q_rows.shape
+    span = p.key_bias.shape[1]
+    if p.seq_row is None and rows == 1 and p.single_chunk:
+        q = qv.transpose(0, 1)  # [H_kv, B, G, D]: chunk i is sequence i
+    else:
+        q = qv[p.q_rows].permute(2, 0, 1, 3, 4).reshape(h_kv, num_chunks, rows * g, d)
+    k = k_cache.index_select(1, p.blocks).view(h_kv, num_chunks, span, d)
+    v = v_cache.index_select(1, p.blocks).view(h_kv, num_chunks, span, d)
+    s = torch.matmul(q, k.transpose(-1, -2)).add_(p.key_bias[None, :, None, :])  # [H_kv, U, R*G, span]
+    m = s.amax(-1)
+    if p.single_chunk:
+        s.sub_(m[..., None])
+    else:
+        index = p.chunk_task[None, :, None].expand_as(m)
+        m = m.new_full((h_kv, p.num_tasks, rows * g), -math.inf).scatter_reduce_(1, index, m, "amax")
+        s.sub_(m.index_select(1, p.chunk_task)[..., None])
+    s.exp_()
+    den = s.sum(-1)
+    o = torch.matmul(s, v)  # [H_kv, U, R*G, D]
+    if not p.single_chunk:
+        den = torch.zeros_like(m).index_add_(1, p.chunk_task, den)
+        o = torch.zeros(h_kv, p.num_tasks, rows * g, d, device=o.device, dtype=o.dtype).index_add_(1, p.chunk_task, o)
+    if p.seq_row is None:
+        return m.view(h_kv, num_seqs, g), den.view(h_kv, num_seqs, g), o.view(h_kv, num_seqs, g, d)
+    # Rows -> sequences; a sequence outside this pass reads the sentinel row (-inf, 0, 0).
+    m = torch.cat([m.reshape(h_kv, -1, g), m.new_full((h_kv, 1, g), -math.inf)], 1).index_select(1, p.seq_row)
+    den = torch.cat([den.reshape(h_kv, -1, g), den.new_zeros(h_kv, 1, g)], 1).index_select(1, p.seq_row)
+    o = torch.cat([o.reshape(h_kv, -1, g, d), o.new_zeros(h_kv, 1, g, d)], 1).index_select(1, p.seq_row)
+    return m, den, o
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
+                     scale: float) -> torch.Tensor:
+    """q `[B, H, D]` (one new token per sequence, its k/v already written) -> `[B, H, D]`."""
+    num_seqs, num_heads, d = q.shape
+    h_kv = k_cache.shape[0]
+    qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
+    m, den, o = _attend_pass(qv, k_cache, v_cache, meta.suffix)  # finite: every sequence has its newest key
+    for p in meta.prefix:
+        m2, den2, o2 = _attend_pass(qv, k_cache, v_cache, p)
+        m_new = torch.maximum(m, m2)
+        w, w2 = (m - m_new).exp_(), (m2 - m_new).exp_()
+        den = den * w + den2 * w2
+        o = o * w[..., None] + o2 * w2[..., None]
+        m = m_new
+    out = o / den[..., None]  # [H_kv, B, G, D]
+    return out.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, d)
 
 
 class PagedAttentionBackend:
@@ -76,6 +253,8 @@ class PagedAttentionBackend:
         assert meta is not None, "set the step's AttentionMetadata first"
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode is not None:
+            return decode_attention(q, k_cache, v_cache, meta.decode, self.scale)
         if meta.no_cached_prefix and meta.context_lens.shape[0] == 1:
             # One sequence, nothing cached: the packed training path is exact and cheapest. With
             # several, its dense [T, T] mask is O(T^2): padding per sequence (below) is O(B * L^2).

@@ -7,9 +7,12 @@ trainer recomputes from the same weights (a filtered distribution would put -inf
 trainer's model gives mass to).
 
 Sampling order: penalties (over the output so far) -> mask stop tokens until min_new_tokens ->
-greedy argmax, or divide by T -> top-k -> top-p over what top-k left -> draw. Draws use the
-exponential race (argmax p / E with E ~ Exp(1)), with noise from each sequence's own generator, so
-a seeded request draws the same tokens whatever else shares its batch.
+greedy argmax, or divide by T -> top-k -> top-p over what top-k left -> draw. A draw is an inverse-CDF
+lookup of one uniform from the sequence's own generator (so a seeded request draws the same tokens
+whatever else shares its batch), done in two levels (token blocks, then tokens) so no full-width
+cumulative sum is needed. Work a batch does not need is skipped: penalties only for sequences that
+have them, top-k/top-p only when a row filters, one shared normaliser when the sampling
+distribution is the logprob's.
 """
 
 from __future__ import annotations
@@ -52,32 +55,75 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _needs_processing(seq: Sequence) -> bool:
+    p = seq.params
+    return bool((p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens) or (
+        seq.num_output_tokens < p.min_new_tokens)
+
+
+def _draw(scaled: torch.Tensor, uniforms: torch.Tensor, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw of one token per row of `scaled` (logits / T, -inf where filtered).
+
+    -> (tokens, log of each row's normaliser: max + log(sum exp(scaled - max))). Two levels, so no
+    full-width cumulative sum: sums of `width`-token blocks (their running sum in float64) locate
+    the block holding the uniform's mass, then a running sum inside that block locates the token.
+    A token with zero probability is never returned (each search finds the first running sum
+    strictly above the target, and targets stay strictly below the total).
+    """
+    rows, vocab = scaled.shape
+    top = scaled.amax(-1, keepdim=True)
+    e = (scaled - top).exp_()
+    if vocab % width:
+        e = torch.nn.functional.pad(e, (0, width - vocab % width))
+    blocks = e.view(rows, -1, width)
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum_(-1)  # [B, nb]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    blk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, 1]
+    before = torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_(min=0)), 0.0)
+    inner = blocks.gather(1, blk[:, :, None].expand(rows, 1, width))[:, 0].to(torch.float64).cumsum_(-1)
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros_like(total)))
+    j = torch.searchsorted(inner, rest, right=True).clamp_(max=width - 1)
+    return (blk * width + j)[:, 0], top[:, 0] + total[:, 0].log().to(top.dtype)
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> tuple[list[int], list[float]]:
     """logits `[B, V]` float32 (row i for seqs[i]) -> (token ids, their logprobs)."""
     logits = logits.float()
     vocab, device = logits.shape[1], logits.device
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-    temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs],
-                         dtype=torch.float32, device=device)[:, None]
-    logprobs_all = torch.log_softmax(logits / temps, dim=-1)
-
-    processed = logits.clone()
-    _apply_penalties(processed, seqs, eos_ids)
-    tokens = processed.argmax(dim=-1)
-    if not bool(greedy.all()):
-        scaled = processed / temps
-        top_k = torch.tensor([s.params.vocab_top_k or vocab for s in seqs], device=device)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
-        if bool((top_k < vocab).any() or (top_p < 1.0).any()):
-            scaled = _top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.stack([
-            torch.empty(vocab, device=device).exponential_(generator=s.generator) if not s.params.greedy
-            else torch.ones(vocab, device=device)
-            for s in seqs
+    params = [s.params for s in seqs]
+    greedy = [p.greedy for p in params]
+    temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    raw = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=device)[:, None]
+    processed = logits
+    if any(_needs_processing(s) for s in seqs):
+        processed = logits.clone()
+        _apply_penalties(processed, seqs, eos_ids)
+    lse = None  # log normaliser of `raw` (the logprob's distribution)
+    if all(greedy):
+        tokens = processed.argmax(dim=-1)
+    else:
+        scaled = raw if processed is logits else processed / torch.tensor(temps, device=device)[:, None]
+        top_k = [p.vocab_top_k or vocab for p in params]
+        top_p = [p.top_p for p in params]
+        filtered = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p)
+        if filtered:
+            scaled = _top_k_top_p(scaled, torch.tensor(top_k, device=device),
+                                  torch.tensor(top_p, dtype=torch.float32, device=device))
+        # One uniform per sampled sequence from its own generator: draws do not depend on the batch.
+        uniforms = torch.cat([
+            torch.ones(1, dtype=torch.float64, device=device) / 2 if g
+            else torch.rand(1, dtype=torch.float64, device=device, generator=s.generator)
+            for s, g in zip(seqs, greedy, strict=True)
         ])
-        drawn = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, drawn)
-    chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        tokens, norm = _draw(scaled, uniforms)
+        if scaled is raw:
+            lse = norm  # the sampling distribution is the logprob's: reuse its normaliser
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=device), processed.argmax(dim=-1), tokens)
+            lse = None
+    if lse is None:
+        lse = torch.logsumexp(raw, dim=-1)
+    chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
     return tokens.tolist(), chosen.tolist()
