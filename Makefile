@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean
+.PHONY: test lint install clean demo
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The default RL job: a small model made locally, warm-started with SFT, then asynchronous GRPO
+# with two servers and two trainer ranks; eval accuracy before and after RL is printed at the end.
+DEMO_DIR ?= runs/demo
+demo: $(STAMP)
+	$(VENV)/bin/tandem init-model $(DEMO_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
+	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(DEMO_DIR)/base sft.output=$(DEMO_DIR)/sft \
+		actor.optimizer.lr=3e-3 actor.optimizer.warmup_steps_proportion=0.05
+	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft
+	@echo "plot: runs/demo/run/plot.png  TensorBoard: .venv/bin/tensorboard --logdir runs"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
