@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.config.schema import TandemConfig
 from tandem.data.tasks import Task, get_task
 from tandem.data.tasks.chat import with_input_ids
+
+logger = logging.getLogger(__name__)
 
 
 class CursorLoader:
@@ -44,5 +47,22 @@ def load_task_data(cfg: TandemConfig, tokenizer: Any) -> TaskData:
     seed = cfg.experiment.seed
     system = cfg.task.system_prompt
     train = with_input_ids(task.generate(cfg.task.train_size, seed=seed, split="train"), tokenizer, system)
-    evals = with_input_ids(task.generate(cfg.task.eval_size, seed=seed, split="eval"), tokenizer, system)
+    evals = unique_prompts(with_input_ids(task.generate(cfg.task.eval_size, seed=seed, split="eval"), tokenizer, system))
+    if len(evals) < cfg.task.eval_size:
+        # A small task's eval split holds fewer problems than asked for; a repeated problem would
+        # count twice in the accuracy, so the eval set is the distinct problems only.
+        logger.warning("task %s has %d distinct eval problems (task.eval_size=%d); evaluating on those",
+                       cfg.task.name, len(evals), cfg.task.eval_size)
     return TaskData(task, train, evals)
+
+
+def unique_prompts(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items with distinct prompts (token ids), first occurrence kept, order preserved."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for item in items:
+        key = tuple(item["input_ids"])
+        if key not in seen:
+            seen.add(key)
+            out.append(item)
+    return out
