@@ -40,7 +40,9 @@ class ActorConfig:
     dtype: str = _f("float32", "Parameter dtype of the training engine.", choices=DTYPES)
     backend: str = _f("archon:d1", "Training allocation, e.g. 'archon:d2' or 'archon:d2t2' (see tandem alloc).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    max_tokens_per_mb: int = _f(8192, "Token budget of one micro-batch on a trainer rank.", min=1)
+    max_tokens_per_mb: int = _f(
+        2048, "Token budget of one micro-batch on a trainer rank (CPU attention costs grow with its square).", min=1
+    )
     activation_checkpoint: str = _f("none", "Recompute activations in backward.", choices=("none", "full", "selective"))
     ac_every: int = _f(1, "With selective checkpointing: every N-th block.", min=1)
     compile: bool = _f(False, "torch.compile each transformer block.")

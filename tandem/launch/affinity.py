@@ -7,6 +7,7 @@ on separate cores (no time slicing between generation and training); every entry
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -33,5 +34,16 @@ def apply_cpu_affinity_from_env() -> set[int] | None:
     if not spec:
         return None
     cpus = parse_cpus(spec)
-    os.sched_setaffinity(0, cpus)
+    # sched_setaffinity(0) pins only the calling thread; threads that imports already started
+    # (e.g. a library's pool) keep the old mask, so pin every thread of the process.
+    for tid in _thread_ids():
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(tid, cpus)
     return cpus
+
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread only
+        return [0]

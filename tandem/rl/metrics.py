@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config)
 
     def log(self, step: int, values: dict[str, float], phase: str = "rl") -> None:
-        row = {"phase": phase, "step": step, **{k: _num(v) for k, v in values.items()}}
+        row = {"phase": phase, "step": step, "time": time.time(), **{k: _num(v) for k, v in values.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -34,7 +34,7 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
     metrics = MetricsLogger(run_dir, tensorboard=cfg.stats.tensorboard)
     try:
-        with LocalScheduler(run_dir / "logs") as scheduler:
+        with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
             workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
             dp = len(workers.call("ping"))
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):

@@ -88,7 +88,7 @@ def run_rl(cfg: TandemConfig) -> RunSummary:
                             run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
     try:
-        with LocalScheduler(run_dir / "logs") as scheduler:
+        with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
             fleet = start_servers(cfg, scheduler, cfg.actor.path)
             workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
             dp = len(workers.call("ping"))

@@ -25,3 +25,17 @@ def test_child_is_pinned():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, ENV_CPUS: str(core)},
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == f"[{core}]"
+
+
+def test_threads_started_before_pinning_are_pinned_too():
+    core = min(os.sched_getaffinity(0))
+    code = (
+        "import threading, time, os\n"
+        "ev = threading.Event()\n"
+        "t = threading.Thread(target=ev.wait); t.start()\n"
+        "from tandem.launch.affinity import apply_cpu_affinity_from_env as a; a()\n"
+        "print(sorted(os.sched_getaffinity(t.native_id))); ev.set(); t.join()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, ENV_CPUS: str(core)},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == f"[{core}]"
