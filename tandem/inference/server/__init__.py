@@ -2,7 +2,8 @@
 
 Modules: `args` (command line), `engine_loop` (the one thread that owns the engine, bridged to
 asyncio), `protocol` (request parsing, response shapes, errors), `routes` (generation and control),
-`openai_routes`, `weight_sync` (disk/distributed updates, memory release), `app` (FastAPI app,
+`openai_routes`, `weight_sync` (weight-update routes; staging in `weight_staging`, memory release in
+`memory`, fault injection in `faults`), `app` (FastAPI app,
 auth, uvicorn). See docs/inference.md, "HTTP server".
 """
 
