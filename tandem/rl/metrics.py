@@ -10,10 +10,13 @@ from typing import Any
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 run_name: str = "", config: dict[str, Any] | None = None):
-        self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+    def __init__(self, run_dir: Path, *, filename: str = "metrics.jsonl", append: bool = False,
+                 tensorboard: bool = True, wandb_project: str | None = None, run_name: str = "",
+                 config: dict[str, Any] | None = None):
+        """`append` continues an existing file (a resumed run); otherwise the file starts empty, so
+        a run repeated in the same directory never mixes its rows with the previous one's."""
+        self.path = run_dir / filename
+        self._file = self.path.open("a" if append else "w")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -32,7 +32,7 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.stats.tensorboard)
+    metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard)
     try:
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
             workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)

@@ -84,7 +84,8 @@ def run_rl(cfg: TandemConfig) -> RunSummary:
     resume = _read_loop_state(cfg.train.resume_from)
     start_step = resume.get("step", 0)
     summary = RunSummary(run_dir, steps=cfg.train.total_steps)
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
+    metrics = MetricsLogger(run_dir, append=bool(cfg.train.resume_from), tensorboard=cfg.stats.tensorboard,
+                            wandb_project=cfg.stats.wandb_project,
                             run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
     try:
