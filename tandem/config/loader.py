@@ -20,6 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.fields import check_field_metadata
 from tandem.config.schema import TandemConfig
 from tandem.errors import ConfigError
 
@@ -82,16 +83,9 @@ def validate(cfg: Any, prefix: str = "") -> None:
     """Check field metadata (`choices`, `min`) and run each section's `check()`, depth first."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
-            validate(value, prefix=f"{key}.")
-            continue
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        floor = f.metadata.get("min")
-        if floor is not None and value < floor:
-            raise ConfigError(f"{key}: {value!r} is below the minimum {floor!r}")
+            validate(value, prefix=f"{prefix}{f.name}.")
+    check_field_metadata(cfg, prefix)
     check = getattr(cfg, "check", None)
     if callable(check):
         check(prefix)

@@ -8,9 +8,10 @@ protocol follows from the backend (vLLM's OpenAI routes, or SGLang's native rout
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
+from tandem.config.fields import check_field_metadata
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
 from tandem.launch.affinity import parse_cpus
@@ -63,13 +64,7 @@ class RolloutConfig:
     def check(self, prefix: str = "rollout.") -> None:
         """Raise ConfigError naming the field for a value outside its choices or floor, a bad
         allocation, or servers Tandem cannot start and that were not listed."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            choices, floor = f.metadata.get("choices"), f.metadata.get("min")
-            if choices is not None and value not in choices:
-                raise ConfigError(f"{prefix}{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
-            if floor is not None and value is not None and value < floor:
-                raise ConfigError(f"{prefix}{f.name}={value!r} must be >= {floor}")
+        check_field_metadata(self, prefix)  # also for configs built in code, not loaded
         if self.cpus:
             try:
                 parse_cpus(self.cpus)
