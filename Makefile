@@ -1,4 +1,4 @@
-# Two commands set everything up on a fresh machine: `make test` and (with the RL loop) `make demo`.
+# Two commands set everything up on a fresh machine: `make test` and `make demo`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
