@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # task and model
     a("--difficulty", default="add2", help="arithmetic preset (add1, addsub1, add1x3, mixed1, add2, ...)")
     a("--instruction", action="store_true", help="append the \\boxed{} instruction to prompts")
+    a("--teacher-slip", type=float, default=0.0, help="share of SFT targets missing the last term")
     a("--eval-fraction", type=float, default=0.2, help="task eval_fraction (share of problems in eval)")
     a("--preset", default="tiny", choices=["tiny", "small", "medium"])
     a("--arch", default="qwen3", choices=["qwen3", "qwen2"])
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{phase:5s} {step:4d}  acc {acc_s}  wall {wall:6.1f}s  cpu {cpu:6.1f}s  {rest}", flush=True)
 
     task = get_task("arithmetic", difficulty=args.difficulty, instruction=args.instruction,
-                    eval_fraction=args.eval_fraction)
+                    eval_fraction=args.eval_fraction, teacher_slip=args.teacher_slip)
     eval_items = task.generate(args.eval_items, seed=args.eval_seed, split="eval")
     # Small splits repeat once exhausted; evaluate each problem once.
     seen: set[str] = set()

@@ -159,7 +159,8 @@ def reduce_stats(stats: Stats, group: Any = None) -> None:
 class PolicyLoss:
     """The decoupled PPO policy loss as an engine `loss_fn` (picklable; see `make_policy_loss`)."""
 
-    def __init__(self, cfg: PPOConfig, version: int | None = None, stats: Stats | None = None):
+    def __init__(self, cfg: PPOConfig, version: int | None = None, stats: Stats | None = None,
+                 prox_from_forward: bool = False):
         cfg.check()
         if cfg.prox_logp == "loglinear" and version is None:
             raise ValueError(
@@ -169,6 +170,7 @@ class PolicyLoss:
         self.cfg = cfg
         self.version = version
         self.stats = stats
+        self.prox_from_forward = prox_from_forward and cfg.prox_logp == "recompute"
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         cfg = self.cfg
@@ -180,7 +182,10 @@ class PolicyLoss:
         on = mask > 0
         behave = tokens[BEHAVE_LOGPROBS].to(logprobs.dtype)
         adv = tokens[ADVANTAGES].to(logprobs.dtype)
-        if cfg.prox_logp == "recompute":
+        if self.prox_from_forward:
+            # One optimizer step per batch: the weights of this forward ARE the proximal policy.
+            prox = logprobs
+        elif cfg.prox_logp == "recompute":
             if PROX_LOGPROBS not in tokens:
                 raise KeyError(
                     "prox_logp='recompute' needs 'prox_logprobs' in the batch: run "
@@ -259,6 +264,10 @@ class PolicyLoss:
             neg_inf = torch.full_like(w, -torch.inf)
             _max(stats, "max/imp_weight_max", torch.where(on, w, neg_inf).max())
             _max(stats, "max/ratio_max", torch.where(on, ratio.detach(), neg_inf).max())
+            if self.prox_from_forward:  # logprobs are pi_prox here: the train/inference mismatch
+                diff_all = torch.where(on, (logprobs.detach() - behave).abs(), torch.zeros_like(behave))
+                _add(stats, "sum/prox_behave_absdiff", diff_all.sum())
+                _max(stats, "max/prox_behave_absdiff_max", diff_all.max())
             # |logp_theta - logp_behave| on tokens sampled by the current weights: equals the
             # train / inference mismatch on the first minibatch of a step (before any update).
             if self.version is not None and versions is not None:
@@ -269,14 +278,19 @@ class PolicyLoss:
                 _max(stats, "max/theta_behave_absdiff_max", diff.max())
 
 
-def make_policy_loss(cfg: PPOConfig, *, version: int | None = None, stats: Stats | None = None) -> PolicyLoss:
+def make_policy_loss(cfg: PPOConfig, *, version: int | None = None, stats: Stats | None = None,
+                     prox_from_forward: bool = False) -> PolicyLoss:
     """The decoupled PPO policy loss for `engine.train_batch(batch, loss_fn, policy_loss_weight)`.
 
     `version`: the trainer's weight version during this step (needed by `prox_logp="loglinear"`).
     `stats`: a dict the loss adds per-micro-batch sums to (`n_loss_tokens`, `sum/<name>`,
     `max/<name>`); `summarize_stats` turns it into means, `reduce_stats` combines DP ranks.
+    `prox_from_forward`: with `prox_logp="recompute"` and ONE optimizer step on the batch, the
+    proximal logprobs are the (detached) logprobs of the training forward itself, which runs the
+    proximal weights: exact, and it saves the separate forward pass. Wrong with several minibatches
+    (after the first step the weights are no longer the proximal ones), so callers enable it only then.
     """
-    return PolicyLoss(cfg, version=version, stats=stats)
+    return PolicyLoss(cfg, version=version, stats=stats, prox_from_forward=prox_from_forward)
 
 
 def policy_loss_weight(mb: MicroBatch) -> torch.Tensor:

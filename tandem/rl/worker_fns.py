@@ -27,21 +27,27 @@ from tandem.train.losses import sft_loss
 def ppo_update(
     worker: Any, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float, n_minibatches: int = 1
 ) -> dict[str, float]:
-    """Decoupled PPO on this rank's shard: proximal logprobs (one forward pass with the weights of
-    `version`), then one optimizer step per minibatch. Returns stats reduced over all ranks."""
+    """Decoupled PPO on this rank's shard: proximal logprobs with the weights of `version`, then
+    one optimizer step per minibatch. With one minibatch the training forward itself runs those
+    weights, so it supplies the proximal logprobs (no extra pass); with several, a separate forward
+    pass computes them first. Returns stats reduced over all ranks."""
     engine = worker.engine
     stats: dict[str, float] = {}
-    if algo.ppo.prox_logp == "recompute":
+    fused = algo.ppo.prox_logp == "recompute" and n_minibatches == 1
+    if algo.ppo.prox_logp == "recompute" and not fused:
         prox = engine.forward_logprobs(shard, temperature=temperature)
         set_prox_logprobs(shard, prox.logprobs)
         stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
     loss_stats: dict[str, Any] = {}
-    loss = make_policy_loss(algo.ppo, version=version, stats=loss_stats)
+    loss = make_policy_loss(algo.ppo, version=version, stats=loss_stats, prox_from_forward=fused)
     train_stats: list[dict[str, float]] = []
     for part in _minibatches(shard, n_minibatches):
         train_stats.append(engine.train_batch(part, loss, policy_loss_weight, temperature=temperature))
     reduce_stats(loss_stats, engine.dp_group)
-    stats.update({f"ppo/{k}": v for k, v in summarize_stats(loss_stats).items()})
+    summary = summarize_stats(loss_stats)
+    if fused:
+        stats.update(_fused_mismatch(summary))
+    stats.update({f"ppo/{k}": v for k, v in summary.items()})
     last = train_stats[-1]
     stats.update({
         "train/loss": sum(s["loss"] for s in train_stats) / len(train_stats),
@@ -62,6 +68,19 @@ def _minibatches(shard: SequenceBatch, n: int) -> list[SequenceBatch]:
     """`n` contiguous minibatches (each rank's shard is already balanced; order is arbitrary)."""
     size = -(-len(shard) // n)
     return [shard.select(range(i, min(i + size, len(shard)))) for i in range(0, len(shard), size)] or [shard]
+
+
+def _fused_mismatch(summary: dict[str, float]) -> dict[str, float]:
+    """The `mismatch/*` stats from the policy loss's own records (its logprobs are pi_prox when
+    `prox_from_forward`), already reduced over ranks: same keys as `_reduce_mismatch`."""
+    return {
+        "mismatch/mean": summary.get("prox_behave_absdiff", 0.0),
+        "mismatch/max": summary.get("prox_behave_absdiff_max", 0.0),
+        "mismatch/n_tokens": summary.get("n_loss_tokens", 0.0),
+        "mismatch/current_mean": summary.get("theta_behave_absdiff", 0.0),
+        "mismatch/current_max": summary.get("theta_behave_absdiff_max", 0.0),
+        "mismatch/current_n_tokens": summary.get("n_current_tokens", 0.0),
+    }
 
 
 def _reduce_mismatch(local: dict[str, float], engine: Any) -> dict[str, float]:

@@ -5,6 +5,7 @@ trainer's recomputed proximal logprobs, the mismatch metric and one decoupled-PP
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,11 +21,13 @@ from tandem.algo import (
     shape_rewards,
     summarize_stats,
 )
+from tandem.algo.losses import PROX_LOGPROBS
 from tandem.config.optimizer import OptimizerConfig
 from tandem.data.trajectory import Trajectory
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.tiny import init_model
+from tandem.rl.worker_fns import ppo_update
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
 
 
@@ -98,6 +101,72 @@ def test_decoupled_ppo_step_on_a_real_engine(tiny_dir):
         loglinear = recipe("grpo", max_head_offpolicyness=1, prox_logp="loglinear").ppo
         out = engine.train_batch(batch, make_policy_loss(loglinear, version=2), policy_loss_weight)
         assert math.isfinite(out["loss"])
+    finally:
+        engine.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _grads(engine: TrainEngine) -> list[torch.Tensor]:
+    out = []
+    for p in engine.model.parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out.append(g.detach().clone())
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce")
+def test_proximal_logprobs_from_the_training_forward_equal_a_separate_pass(tiny_dir):
+    """One optimizer step per batch: taking pi_prox from the training forward (no extra pass) gives
+    the same gradient and the same mismatch stats as recomputing it first, also for stale samples
+    (behaviour logprobs of other weights, so w = pi_prox / pi_behave != 1)."""
+    torch.set_num_threads(2)
+    trajs = _rollouts(tiny_dir)
+    cfg = recipe("grpo", max_head_offpolicyness=1)
+    batch = SequenceBatch([t.to_tensors() for t in trajs])
+    add_advantages(batch, cfg.advantage, group_ids=[t.group_id for t in trajs],
+                   rewards=shape_rewards([t.reward for t in trajs], cfg.reward))
+    engine = TrainEngine(TrainEngineConfig(
+        path=str(tiny_dir), optimizer=OptimizerConfig(lr=1e-2), mb=MicroBatchConfig(n_mbs=2),
+    ))
+    try:
+        engine.train_batch(batch, make_policy_loss(cfg.ppo, version=0, prox_from_forward=True),
+                           policy_loss_weight)  # now the samples are one version stale
+        engine.optimizer.zero_grad(set_to_none=True)
+        fused_stats: dict = {}
+        fused = make_policy_loss(cfg.ppo, version=1, stats=fused_stats, prox_from_forward=True)
+        engine.forward_backward(batch, fused, policy_loss_weight)
+        g_fused = _grads(engine)
+        engine.optimizer.zero_grad(set_to_none=True)
+
+        set_prox_logprobs(batch, engine.forward_logprobs(batch).logprobs)
+        mm = batch_logprob_mismatch(batch, current_version=1)
+        sep_stats: dict = {}
+        engine.forward_backward(batch, make_policy_loss(cfg.ppo, version=1, stats=sep_stats), policy_loss_weight)
+        g_sep = _grads(engine)
+        engine.optimizer.zero_grad(set_to_none=True)
+
+        assert any(g.abs().max() > 0 for g in g_fused)
+        for a, b in zip(g_fused, g_sep, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        f, s = summarize_stats(fused_stats), summarize_stats(sep_stats)
+        assert abs(f["imp_weight"] - 1) > 1e-4  # stale samples: a real behaviour correction
+        for key in ("imp_weight", "ratio", "loss", "behave_approx_kl", "clip_frac"):
+            assert f[key] == pytest.approx(s[key], rel=1e-5, abs=1e-7), key
+        assert f["ratio_max"] == 1.0 and f["approx_kl"] == 0.0
+        assert f["prox_behave_absdiff"] == pytest.approx(mm["mismatch/mean"], rel=1e-4)
+        assert f["prox_behave_absdiff_max"] == pytest.approx(mm["mismatch/max"], rel=1e-4)
+
+        # The RL worker step fuses only with one minibatch; both report the same mismatch keys.
+        for n_mb in (1, 2):
+            shard = SequenceBatch([t.to_tensors() for t in trajs])
+            add_advantages(shard, cfg.advantage, group_ids=[t.group_id for t in trajs],
+                           rewards=shape_rewards([t.reward for t in trajs], cfg.reward))
+            out = ppo_update(SimpleNamespace(engine=engine), shard, cfg, version=2, temperature=1.0,
+                             n_minibatches=n_mb)
+            assert (PROX_LOGPROBS in shard.seqs[0]) == (n_mb > 1)
+            assert out["mismatch/n_tokens"] == 48 and out["mismatch/current_n_tokens"] == 0
+            assert out["mismatch/mean"] > 1e-4 and math.isfinite(out["train/loss"])
     finally:
         engine.close()
         if dist.is_initialized():

@@ -104,6 +104,27 @@ def test_evaluate_steps_follows_precedence():
     assert task.sft_target(item) == "<think>\n3 + 4 * 5 = 3 + 20 = 23\n</think>\n\\boxed{23}"
 
 
+def test_teacher_slip_flaws_a_share_of_sft_targets_but_never_the_reward():
+    items = get_task("arithmetic", difficulty="add1x3").generate(2000, seed=3)
+    clean = get_task("arithmetic", difficulty="add1x3")
+    slip = get_task("arithmetic", difficulty="add1x3", teacher_slip=0.6, reasoning=False)
+    dropped = 0
+    for it in items:
+        a, b, _ = (int(t) for t in it["expression"].split()[::2])
+        target = slip.sft_target(it)
+        assert target in (clean.sft_target(it), f"\\boxed{{{a + b}}}")
+        assert target == slip.sft_target(it)  # reproducible per item
+        dropped += target == f"\\boxed{{{a + b}}}" and a + b != int(it["answer"])
+        assert slip.reward(clean.sft_target(it), it) == 1.0
+    share = dropped / len(items)
+    assert 0.5 < share < 0.6  # 0.6 of targets slip; those whose last term is 0 stay right
+    think = get_task("arithmetic", difficulty="add1x3", teacher_slip=1.0, reasoning=True)
+    it = {"id": "x", "expression": "3 + 4 + 5", "answer": "12"}
+    assert think.sft_target(it) == "<think>\n3 + 4 = 7\n</think>\n\\boxed{7}"
+    with pytest.raises(TaskError, match="teacher_slip"):
+        get_task("arithmetic", teacher_slip=1.5)
+
+
 # ---------------------------------------------------------------- answer extraction
 
 

@@ -4,6 +4,10 @@ Operands have `digits` digits (1: 0..9, 2: 10..99, 3: 100..999), `terms` of them
 drawn from `ops` (any of "+-*", usual precedence: `*` before `+`/`-`). Results are kept >= 0 unless
 `allow_negative`. The answer is extracted by `extract.extract_integer` (last `\\boxed{}`, else last
 `<answer>`, else the last number in the completion) and compared exactly as an integer.
+
+`teacher_slip` makes the warm-start data imperfect on purpose, the way a weak teacher's is: that
+share of SFT targets (drawn per item, reproducibly) is the value with the last term left out. The
+reward always checks the true value, so RL has a systematic mistake to find and remove.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class ArithmeticTask(Task):
         eval_fraction: float = 0.2,
         format_weight: float = 0.0,
         system_prompt: str | None = None,
+        teacher_slip: float = 0.0,
     ):
         super().__init__(system_prompt=system_prompt, format_weight=format_weight)
         if difficulty not in PRESETS:
@@ -82,6 +87,9 @@ class ArithmeticTask(Task):
         self.reasoning = reasoning
         self.instruction = instruction
         self.eval_fraction = check_fraction(eval_fraction)
+        if not 0.0 <= teacher_slip <= 1.0:
+            raise TaskError(f"arithmetic: teacher_slip must be in [0, 1] (a share of SFT targets), got {teacher_slip!r}")
+        self.teacher_slip = teacher_slip
         self.low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
         self.high = 10**self.digits - 1
 
@@ -104,11 +112,14 @@ class ArithmeticTask(Task):
         return items
 
     def sft_target(self, item: dict[str, Any]) -> str:
-        boxed = f"\\boxed{{{item['answer']}}}"
+        tokens = item["expression"].split()
+        numbers, ops = [int(t) for t in tokens[::2]], tokens[1::2]
+        if self.teacher_slip and random.Random(f"slip:{item['id']}").random() < self.teacher_slip:
+            numbers, ops = numbers[:-1], ops[:-1]  # the teacher forgets the last term
+        steps = evaluate_steps(numbers, ops)
+        boxed = f"\\boxed{{{steps[-1]}}}"
         if not self.reasoning:
             return boxed
-        numbers = [int(t) for t in item["expression"].split()[::2]]
-        steps = evaluate_steps(numbers, item["expression"].split()[1::2])
         return f"<think>\n{' = '.join(steps)}\n</think>\n{boxed}"
 
     def reward(self, completion_text: str, item: dict[str, Any]) -> float:
