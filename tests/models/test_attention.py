@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from tandem.models.common import packed_causal_attention, packed_document_mask, positions_from_cu_seqlens
 
-LENGTHS = [5, 1, 9, 3]
+LENGTHS = [5, 1, 9, 3]  # B * L^2 <= T^2: the padded implementation
+SKEWED = [30, 1, 1, 2]  # one long sequence: B * L^2 > T^2, the dense-mask implementation
 
 
 def _reference(q, k, v, lengths):
@@ -24,17 +25,18 @@ def _reference(q, k, v, lengths):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("lengths", [LENGTHS, SKEWED, [7]], ids=["padded", "dense", "one"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_packed_attention_matches_per_sequence_causal_sdpa_with_grads(kv_heads):
+def test_packed_attention_matches_per_sequence_causal_sdpa_with_grads(kv_heads, lengths):
     gen = torch.Generator().manual_seed(kv_heads)
-    total, heads, dim = sum(LENGTHS), 4, 8
+    total, heads, dim = sum(lengths), 4, 8
     q = torch.randn(total, heads, dim, generator=gen, requires_grad=True)
     k = torch.randn(total, kv_heads, dim, generator=gen, requires_grad=True)
     v = torch.randn(total, kv_heads, dim, generator=gen, requires_grad=True)
-    cu_seqlens = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
 
     out = packed_causal_attention(q, k, v, cu_seqlens)
-    ref = _reference(q, k, v, LENGTHS)
+    ref = _reference(q, k, v, lengths)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
 
     grad_out = torch.randn(out.shape, generator=gen)
@@ -43,6 +45,18 @@ def test_packed_attention_matches_per_sequence_causal_sdpa_with_grads(kv_heads):
     for got, want in zip(grads, ref_grads, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_trailing_padding_tokens_attend_among_themselves_in_both_implementations():
+    """Tokens past cu_seqlens[-1] (micro-batch padding) form one more causal segment, whichever
+    implementation runs (the dense mask gives them sequence id B)."""
+    gen = torch.Generator().manual_seed(0)
+    for lengths, pad in (([4, 3], 2), ([12, 1], 3)):  # padded / dense choice
+        total = sum(lengths) + pad
+        q, k, v = (torch.randn(total, 2, 8, generator=gen) for _ in range(3))
+        cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        out = packed_causal_attention(q, k, v, cu_seqlens)
+        torch.testing.assert_close(out, _reference(q, k, v, [*lengths, pad]), rtol=0, atol=1e-6)
 
 
 def test_document_mask_is_block_diagonal_causal():

@@ -3,12 +3,19 @@
 Sequences are concatenated along the token dimension and delimited by `cu_seqlens` (cumulative
 lengths, `[B+1]`, starting at 0). A token attends to earlier tokens of its own sequence only.
 
-This implementation builds a dense `[T, T]` boolean block-diagonal causal mask and calls SDPA: it
-runs forward and backward on CPU (flex_attention backward does not) and is exact. It costs O(T^2)
-memory, so on CUDA a varlen kernel should replace this one function.
+Two exact implementations, both running forward and backward on CPU (flex_attention backward does
+not), picked by cost:
+- padded: each sequence scattered into a `[B, L_max]` layout and one batched causal SDPA (no mask:
+  a real query never sees the padding after its sequence, padded queries are dropped). O(B * L^2),
+  the common case of RL micro-batches (many short sequences of similar length);
+- dense: a `[T, T]` block-diagonal causal mask over the packed row. O(T^2), cheaper only when one
+  sequence is much longer than the rest; also used while torch.compile traces (no host sync).
+On CUDA a varlen kernel should replace this one function.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +41,14 @@ def packed_causal_attention(
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if num_heads % k.shape[1]:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not torch.compiler.is_compiling():
+        bounds = cu_seqlens.tolist()
+        if bounds[-1] < num_tokens:  # trailing padding tokens attend among themselves, as in the mask
+            bounds.append(num_tokens)
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        longest = max(lengths, default=0)
+        if len(lengths) * longest * longest <= num_tokens * num_tokens:
+            return _padded_causal_attention(q, k, v, lengths, longest, scale)
     mask = packed_document_mask(cu_seqlens, num_tokens)
     # SDPA wants [batch, heads, tokens, dim]; the packed batch is one "batch" row.
     out = F.scaled_dot_product_attention(
@@ -45,3 +60,23 @@ def packed_causal_attention(
         enable_gqa=num_heads != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def _padded_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], longest: int, scale: float | None
+) -> torch.Tensor:
+    """The padded implementation (see the module docstring); `lengths` sum to T."""
+    device = q.device
+    lens = torch.tensor(lengths, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(q.shape[0], device=device) - starts[seq]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, h, L, D]; differentiable in x
+        out = x.new_zeros(len(lengths), longest, *x.shape[1:]).index_put((seq, pos), x)
+        return out.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2)[seq, pos]
