@@ -30,7 +30,7 @@ DEMO_DIR ?= runs/demo
 demo: $(STAMP)
 	$(VENV)/bin/tandem init-model $(DEMO_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
 	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(DEMO_DIR)/base sft.output=$(DEMO_DIR)/sft \
-		actor.optimizer.lr=3e-3 actor.optimizer.warmup_steps_proportion=0.05
+		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
 	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft
 	@echo "plot: runs/demo/run/plot.png  TensorBoard: .venv/bin/tensorboard --logdir runs"
 
