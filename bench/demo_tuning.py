@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
             if trajs:
                 batch = SequenceBatch([t.to_tensors() for t in trajs])
                 add_advantages(batch, cfg.advantage, group_ids=[t.group_id for t in trajs], rewards=rewards)
-                set_prox_logprobs(batch, trainer.forward_logprobs(batch).logprobs)
+                set_prox_logprobs(batch, trainer.forward_logprobs(batch, loss_tokens_only=True).logprobs)
                 mism = batch_logprob_mismatch(batch, current_version=version)["mismatch/max"]
                 st = trainer.train_batch(batch, make_policy_loss(cfg.ppo, version=version, stats=s),
                                          policy_loss_weight)

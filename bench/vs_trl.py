@@ -143,7 +143,7 @@ def prepare_model(args: argparse.Namespace, root: Path, preset: str) -> tuple[Pa
                           f"sft.steps={steps}", "sft.batch_size=32", f"sft.output={sft}", "task.eval_size=64",
                           f"gen.max_new_tokens={args.max_new_tokens}", "rollout.server_args=[--num-threads,1]"],
                          root / f"sft-{preset}.log", args.timeout)
-    rows = [json.loads(line) for line in (root / "runs" / "sft" / preset / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / "runs" / "sft" / preset / "sft-metrics.jsonl").read_text().splitlines()]
     accuracy = next(r["eval/accuracy"] for r in reversed(rows) if "eval/accuracy" in r)
     stamp.write_text(json.dumps({"steps": steps, "accuracy": accuracy, "seconds": seconds}))
     return sft, accuracy, seconds

@@ -3,7 +3,7 @@
     cfg = recipe("grpo", max_head_offpolicyness=2)
     r = shape_rewards([t.reward for t in trajs], cfg.reward, [t.num_generated for t in trajs])
     add_advantages(batch, cfg.advantage, group_ids=[t.group_id for t in trajs], rewards=r)
-    set_prox_logprobs(batch, engine.forward_logprobs(batch).logprobs)
+    set_prox_logprobs(batch, engine.forward_logprobs(batch, loss_tokens_only=True).logprobs)
     stats = {}
     engine.train_batch(batch, make_policy_loss(cfg.ppo, version=v, stats=stats), policy_loss_weight)
     summarize_stats(stats)

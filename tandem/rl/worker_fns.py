@@ -35,7 +35,7 @@ def ppo_update(
     stats: dict[str, float] = {}
     fused = algo.ppo.prox_logp == "recompute" and n_minibatches == 1
     if algo.ppo.prox_logp == "recompute" and not fused:
-        prox = engine.forward_logprobs(shard, temperature=temperature)
+        prox = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True)
         set_prox_logprobs(shard, prox.logprobs)
         stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
     loss_stats: dict[str, Any] = {}

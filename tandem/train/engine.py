@@ -24,7 +24,7 @@ from tandem.models import build_model, read_hf_config
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.parallel import ParallelDims, fsdp_units
 from tandem.train import checkpoint as ckpt
-from tandem.train.batch import MicroBatch, SequenceBatch
+from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
 from tandem.train.config import TrainEngineConfig, parse_dtype
 from tandem.train.dist import all_reduce_sum, init_distributed, resolve_device, seed_everything
 from tandem.train.logprobs import LogprobModel
@@ -92,13 +92,17 @@ class TrainEngine:
         return [mb.to(self.device) for mb in build_micro_batches(batch, plan)]
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenOutputs:
-        """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective."""
+    def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0,
+                         loss_tokens_only: bool = False) -> TokenOutputs:
+        """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective.
+        `loss_tokens_only`: only where the batch's loss mask is set (0 elsewhere), exactly as the
+        training forward computes them (same rows through the head, so the same numbers)."""
         mbs = self._micro_batches(batch)
         self.module.eval()
         per_mb: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for mb in mbs:
-            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature)
+            wanted = self._loss_positions(mb.next_token_view()) if loss_tokens_only else None
+            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature, wanted)
             if mb.is_padding:
                 per_mb.append([])
                 continue
@@ -107,6 +111,11 @@ class TrainEngine:
         self.module.reshard()  # the root stays gathered after a forward; free it
         ordered = restore_order(mbs, per_mb, len(batch))
         return TokenOutputs([lp for lp, _ in ordered], [e for _, e in ordered])
+
+    @staticmethod
+    def _loss_positions(view: MicroBatch) -> torch.Tensor | None:
+        """`[T]` bool: where a micro-batch (prediction alignment) has loss tokens; None without a mask."""
+        return view.tokens[LOSS_MASK] > 0 if LOSS_MASK in view.tokens else None
 
     def train_batch(
         self,
@@ -145,7 +154,8 @@ class TrainEngine:
         self.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in views:
-            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature)
+            # Only loss tokens need the output head (see the loss contract in tandem.train.losses).
+            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature, self._loss_positions(mb))
             if mb.is_padding:
                 # Runs forward and backward so that FSDP's collectives match the other ranks.
                 loss = (logprobs.sum() + entropy.sum()) * 0.0

@@ -70,10 +70,28 @@ class LogprobModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
+        wanted: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`wanted` (`[T]` bool, prediction alignment): compute the output head only at these
+        positions (e.g. the loss tokens; 0 elsewhere). In RL most tokens are prompt tokens, and the
+        head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step."""
         hidden = self.model.hidden_states(input_ids, cu_seqlens)
         labels, valid = next_token_labels(input_ids, cu_seqlens)
+        if wanted is not None:
+            valid = valid & wanted
+            picked = valid.nonzero().squeeze(-1)
+            empty = picked.numel() == 0
+            if empty:  # still run the head on one row, so its parameters get a (zero) gradient
+                picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
+            lp, ent = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden[picked], labels[picked],
+                                               temperature, self.chunk_size)
+            if empty:
+                lp, ent = lp * 0, ent * 0
+            # Scatter back (differentiable); the zeros also keep every parameter in the graph.
+            logprobs = (hidden[:, 0] * 0).float().index_add(0, picked, lp)
+            entropy = (hidden[:, 0] * 0).float().index_add(0, picked, ent)
+            return logprobs, entropy
         logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature, self.chunk_size)
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)

@@ -3,7 +3,9 @@
 A loss function gets the micro-batch's next-token `logprobs` and `entropy` (`[T]`, float32, with
 grad) and the micro-batch in *prediction alignment* (`MicroBatch.next_token_view()`: position t
 of every per-token value describes token t+1, the token `logprobs[t]` is about; last tokens 0).
-It returns the SUM of its per-token (or per-sequence) losses over the micro-batch.
+It returns the SUM of its per-token (or per-sequence) losses over the micro-batch. When the batch
+has a loss mask, `logprobs` and `entropy` are computed only where it is set (0 elsewhere): the
+output head is skipped on prompt tokens, so a loss must not read other positions.
 
 A loss-weight function returns the micro-batch's share of the normaliser (default: the number of
 loss tokens). The engine divides every micro-batch's loss sum by the weights summed over all

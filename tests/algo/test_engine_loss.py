@@ -65,7 +65,7 @@ def test_decoupled_ppo_step_on_a_real_engine(tiny_dir):
         path=str(tiny_dir), optimizer=OptimizerConfig(lr=1e-3), mb=MicroBatchConfig(n_mbs=2),
     ))
     try:
-        set_prox_logprobs(batch, engine.forward_logprobs(batch).logprobs)
+        set_prox_logprobs(batch, engine.forward_logprobs(batch, loss_tokens_only=True).logprobs)
         # Staleness 0: the server sampled with exactly these weights, so the recomputed logprobs
         # match the behaviour logprobs up to float32 numerics.
         mm = batch_logprob_mismatch(batch, current_version=0)
@@ -91,7 +91,7 @@ def test_decoupled_ppo_step_on_a_real_engine(tiny_dir):
 
         # Next step with the same (now one-version-stale) samples: recomputed prox differs from
         # behaviour, the weight moves away from 1, and the loss still runs; log-linear too.
-        set_prox_logprobs(batch, engine.forward_logprobs(batch).logprobs)
+        set_prox_logprobs(batch, engine.forward_logprobs(batch, loss_tokens_only=True).logprobs)
         stale = batch_logprob_mismatch(batch, current_version=1)
         assert stale["mismatch/current_n_tokens"] == 0 and stale["mismatch/mean"] > 1e-4
         stats = {}
@@ -139,7 +139,7 @@ def test_proximal_logprobs_from_the_training_forward_equal_a_separate_pass(tiny_
         g_fused = _grads(engine)
         engine.optimizer.zero_grad(set_to_none=True)
 
-        set_prox_logprobs(batch, engine.forward_logprobs(batch).logprobs)
+        set_prox_logprobs(batch, engine.forward_logprobs(batch, loss_tokens_only=True).logprobs)
         mm = batch_logprob_mismatch(batch, current_version=1)
         sep_stats: dict = {}
         engine.forward_backward(batch, make_policy_loss(cfg.ppo, version=1, stats=sep_stats), policy_loss_weight)

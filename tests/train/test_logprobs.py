@@ -62,3 +62,29 @@ def test_chunked_head_gives_the_same_values_and_grads(hf_case):
     (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
     assert torch.allclose(lp_a, lp_b, atol=1e-6) and torch.allclose(ent_a, ent_b, atol=1e-6)
     assert max((a - b).abs().max().item() for a, b in zip(g_a, g_b, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("share", [0.3, 0.0])
+def test_head_on_wanted_positions_only_gives_their_values_and_the_same_grads(hf_case, share):
+    """`wanted` (the loss tokens) skips the output head elsewhere: same values there, 0 elsewhere,
+    and the gradient of any loss over the wanted positions is unchanged (also when none is wanted)."""
+    _, _, path = hf_case
+    model = load_model(path)
+    ids = torch.cat(random_sequences(model.args.vocab_size, LENGTHS, seed=3))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    wanted = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(0)) < share
+    results = []
+    for w in (None, wanted):
+        model.zero_grad()
+        lp, ent = LogprobModel(model, chunk_size=8)(ids, cu, temperature=0.8, wanted=w)
+        if w is not None:
+            assert (lp[~wanted] == 0).all() and (ent[~wanted] == 0).all()
+        mask = wanted.float()
+        ((lp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+        results.append((lp.detach() * mask, ent.detach() * mask, grads))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent_a, ent_b, rtol=0, atol=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(g_a, g_b, strict=True)) <= 1e-5
+    assert all(p.grad is not None for p in model.parameters())  # every parameter stays in the graph
