@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--smooth", type=int, default=3, help="moving-average window of the batch reward")
     a("--threshold", type=float, default=None,
       help="reward to reach (default: the lower of the two runs' best smoothed reward, so both reach it)")
+    a("--staleness", default="0,1",
+      help="Tandem's rollout.max_head_offpolicyness, one Tandem run each (0 = on-policy like TRL; 1 = async)")
     a("--trl-threads", type=int, default=1,
       help="torch threads of the TRL process (2 collapsed 5-8x on a loaded shared 2-core machine)")
     a("--workdir", default=None, help="models, SFT checkpoints and runs (default: a temporary directory)")
@@ -149,15 +151,15 @@ def prepare_model(args: argparse.Namespace, root: Path, preset: str) -> tuple[Pa
     return sft, accuracy, seconds
 
 
-def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path) -> dict:
-    trial = f"tandem-{preset}"
+def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path, staleness: int) -> dict:
+    trial = f"tandem-{preset}-s{staleness}"
     run_dir = root / "runs" / "vs_trl" / trial
     shutil.rmtree(run_dir, ignore_errors=True)
     wall = run_logged([
         TANDEM, "train", f"actor.path={model}", *common_overrides(args, root, "vs_trl", trial),
         "rollout.backend=tandem:d1", "actor.backend=archon:d1", "rollout.cpus=0", "actor.cpus=1",
         "rollout.server_args=[--num-threads,1]", "actor.num_threads=1",
-        "rollout.max_head_offpolicyness=0",
+        f"rollout.max_head_offpolicyness={staleness}",
         f"rollout.consumer_batch_size={args.prompts}", f"gen.n_samples={args.samples}",
         f"gen.max_new_tokens={args.max_new_tokens}", "gen.temperature=1.0", "gen.top_p=1.0", "gen.top_k=-1",
         f"actor.optimizer.lr={args.lr}", "actor.optimizer.weight_decay=0.01", "actor.optimizer.lr_scheduler=constant",
@@ -341,6 +343,27 @@ def main() -> None:
         return
     t_start = time.monotonic()
     rows, notes, versions = [], [], {}
+    stalenesses = [int(x) for x in args.staleness.split(",")]
+
+    def add_row(label: str, sft_acc: float, tan: dict, trl: dict) -> None:
+        threshold = args.threshold if args.threshold is not None else min(tan["best"], trl["best"])
+        r_tan, r_trl = reach(tan, threshold), reach(trl, threshold)
+        same_time = min(tan["train_s"], trl["train_s"])
+
+        def fmt_reach(r):
+            return f"step {r[0]}, {r[1]:.0f} s" if r else "not reached"
+
+        ratio_reach = f"{r_trl[1] / r_tan[1]:.2f}x" if r_tan and r_trl else "n/a"
+        rows.append(
+            f"| {label} | {sft_acc:.2f} | {tan['tok_s']:.0f} | {trl['tok_s']:.0f} | {tan['tok_s'] / trl['tok_s']:.2f}x "
+            f"| {tan['s_step']:.2f} | {trl['s_step']:.2f} | {trl['s_step'] / tan['s_step']:.2f}x "
+            f"| {threshold:.3f} | {fmt_reach(r_tan)} | {fmt_reach(r_trl)} | {ratio_reach} "
+            f"| {same_time:.0f} s: {reward_at(tan, same_time):.3f} / {reward_at(trl, same_time):.3f} "
+            f"| {tan['first']:.3f} -> {tan['last']:.3f} | {trl['first']:.3f} -> {trl['last']:.3f} "
+            f"| {tan['wall']:.0f} / {trl['wall']:.0f} |"
+        )
+        print(rows[-1], flush=True)
+
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         root = Path(args.workdir or tmp).resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -352,31 +375,24 @@ def main() -> None:
             order = ["tandem", "trl"] if args.presets.index(preset) % 2 == 0 else ["trl", "tandem"]
             runs = {}
             for name in order:
-                runs[name] = (run_tandem if name == "tandem" else run_trl)(args, root, preset, model)
-                print(f"{preset}: {name} done in {runs[name]['wall']:.0f} s", flush=True)
+                if name == "trl":
+                    runs["trl"] = run_trl(args, root, preset, model)
+                    print(f"{preset}: trl done in {runs['trl']['wall']:.0f} s", flush=True)
+                    continue
+                for st in stalenesses:
+                    runs[st] = run_tandem(args, root, preset, model, st)
+                    print(f"{preset}: tandem (staleness {st}) done in {runs[st]['wall']:.0f} s", flush=True)
             versions = runs["trl"].get("versions", versions)
-            tan, trl = summarize(runs["tandem"], args.skip, args.smooth), summarize(runs["trl"], args.skip, args.smooth)
-            threshold = args.threshold if args.threshold is not None else min(tan["best"], trl["best"])
-            r_tan, r_trl = reach(tan, threshold), reach(trl, threshold)
-            same_time = min(tan["train_s"], trl["train_s"])
-
-            def fmt_reach(r):
-                return f"step {r[0]}, {r[1]:.0f} s" if r else "not reached"
-
-            ratio_reach = f"{r_trl[1] / r_tan[1]:.2f}x" if r_tan and r_trl else "n/a"
-            rows.append(
-                f"| {preset} | {sft_acc:.2f} | {tan['tok_s']:.0f} | {trl['tok_s']:.0f} | {tan['tok_s'] / trl['tok_s']:.2f}x "
-                f"| {tan['s_step']:.2f} | {trl['s_step']:.2f} | {trl['s_step'] / tan['s_step']:.2f}x "
-                f"| {threshold:.3f} | {fmt_reach(r_tan)} | {fmt_reach(r_trl)} | {ratio_reach} "
-                f"| {same_time:.0f} s: {reward_at(tan, same_time):.3f} / {reward_at(trl, same_time):.3f} "
-                f"| {tan['first']:.3f} -> {tan['last']:.3f} | {trl['first']:.3f} -> {trl['last']:.3f} "
-                f"| {tan['wall']:.0f} / {trl['wall']:.0f} |"
-            )
-            print(rows[-1], flush=True)
-            for name, s in (("tandem", tan), ("trl", trl)):
-                notes.append(f"{preset} {name}: smoothed reward per step " + " ".join(f"{v:.2f}" for v in s["smoothed"]))
+            trl = summarize(runs["trl"], args.skip, args.smooth)
+            tans = {st: summarize(runs[st], args.skip, args.smooth) for st in stalenesses}
+            for st, tan in tans.items():
+                add_row(f"{preset}, staleness {st}", sft_acc, tan, trl)
+            notes.append(f"{preset} trl: smoothed reward per step " + " ".join(f"{v:.2f}" for v in trl["smoothed"]))
+            for st, tan in tans.items():
+                notes.append(f"{preset} tandem staleness {st}: smoothed reward per step "
+                             + " ".join(f"{v:.2f}" for v in tan["smoothed"]))
     header = (
-        "| preset | SFT eval acc | Tandem completion tok/s | TRL tok/s | ratio | Tandem s/step | TRL s/step | ratio "
+        "| preset, Tandem staleness | SFT eval acc | Tandem completion tok/s | TRL tok/s | ratio | Tandem s/step | TRL s/step | ratio "
         "| reward threshold | Tandem reaches it | TRL reaches it | TRL time / Tandem time | reward after the same "
         "training time (Tandem / TRL) | Tandem reward first -> last | TRL reward first -> last | wall s incl. start-up "
         "(Tandem / TRL) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---|"
@@ -387,7 +403,9 @@ def main() -> None:
         f"`bench/vs_trl.py`: GRPO on arithmetic add1 (no instruction sentence), {args.prompts} prompts x {args.samples} samples x at most "
         f"{args.max_new_tokens} new tokens per step, {args.steps} steps, lr {args.lr:g}, from a `tandem sft` warm start "
         f"(random init -> SFT with lr {args.sft_lr:g}, batch 32; steps {args.sft_steps}). Tandem: `tandem train`, one "
-        "server (`tandem:d1`, core 0) + one trainer rank (`archon:d1`, core 1), one thread each, staleness 0, "
+        "server (`tandem:d1`, core 0) + one trainer rank (`archon:d1`, core 1), one thread each, "
+        f"`rollout.max_head_offpolicyness` {args.staleness} (one run each: 0 is on-policy like TRL, 1 overlaps "
+        "generation with training), "
         "`actor.max_tokens_per_mb=2048` (one micro-batch per step). TRL: `GRPOTrainer` (CPU, HF `generate` in process, no vLLM), "
         f"{args.trl_threads} torch threads. Versions: {version_line}. Tokens/s and s/step over steps "
         f"{args.skip + 1}-{args.steps} (the step's own timers: Tandem's `time/*`, a TRL callback around each "
