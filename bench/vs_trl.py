@@ -63,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr", type=float, default=3e-4, help="RL learning rate (both)")
     a("--sft-steps", default="small=40,medium=40", help="warm-start SFT steps per preset")
     a("--sft-lr", type=float, default=2e-3)
+    a("--sft-schedule", default="constant", choices=["constant", "linear", "cosine"], help="SFT lr schedule")
+    a("--task", default=json.dumps(TASK_OPTIONS),
+      help="arithmetic task options as JSON (both frameworks; e.g. the demo's flawed-teacher warm start: "
+           '\'{"difficulty": "add1x3", "instruction": false, "teacher_slip": 0.6}\')')
     a("--smooth", type=int, default=3, help="moving-average window of the batch reward")
     a("--threshold", type=float, default=None,
       help="reward to reach (default: the lower of the two runs' best smoothed reward, so both reach it)")
@@ -121,7 +125,7 @@ def common_overrides(args: argparse.Namespace, root: Path, name: str, trial: str
         f"experiment.trial={trial}",
         f"experiment.seed={SEED}",
         "task.name=arithmetic",
-        "task.options=" + json.dumps(TASK_OPTIONS),
+        "task.options=" + args.task,
         "stats.progress=false",
         "stats.tensorboard=false",
         "stats.plot=false",
@@ -142,7 +146,10 @@ def prepare_model(args: argparse.Namespace, root: Path, preset: str) -> tuple[Pa
     shutil.rmtree(root / "runs" / "sft" / preset, ignore_errors=True)
     seconds = run_logged([TANDEM, "sft", f"actor.path={base}", *common_overrides(args, root, "sft", preset),
                           "actor.backend=archon:d1", "actor.num_threads=1", f"actor.optimizer.lr={args.sft_lr}",
-                          f"sft.steps={steps}", "sft.batch_size=32", f"sft.output={sft}", "task.eval_size=64",
+                          f"sft.steps={steps}", "sft.batch_size=32",
+                          f"actor.optimizer.lr_scheduler={args.sft_schedule}",
+                          f"actor.optimizer.warmup_steps_proportion={0.0 if args.sft_schedule == 'constant' else 0.05}",
+                          f"sft.output={sft}", "task.eval_size=64",
                           f"gen.max_new_tokens={args.max_new_tokens}", "rollout.server_args=[--num-threads,1]"],
                          root / f"sft-{preset}.log", args.timeout)
     rows = [json.loads(line) for line in (root / "runs" / "sft" / preset / "sft-metrics.jsonl").read_text().splitlines()]
@@ -184,7 +191,7 @@ def run_trl(args: argparse.Namespace, root: Path, preset: str, model: Path) -> d
     out.mkdir(parents=True)
     settings = {"model": str(model), "out": str(out), "prompts": args.prompts, "samples": args.samples,
                 "max_new_tokens": args.max_new_tokens, "steps": args.steps, "lr": args.lr,
-                "threads": args.trl_threads}
+                "threads": args.trl_threads, "task": json.loads(args.task)}
     wall = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", json.dumps(settings)],
                       root / f"trl-{preset}.log", args.timeout, env={"OMP_NUM_THREADS": str(args.trl_threads)})
     steps = json.loads((out / "steps.json").read_text())
@@ -211,7 +218,7 @@ def trl_worker(settings: dict) -> None:
     n_items = settings["steps"] * settings["prompts"]
     cfg = TandemConfig()
     cfg.experiment.seed = SEED
-    cfg.task.name, cfg.task.options = "arithmetic", dict(TASK_OPTIONS)
+    cfg.task.name, cfg.task.options = "arithmetic", dict(settings["task"])
     cfg.task.train_size, cfg.task.eval_size = n_items, 1
     tokenizer = AutoTokenizer.from_pretrained(settings["model"])
     data = load_task_data(cfg, tokenizer)  # Tandem's items, in Tandem's order, with its prompt ids
@@ -400,9 +407,9 @@ def main() -> None:
     table = header + "\n" + "\n".join(rows)
     version_line = ", ".join(f"{k} {v}" for k, v in versions.items())
     body = (
-        f"`bench/vs_trl.py`: GRPO on arithmetic add1 (no instruction sentence), {args.prompts} prompts x {args.samples} samples x at most "
+        f"`bench/vs_trl.py`: GRPO on arithmetic with task options `{args.task}`, {args.prompts} prompts x {args.samples} samples x at most "
         f"{args.max_new_tokens} new tokens per step, {args.steps} steps, lr {args.lr:g}, from a `tandem sft` warm start "
-        f"(random init -> SFT with lr {args.sft_lr:g}, batch 32; steps {args.sft_steps}). Tandem: `tandem train`, one "
+        f"(random init -> SFT with lr {args.sft_lr:g} {args.sft_schedule}, batch 32; steps {args.sft_steps}). Tandem: `tandem train`, one "
         "server (`tandem:d1`, core 0) + one trainer rank (`archon:d1`, core 1), one thread each, "
         f"`rollout.max_head_offpolicyness` {args.staleness} (one run each: 0 is on-policy like TRL, 1 overlaps "
         "generation with training), "

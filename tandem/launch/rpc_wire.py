@@ -69,6 +69,10 @@ class Channel:
         self.conn = conn
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))
         self.sock.setblocking(True)
+        if self.sock.family in (socket.AF_INET, socket.AF_INET6):
+            # A message is several writes (length, header, tensor frames) and then a read: with
+            # Nagle on, each later write waits for the peer's delayed ACK (~40 ms per call).
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def fileno(self) -> int:
         return self.conn.fileno()

@@ -50,6 +50,24 @@ def test_tensors_round_trip_exactly():
     cb.close()
 
 
+def test_tcp_channels_disable_nagle():
+    """A message is several writes then a read: with Nagle on, every call after the first small
+    write waits for the peer's delayed ACK (~40 ms on Linux loopback). Both ends set TCP_NODELAY."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    server.close()
+    channels = [Channel(Connection(client.detach())), Channel(Connection(accepted.detach()))]
+    for ch in channels:
+        assert ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    t = threading.Thread(target=channels[0].send, args=(dumps({"x": torch.ones(3)}),))
+    t.start()
+    assert torch.equal(channels[1].recv()["x"], torch.ones(3))
+    t.join()
+    for ch in channels:
+        ch.close()
+
+
 class _Thing:
     def __init__(self, rank: int):
         self.rank = rank
