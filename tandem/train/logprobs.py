@@ -88,10 +88,8 @@ class LogprobModel(nn.Module):
                                                temperature, self.chunk_size)
             if empty:
                 lp, ent = lp * 0, ent * 0
-            # Scatter back (differentiable); the zeros also keep every parameter in the graph.
-            logprobs = (hidden[:, 0] * 0).float().index_add(0, picked, lp)
-            entropy = (hidden[:, 0] * 0).float().index_add(0, picked, ent)
-            return logprobs, entropy
+            zeros = lp.new_zeros(hidden.shape[0])
+            return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
         logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature, self.chunk_size)
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
