@@ -57,10 +57,13 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 ADOPT = "_tandem_adopt"  # set on a staged tensor the model may keep as its parameter's storage
 ADOPTED = "_tandem_adopted"  # set by `swap_weights` on tensors it did keep
+SHARED = "_tandem_shared"  # set on a parameter whose storage is another process's memory
 
 
-def mark_adoptable(tensor: torch.Tensor) -> torch.Tensor:
-    setattr(tensor, ADOPT, True)
+def mark_adoptable(tensor: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """Let `swap_weights` keep `tensor` as a parameter's storage; `shared`: that storage is memory
+    another process wrote (a zero-copy shared-memory segment), which is never written in place."""
+    setattr(tensor, ADOPT, "shared" if shared else "own")
     return tensor
 
 
@@ -68,17 +71,24 @@ def mark_adoptable(tensor: torch.Tensor) -> torch.Tensor:
 def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> bool:
     """Put `staged` into the parameters. When EVERY staged tensor is marked adoptable
     (`mark_adoptable`) and has its parameter's dtype and device, the parameters are rebound to
-    those tensors (no copy; a server's ping-pong staging buffers) and each is marked `ADOPTED`;
-    otherwise every tensor is copied in place (cast when dtypes differ). -> whether adopted."""
+    those tensors (no copy; a server's ping-pong staging buffers or zero-copy segments) and each is
+    marked `ADOPTED`; otherwise every tensor is copied in place (cast when dtypes differ), except
+    into a parameter living in shared memory, which gets fresh memory of its own instead (so the
+    mapping goes and the writer's pages are never touched). -> whether adopted."""
     params = dict(model.named_parameters())
     adopt = bool(staged) and all(getattr(t, ADOPT, False) and t.dtype == params[n].dtype
                                  and t.device == params[n].device for n, t in staged.items())
     for name, tensor in staged.items():
+        param = params[name]
         if adopt:
-            params[name].data = tensor
+            param.data = tensor
             setattr(tensor, ADOPTED, True)
+            setattr(param, SHARED, getattr(tensor, ADOPT) == "shared")
+        elif getattr(param, SHARED, False):
+            param.data = tensor.to(dtype=param.dtype, device=param.device, copy=True).contiguous()
+            setattr(param, SHARED, False)
         else:
-            params[name].copy_(tensor)
+            param.copy_(tensor)
     return adopt
 
 

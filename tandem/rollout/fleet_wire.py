@@ -40,12 +40,13 @@ def spec_from_json(data: dict[str, Any]) -> ParamSpec:
 
 def bucket_to_json(bucket: ShmBucket) -> dict[str, Any]:
     return {"specs": [spec_to_json(s) for s in bucket.specs], "offsets": list(bucket.offsets),
-            "nbytes": bucket.nbytes, "segment": bucket.segment, "cuda_ipc": bucket.cuda_ipc}
+            "nbytes": bucket.nbytes, "segment": bucket.segment, "cuda_ipc": bucket.cuda_ipc,
+            "zero_copy": bucket.zero_copy}
 
 
 def bucket_from_json(data: dict[str, Any]) -> ShmBucket:
     return ShmBucket(tuple(spec_from_json(s) for s in data["specs"]), tuple(int(o) for o in data["offsets"]),
-                     int(data["nbytes"]), data.get("segment"), data.get("cuda_ipc"))
+                     int(data["nbytes"]), data.get("segment"), data.get("cuda_ipc"), bool(data.get("zero_copy", False)))
 
 
 def flat_to_json(flat: FlatLayout) -> dict[str, Any]:

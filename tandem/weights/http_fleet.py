@@ -150,6 +150,8 @@ class HttpFleet:
         body = {**self._bucket_fields(meta, bucket.specs, commit, bucket_index), "offsets": list(bucket.offsets),
                 "nbytes": bucket.nbytes}
         body.update({"segment": bucket.segment} if bucket.segment is not None else {"cuda_ipc": bucket.cuda_ipc})
+        if bucket.zero_copy:
+            body["zero_copy"] = True
         return self._async(self._bucket_phase("update_weights_from_shm", bucket_index), "/update_weights_from_shm",
                            body, self.deadlines.bucket_s)
 

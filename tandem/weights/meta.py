@@ -54,13 +54,16 @@ class FlatLayout:
 @dataclass(frozen=True)
 class ShmBucket:
     """One bucket in shared memory: its tensors' specs and byte offsets in a segment of `nbytes`,
-    which is a /dev/shm file (`segment`) or, on GPU, a CUDA IPC handle (`cuda_ipc`)."""
+    which is a /dev/shm file (`segment`) or, on GPU, a CUDA IPC handle (`cuda_ipc`). `zero_copy`:
+    the writer leaves the segment untouched while servers serve from it (ping-pong sets), so a
+    server may use its tensors in place instead of copying them out."""
 
     specs: tuple[ParamSpec, ...]
     offsets: tuple[int, ...]
     nbytes: int
     segment: str | None = None
     cuda_ipc: str | None = None
+    zero_copy: bool = False
 
 
 @dataclass(frozen=True)

@@ -65,19 +65,36 @@ class FlatBuffers:
 
 
 class SendBuffers:
-    """Where rank 0 packs buckets: the flat send buffers (distributed), the shm writer's segments
-    and the CUDA IPC buffers that must stay alive until the update ends (shm)."""
+    """Where rank 0 packs buckets: the flat send buffers (distributed), the shm writers' segments
+    and the CUDA IPC buffers that must stay alive until the update ends (shm).
+
+    Segments come in two sets written in turn (ping-pong), so servers can serve straight from the
+    set of the last committed update (`ShmBucket.zero_copy`) while the next one is written into
+    the other: `rewind_shm` picks the set that is not live, `shm_committed` marks it live, and
+    after a failure `release_shm` drops both (a server may still serve from either; it keeps its
+    mapping of the unlinked file and the next update writes fresh segments)."""
 
     def __init__(self) -> None:
         self.flat = FlatBuffers()
-        self.shm: ShmWriter | None = None
+        self.shm_sets: list[ShmWriter | None] = [None, None]
+        self.shm_live: int | None = None  # the set the servers serve from
+        self.shm_current = 0  # the set this update writes
         self.keep: list[torch.Tensor] = []  # CUDA IPC buffers, alive until the update ends
 
+    @property
+    def shm(self) -> ShmWriter | None:
+        return self.shm_sets[self.shm_current]
+
     def rewind_shm(self) -> None:
-        """Before an shm update: reuse the segments of the last one from the first."""
-        if self.shm is None:
-            self.shm = ShmWriter()
-        self.shm.rewind()
+        """Before an shm update: write the set that is not live, reusing its segments."""
+        self.shm_current = 0 if self.shm_live is None else 1 - self.shm_live
+        if self.shm_sets[self.shm_current] is None:
+            self.shm_sets[self.shm_current] = ShmWriter()
+        self.shm_sets[self.shm_current].rewind()
+
+    def shm_committed(self) -> None:
+        """Every server committed this update: its set is live, the other may be written."""
+        self.shm_live = self.shm_current
 
     def pack(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None) -> Packed:
         """Cast `bucket` into its send memory (flat buffer `slot`, or the bucket's shm segment)."""
@@ -94,7 +111,7 @@ class SendBuffers:
                                                                                     cuda_ipc=handle))
             name, offsets, nbytes, views = self.shm.write(tensors, dtype)
             return Packed(names, specs, offsets, nbytes, views,
-                          shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name))
+                          shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name, zero_copy=True))
         offsets, nbytes = layout(tensors, dtype)
         device = torch.device("cpu") if meta.backend == "gloo" else tensors[0].device
         buf = self.flat.get(slot, nbytes, device)
@@ -102,10 +119,11 @@ class SendBuffers:
         return Packed(names, specs, offsets, nbytes, views, flat=buf)
 
     def release_shm(self) -> None:
-        """Unlink the segments and drop the CUDA IPC buffers."""
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        """Unlink both sets of segments and drop the CUDA IPC buffers."""
+        for writer in self.shm_sets:
+            if writer is not None:
+                writer.close()
+        self.shm_sets, self.shm_live = [None, None], None
         self.keep.clear()
 
     def clear(self) -> None:

@@ -3,12 +3,16 @@
 A bucket is one segment: a file in /dev/shm named `tandem-w-<pid>-<token>-<k>` holding its tensors
 back to back, each at an offset aligned to `ALIGN` bytes (the same layout a distributed bucket
 uses in its flat buffer: `layout`, `pack`). Trainer rank 0 creates it and casts the tensors
-straight into it (`ShmWriter`); the server maps it read-only (`map_segment`), copies it into its
-staging buffer and unmaps it while answering the request (a one-shot update instead keeps views
-until it commits). The trainer keeps its segments between updates (their pages stay allocated) or
-unlinks them after each one; either way they are unlinked at close and after a failure. The
-segment's name carries the creator's pid, so `remove_stale_segments` can delete what a killed
-trainer left behind.
+straight into it (`ShmWriter`). Zero-copy (what `WeightUpdater` does): the trainer writes two
+sets of segments in turn (ping-pong) and never the set the servers serve from; each server maps
+the new set copy-on-write (`map_segment(private=True)`) and, at commit, its parameters become
+views of it: one cast by the trainer is the whole transfer, and every server on the host shares
+the same pages. Otherwise the server maps a segment read-only, copies it into its own staging
+buffer and unmaps it while answering the request. The trainer keeps its segments between updates
+(their pages stay allocated) or unlinks them after each one; either way they are unlinked at
+close and after a failure (a server keeps serving from an unlinked segment it has mapped; the
+memory goes when its last mapping does). The segment's name carries the creator's pid, so
+`remove_stale_segments` can delete what a killed trainer left behind.
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
 (`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file.
@@ -143,9 +147,17 @@ class ShmWriter:
         self._next = 0
 
 
-def map_segment(name: str, nbytes: int) -> torch.Tensor:
-    """Server side: a read-only uint8 view of a segment (pages populated up front). The mapping
-    lives as long as the returned tensor or any view of it."""
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault every page in for reading (no copy-on-write break)
+
+
+def map_segment(name: str, nbytes: int, private: bool = False) -> torch.Tensor:
+    """Server side: a uint8 view of a segment, its pages mapped up front. The mapping lives as long
+    as the returned tensor or any view of it (unlinking the file does not end it).
+
+    Default: read-only and shared, to copy out of. `private=True` (to serve from in place):
+    copy-on-write, so reads share the writer's pages while a write by this process, should any
+    code path ever write a parameter in place, lands in a private copy instead of faulting or
+    reaching the trainer's segment."""
     path = segment_path(name)
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -155,7 +167,15 @@ def map_segment(name: str, nbytes: int) -> torch.Tensor:
         size = os.fstat(fd).st_size
         if size < nbytes or nbytes <= 0:
             raise ShmError(f"segment {name!r} has {size} bytes, the request says {nbytes}")
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        if private:
+            # MAP_POPULATE on a private writable mapping would break copy-on-write on every page
+            # (a full copy); populating for reading keeps the pages shared.
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with contextlib.suppress(OSError):  # older kernels: pages fault in on first use instead
+                mm.madvise(MADV_POPULATE_READ)
+        else:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # read-only buffer: we only ever copy out of it

@@ -27,10 +27,12 @@ Transports (`meta.type`):
   otherwise one broadcast per tensor (views of the same buffer). Pipelined (default): bucket k + 1
   is gathered/cast while bucket k is broadcast, its request issued when k is acknowledged; at most
   one bucket in flight. Serial: gather, send, wait, next.
-- shm: per bucket, rank 0 casts straight into one /dev/shm segment and the servers copy it out at
-  once; the same pipeline. Segments are kept between updates (`shm_reuse=True`, the default) and
-  unlinked at `close`, after a failure, or (a dead trainer's) by the next updater; with
-  `shm_reuse=False` every segment is unlinked when the update ends, committed or not.
+- shm: per bucket, rank 0 casts straight into one /dev/shm segment, which the servers map and,
+  at commit, serve from (zero-copy: two sets of segments written in turn, never the one being
+  served); the same pipeline. Segments are kept between updates (`shm_reuse=True`, the default)
+  and unlinked at `close`, after a failure, or (a dead trainer's) by the next updater; with
+  `shm_reuse=False` every segment is unlinked when the update ends, committed or not (servers
+  keep serving from their mappings).
 
 This module is the orchestration (fleet calls, deadlines, the pipeline, rollback, the outcome);
 which tensors form a bucket and how a bucket becomes bytes on the wire is `packing.py`.
@@ -357,6 +359,8 @@ class WeightUpdater:
             shutil.rmtree(meta.versioned_path(), ignore_errors=True)
 
     def _after_success(self, meta: WeightUpdateMeta) -> None:
+        if meta.type == "shm":
+            self._buffers.shm_committed()
         if not self.shm_reuse:
             self._buffers.release_shm()
         if meta.type == "distributed" and not self.keep_group:

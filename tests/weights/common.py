@@ -112,3 +112,8 @@ def shm_leftovers() -> list[str]:
 
 def mapped_segments(pid: int) -> list[str]:
     return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "tandem-w-" in line]
+
+
+def mapped_names(pid: int) -> set[str]:
+    """Names of the weight segments process `pid` maps (unlinked ones included)."""
+    return {line.split("/dev/shm/", 1)[1].split()[0] for line in mapped_segments(pid)}

@@ -1,7 +1,8 @@
 """Weight updates against two real `tandem serve` processes with injected faults: a server answering
 500, one that never joins the group, a wrong shape, one killed mid-broadcast, a shm bucket refused.
 Each update ends within its deadline with an error naming the server and the phase, the servers
-keep the previous weights and version, nothing is left in /dev/shm, and a retry succeeds. Also:
+keep the previous weights and version, nothing is left in /dev/shm (servers serve zero-copy from
+the segments of the update they committed, never from one being written), and a retry succeeds. Also:
 requests in flight during an update are aborted and their resubmission continues under the new
 version inside one trajectory."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +26,7 @@ from tests.weights.common import (
     FAST,
     CheckpointSource,
     expected_checksums,
-    mapped_segments,
+    mapped_names,
     served_checksums,
     shm_leftovers,
     start_server,
@@ -152,7 +154,10 @@ def test_wrong_shape(servers, fleet, model_dir):
 def test_shm_refused_then_retry_and_no_leaks(servers, fleet, model_dir):
     a, b = servers["servers"]
     old, old_src = good_update(model_dir, fleet, "shm")
-    assert shm_leftovers() == [] and not mapped_segments(a.pid) and not mapped_segments(b.pid)
+    # Zero-copy: both servers serve from the segments of the committed update (unlinked when its
+    # updater closed; the mappings keep them alive).
+    served = mapped_names(a.pid)
+    assert shm_leftovers() == [] and len(served) >= 5 and mapped_names(b.pid) == served
     a.ok("/_fault", {"route": "update_weights_from_shm", "action": "500", "nth": 2})
     version = Versions.next()
     src = CheckpointSource(model_dir, scale=1.0 + version / 100)
@@ -160,22 +165,46 @@ def test_shm_refused_then_retry_and_no_leaks(servers, fleet, model_dir):
         err = failing_update(u, version, bound_s=FAST.bucket_s + 5)
         assert err.phase == "update_weights_from_shm (bucket 1)" and a.url in str(err), err
         assert_unchanged(servers["servers"], old, old_src)
-        assert shm_leftovers() == [] and not mapped_segments(a.pid) and not mapped_segments(b.pid)
+        # The failed update's segments are gone and mapped by nobody; the old ones still serve.
+        assert shm_leftovers() == [] and mapped_names(a.pid) == served == mapped_names(b.pid)
         u.update(version)
+        live = set(shm_leftovers())
+        assert len(live) >= 5 and mapped_names(a.pid) == live == mapped_names(b.pid)
     assert_unchanged(servers["servers"], version, src)
-    assert shm_leftovers() == [] and not mapped_segments(a.pid) and not mapped_segments(b.pid)
-    # shm_reuse: the segments stay between updates (the servers map none of them), until close.
+    assert shm_leftovers() == [] and mapped_names(a.pid) == live == mapped_names(b.pid)
+    # Ping-pong: updates write two sets of segments in turn, kept between updates (shm_reuse); the
+    # servers map the set of the last committed update only, never the one the next update writes.
     with WeightUpdater(src, fleet, meta("shm"), shm_reuse=True) as u:
-        u.update(Versions.next())
-        kept = shm_leftovers()
-        assert len(kept) >= 5 and not mapped_segments(a.pid) and not mapped_segments(b.pid)
-        version = Versions.next()
-        src = CheckpointSource(model_dir, scale=1.0 + version / 100)
-        u.engine = src
-        u.update(version)
-        assert shm_leftovers() == kept
-    assert_unchanged(servers["servers"], version, src)
+        sets = []
+        for _ in range(3):
+            version = Versions.next()
+            src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+            u.engine = src
+            u.update(version)
+            now = mapped_names(a.pid)
+            assert now == mapped_names(b.pid) and now <= set(shm_leftovers())
+            assert_unchanged(servers["servers"], version, src)
+            sets.append(now)
+        assert sets[0].isdisjoint(sets[1]) and sets[2] == sets[0]
+        assert set(shm_leftovers()) == sets[0] | sets[1]
     assert shm_leftovers() == []
+
+
+def test_serving_from_shm_never_writes_the_trainers_segments(servers, fleet, model_dir, tmp_path):
+    """A server serving zero-copy maps the segments copy-on-write: an in-place write to its
+    parameters (a disk update copies into them) lands in its own pages, not the trainer's."""
+    a, b = servers["servers"]
+    version = Versions.next()
+    src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+    with WeightUpdater(src, fleet, meta("shm"), shm_reuse=True) as u:
+        u.update(version)
+        live = sorted(shm_leftovers())
+        assert set(live) == mapped_names(a.pid)
+        before = {name: Path("/dev/shm", name).read_bytes() for name in live}
+        disk_version, disk_src = good_update(model_dir, fleet, "disk", tmp_path)
+        assert_unchanged(servers["servers"], disk_version, disk_src)
+        assert {name: Path("/dev/shm", name).read_bytes() for name in live} == before
+        assert not mapped_names(a.pid) and not mapped_names(b.pid)  # the disk copy replaced the views
 
 
 def test_disk_refused_then_retry(servers, fleet, model_dir, tmp_path):

@@ -5,11 +5,12 @@ group) and the swap into the engine.
 
 Bucket 0 (or a one-shot update) starts a new staged set, dropping any earlier one; bucket k > 0
 must follow bucket k - 1. Flat buckets are received into persistent staging buffers, one per
-bucket index (`state.weight_buffers`). Ping-pong: when a whole staged set came in that way in the
-serving dtype, the swap rebinds every parameter to its view (no copy) and the buffers that backed
-the parameters until then (`state.live_buffers`) become the next update's staging buffers;
-otherwise the swap copies into the parameters in place. A failed or discarded update leaves the
-live weights untouched.
+bucket index (`state.weight_buffers`). Ping-pong: when a whole staged set came in that way (or as
+zero-copy shared-memory segments, which the trainer writes in turn) in the serving dtype, the
+swap rebinds every parameter to its view (no copy) and the buffers that backed the parameters
+until then (`state.live_buffers`) become the next update's staging buffers; otherwise the swap
+copies into the parameters in place. A failed or discarded update leaves the live weights
+untouched.
 """
 
 from __future__ import annotations
@@ -38,16 +39,22 @@ class Staging:
     buckets: int = 0
     discarded: bool = False
     flat: set[int] = field(default_factory=set)  # buckets received into staging buffer k
-    all_flat: bool = True  # every bucket so far: the commit may adopt the views (ping-pong)
+    adoptable: bool = True  # every bucket so far: the commit may keep the tensors as parameters
+    shared: bool = False  # some bucket lives in a zero-copy shared-memory segment
 
-    def add(self, named: list[tuple[str, torch.Tensor]], flat_index: int | None = None) -> None:
+    def add(self, named: list[tuple[str, torch.Tensor]], flat_index: int | None = None,
+            in_place: bool = False) -> None:
+        """One bucket; `flat_index`: it sits in staging buffer k; `in_place`: it sits in memory the
+        parameters may keep (a zero-copy shared-memory segment)."""
         self.tensors.extend(named)
         self.names.update(n for n, _ in named)
         self.buckets += 1
-        if flat_index is None:
-            self.all_flat = False
-        else:
+        if flat_index is not None:
             self.flat.add(flat_index)
+        elif in_place:
+            self.shared = True
+        else:
+            self.adoptable = False
 
 
 def discard(state: ServerState) -> None:
@@ -97,13 +104,14 @@ async def swap_in(state: ServerState, staging: Staging, version: str | None, abo
     device = state.engine.device
     tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
     staging.tensors = []
-    if staging.all_flat and staging.flat:
+    if staging.adoptable and staging.buckets:
         for _, t in tensors:
-            mark_adoptable(t)
+            mark_adoptable(t, shared=staging.shared)
     await load_tensors(state, tensors, version, abort_all)
     if any(getattr(t, ADOPTED, False) for _, t in tensors):
-        # Ping-pong: the parameters now live in this set's staging buffers; the buffers that held
-        # them until now are free (every parameter was rebound) and become the next staging set.
+        # Ping-pong: the parameters now live in this set's staging buffers (or shared-memory
+        # segments); the buffers that held them until now are free (every parameter was rebound)
+        # and become the next staging set.
         staging_buffers: dict[int, torch.Tensor] = getattr(state, "weight_buffers", None) or {}
         live = {k: staging_buffers.pop(k) for k in staging.flat if k in staging_buffers}
         state.weight_buffers = {**staging_buffers, **(getattr(state, "live_buffers", None) or {})}

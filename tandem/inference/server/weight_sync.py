@@ -70,11 +70,12 @@ STAGE_FIELDS = {"commit", "bucket_index"}
 
 
 async def _finish(state: ServerState, staging: Staging, named: list[tuple[str, torch.Tensor]], commit: bool,
-                  version: str | None, abort_all: bool, what: str, flat_index: int | None = None) -> Response:
+                  version: str | None, abort_all: bool, what: str, flat_index: int | None = None,
+                  in_place: bool = False) -> Response:
     if staging.discarded:
         raise ControlError("the staged update was discarded while this bucket arrived; the previous weights "
                            "keep serving")
-    staging.add(named, flat_index)
+    staging.add(named, flat_index, in_place)
     if not commit:
         return control_response(True, f"staged {what} (bucket {staging.buckets - 1}, {len(staging.names)} tensors "
                                       "so far)")
@@ -255,20 +256,24 @@ def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | No
 
 @router.post("/update_weights_from_shm")
 async def update_weights_from_shm(request: Request) -> Response:
-    """Copy one bucket from a shared-memory segment written by a trainer on this host (tandem
+    """One bucket from a shared-memory segment written by a trainer on this host (tandem
     extension): `segment` (a /dev/shm name `tandem-w-...`) or `cuda_ipc` (a CUDA IPC handle),
-    `nbytes`, and per tensor `names`, `dtypes`, `shapes`, `offsets`; staged like the other routes."""
+    `nbytes`, and per tensor `names`, `dtypes`, `shapes`, `offsets`; staged like the other routes.
+    `zero_copy: true` (segments only): the trainer will not write the segment while this server
+    serves from it, so the bucket is mapped copy-on-write and, at commit, the parameters become
+    views of it; otherwise it is copied out while the request is answered."""
     state = state_of(request)
     await fault_point(request, "update_weights_from_shm")
     state.check_ready()
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"names", "dtypes", "shapes", "offsets", "segment", "cuda_ipc", "nbytes", "flush_cache",
-                        "abort_all_requests", "weight_version"} | STAGE_FIELDS)
+                        "abort_all_requests", "weight_version", "zero_copy"} | STAGE_FIELDS)
     names, torch_dtypes, shapes = _tensor_meta(body)
     offsets = get_field(body, "offsets", list, required=True)
     nbytes = get_field(body, "nbytes", int, required=True)
     segment = get_field(body, "segment", str)
     handle = get_field(body, "cuda_ipc", str)
+    zero_copy = get_field(body, "zero_copy", bool, False) and segment is not None
     commit, bucket_index, version, abort_all = _stage_args(body)
     if len(offsets) != len(names) or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
         raise ControlError("offsets must be a list of integers, one per tensor")
@@ -281,16 +286,21 @@ async def update_weights_from_shm(request: Request) -> Response:
             staging = staging_for(state, "shared memory", commit, bucket_index)
             check_bucket(state, staging, _meta_tensors(names, shapes, torch_dtypes))
 
-            # A staged segment bucket is copied at once into staging buffer k (as a distributed flat
-            # bucket is received into it) and unmapped: the copy overlaps the trainer writing the
-            # next bucket, the commit adopts the buffers (ping-pong), and no mapping outlives the
-            # request. CUDA IPC buckets arrive as a server-owned copy already (copied at commit).
-            reuse = bucket_index if segment is not None and bucket_index is not None else None
+            # A zero-copy bucket (CPU server) is served from where it is: its copy-on-write views
+            # are staged and the commit makes them the parameters. Any other staged segment bucket
+            # is copied at once into staging buffer k (as a distributed flat bucket is received
+            # into it) and unmapped: the copy overlaps the trainer writing the next bucket, the
+            # commit adopts the buffers (ping-pong), and no mapping outlives the request. CUDA IPC
+            # buckets arrive as a server-owned copy already (copied at commit).
+            in_place = zero_copy and state.engine.device.type == "cpu"
+            reuse = bucket_index if segment is not None and bucket_index is not None and not in_place else None
             staged_buf = receive_buffer(state, reuse, nbytes, state.engine.device) if reuse is not None else None
 
             def read() -> list[torch.Tensor]:
                 if segment is None:
                     return tensor_views(open_cuda_ipc(handle, state.engine.device), offsets, shapes, torch_dtypes)
+                if in_place:
+                    return tensor_views(map_segment(segment, nbytes, private=True), offsets, shapes, torch_dtypes)
                 mapped = map_segment(segment, nbytes)
                 if staged_buf is None:  # a one-shot update: views into the mapping, copied at commit
                     return tensor_views(mapped, offsets, shapes, torch_dtypes)
@@ -304,7 +314,7 @@ async def update_weights_from_shm(request: Request) -> Response:
             discard(state)
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
-                             f"{len(names)} tensors from shared memory", flat_index=reuse)
+                             f"{len(names)} tensors from shared memory", flat_index=reuse, in_place=in_place)
 
 
 @router.post("/commit_staged_weights")
