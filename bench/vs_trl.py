@@ -48,7 +48,7 @@ from _report import append_benchmark  # bench/ is on sys.path when run as a scri
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 TASK_OPTIONS = {"difficulty": "add1", "instruction": False}
-SEED = 1  # experiment.seed: the order of the train items
+SFT_SEED = 1  # experiment.seed of the warm start (RL runs take theirs from --seeds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--task", default=json.dumps(TASK_OPTIONS),
       help="arithmetic task options as JSON (both frameworks; e.g. the demo's flawed-teacher warm start: "
            '\'{"difficulty": "add1x3", "instruction": false, "teacher_slip": 0.6}\')')
+    a("--seeds", default="1", help="comma-separated seeds; each runs TRL and every Tandem staleness (data order, sampling)")
     a("--smooth", type=int, default=3, help="moving-average window of the batch reward")
     a("--threshold", type=float, default=None,
       help="reward to reach (default: the lower of the two runs' best smoothed reward, so both reach it)")
@@ -118,12 +119,12 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | 
     return time.monotonic() - start
 
 
-def common_overrides(args: argparse.Namespace, root: Path, name: str, trial: str) -> list[str]:
+def common_overrides(args: argparse.Namespace, root: Path, name: str, trial: str, seed: int) -> list[str]:
     return [
         f"experiment.fileroot={root / 'runs'}",
         f"experiment.name={name}",
         f"experiment.trial={trial}",
-        f"experiment.seed={SEED}",
+        f"experiment.seed={seed}",
         "task.name=arithmetic",
         "task.options=" + args.task,
         "stats.progress=false",
@@ -144,7 +145,7 @@ def prepare_model(args: argparse.Namespace, root: Path, preset: str) -> tuple[Pa
         subprocess.run([TANDEM, "init-model", str(base), "--preset", preset, "--seed", "0"], check=True,
                        stdout=subprocess.DEVNULL)
     shutil.rmtree(root / "runs" / "sft" / preset, ignore_errors=True)
-    seconds = run_logged([TANDEM, "sft", f"actor.path={base}", *common_overrides(args, root, "sft", preset),
+    seconds = run_logged([TANDEM, "sft", f"actor.path={base}", *common_overrides(args, root, "sft", preset, SFT_SEED),
                           "actor.backend=archon:d1", "actor.num_threads=1", f"actor.optimizer.lr={args.sft_lr}",
                           f"sft.steps={steps}", "sft.batch_size=32",
                           f"actor.optimizer.lr_scheduler={args.sft_schedule}",
@@ -158,12 +159,12 @@ def prepare_model(args: argparse.Namespace, root: Path, preset: str) -> tuple[Pa
     return sft, accuracy, seconds
 
 
-def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path, staleness: int) -> dict:
-    trial = f"tandem-{preset}-s{staleness}"
+def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path, staleness: int, seed: int) -> dict:
+    trial = f"tandem-{preset}-s{staleness}-seed{seed}"
     run_dir = root / "runs" / "vs_trl" / trial
     shutil.rmtree(run_dir, ignore_errors=True)
     wall = run_logged([
-        TANDEM, "train", f"actor.path={model}", *common_overrides(args, root, "vs_trl", trial),
+        TANDEM, "train", f"actor.path={model}", *common_overrides(args, root, "vs_trl", trial, seed),
         "rollout.backend=tandem:d1", "actor.backend=archon:d1", "rollout.cpus=0", "actor.cpus=1",
         "rollout.server_args=[--num-threads,1]", "actor.num_threads=1",
         f"rollout.max_head_offpolicyness={staleness}",
@@ -185,15 +186,15 @@ def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path, s
     return {"steps": steps, "wall": wall}
 
 
-def run_trl(args: argparse.Namespace, root: Path, preset: str, model: Path) -> dict:
-    out = root / "runs" / "vs_trl" / f"trl-{preset}"
+def run_trl(args: argparse.Namespace, root: Path, preset: str, model: Path, seed: int) -> dict:
+    out = root / "runs" / "vs_trl" / f"trl-{preset}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     settings = {"model": str(model), "out": str(out), "prompts": args.prompts, "samples": args.samples,
                 "max_new_tokens": args.max_new_tokens, "steps": args.steps, "lr": args.lr,
-                "threads": args.trl_threads, "task": json.loads(args.task)}
+                "threads": args.trl_threads, "task": json.loads(args.task), "seed": seed}
     wall = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", json.dumps(settings)],
-                      root / f"trl-{preset}.log", args.timeout, env={"OMP_NUM_THREADS": str(args.trl_threads)})
+                      root / f"trl-{preset}-seed{seed}.log", args.timeout, env={"OMP_NUM_THREADS": str(args.trl_threads)})
     steps = json.loads((out / "steps.json").read_text())
     return {"steps": steps, "wall": wall, "versions": json.loads((out / "versions.json").read_text())}
 
@@ -217,7 +218,7 @@ def trl_worker(settings: dict) -> None:
     out = Path(settings["out"])
     n_items = settings["steps"] * settings["prompts"]
     cfg = TandemConfig()
-    cfg.experiment.seed = SEED
+    cfg.experiment.seed = settings["seed"]
     cfg.task.name, cfg.task.options = "arithmetic", dict(settings["task"])
     cfg.task.train_size, cfg.task.eval_size = n_items, 1
     tokenizer = AutoTokenizer.from_pretrained(settings["model"])
@@ -285,7 +286,7 @@ def trl_worker(settings: dict) -> None:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        seed=SEED,
+        seed=settings["seed"],
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
@@ -343,72 +344,109 @@ def reward_at(summary: dict, seconds: float) -> float:
     return value
 
 
+def fmt_reach(r: tuple[int, float] | None) -> str:
+    return f"step {r[0]}, {r[1]:.0f} s" if r else "not reached"
+
+
+def median_reach(summaries: list[dict], threshold: float) -> float | None:
+    """Median training seconds to the threshold over seeds; a seed that never reaches it counts as
+    infinitely slow (so the median is None when half or more of the seeds miss it)."""
+    times = sorted(r[1] if (r := reach(s, threshold)) else float("inf") for s in summaries)
+    value = statistics.median(times)
+    return None if value == float("inf") else value
+
+
 def main() -> None:
     args = parse_args()
     if args.trl_worker:
         trl_worker(json.loads(args.trl_worker))
         return
     t_start = time.monotonic()
-    rows, notes, versions = [], [], {}
+    rows, agg_rows, notes, versions = [], [], [], {}
     stalenesses = [int(x) for x in args.staleness.split(",")]
-
-    def add_row(label: str, sft_acc: float, tan: dict, trl: dict) -> None:
-        threshold = args.threshold if args.threshold is not None else min(tan["best"], trl["best"])
-        r_tan, r_trl = reach(tan, threshold), reach(trl, threshold)
-        same_time = min(tan["train_s"], trl["train_s"])
-
-        def fmt_reach(r):
-            return f"step {r[0]}, {r[1]:.0f} s" if r else "not reached"
-
-        ratio_reach = f"{r_trl[1] / r_tan[1]:.2f}x" if r_tan and r_trl else "n/a"
-        rows.append(
-            f"| {label} | {sft_acc:.2f} | {tan['tok_s']:.0f} | {trl['tok_s']:.0f} | {tan['tok_s'] / trl['tok_s']:.2f}x "
-            f"| {tan['s_step']:.2f} | {trl['s_step']:.2f} | {trl['s_step'] / tan['s_step']:.2f}x "
-            f"| {threshold:.3f} | {fmt_reach(r_tan)} | {fmt_reach(r_trl)} | {ratio_reach} "
-            f"| {same_time:.0f} s: {reward_at(tan, same_time):.3f} / {reward_at(trl, same_time):.3f} "
-            f"| {tan['first']:.3f} -> {tan['last']:.3f} | {trl['first']:.3f} -> {trl['last']:.3f} "
-            f"| {tan['wall']:.0f} / {trl['wall']:.0f} |"
-        )
-        print(rows[-1], flush=True)
+    seeds = [int(x) for x in args.seeds.split(",")]
 
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         root = Path(args.workdir or tmp).resolve()
         root.mkdir(parents=True, exist_ok=True)
-        for preset in args.presets:
+        for p_index, preset in enumerate(args.presets):
             model, sft_acc, sft_s = prepare_model(args, root, preset)
             print(f"{preset}: SFT warm start -> eval accuracy {sft_acc:.3f} (SFT took {sft_s:.0f} s, or was cached)",
                   flush=True)
-            # Alternate which framework goes first from preset to preset (a shared machine drifts).
-            order = ["tandem", "trl"] if args.presets.index(preset) % 2 == 0 else ["trl", "tandem"]
-            runs = {}
-            for name in order:
-                if name == "trl":
-                    runs["trl"] = run_trl(args, root, preset, model)
-                    print(f"{preset}: trl done in {runs['trl']['wall']:.0f} s", flush=True)
-                    continue
+            trl: dict[int, dict] = {}
+            tan: dict[tuple[int, int], dict] = {}
+            for s_index, seed in enumerate(seeds):
+                # Alternate which framework goes first (a shared machine drifts).
+                order = ["tandem", "trl"] if (p_index + s_index) % 2 == 0 else ["trl", "tandem"]
+                for name in order:
+                    if name == "trl":
+                        run = run_trl(args, root, preset, model, seed)
+                        versions = run.get("versions", versions)
+                        trl[seed] = summarize(run, args.skip, args.smooth)
+                        print(f"{preset} seed {seed}: trl done in {run['wall']:.0f} s", flush=True)
+                        continue
+                    for st in stalenesses:
+                        run = run_tandem(args, root, preset, model, st, seed)
+                        tan[st, seed] = summarize(run, args.skip, args.smooth)
+                        print(f"{preset} seed {seed}: tandem (staleness {st}) done in {run['wall']:.0f} s", flush=True)
+            everything = [*trl.values(), *tan.values()]
+            # One threshold for every run of the preset: declared (--threshold), or the lowest best
+            # smoothed reward of all runs, so each run reaches it.
+            threshold = args.threshold if args.threshold is not None else min(x["best"] for x in everything)
+            same_time = min(x["train_s"] for x in everything)
+            for seed in seeds:
+                r_trl = reach(trl[seed], threshold)
                 for st in stalenesses:
-                    runs[st] = run_tandem(args, root, preset, model, st)
-                    print(f"{preset}: tandem (staleness {st}) done in {runs[st]['wall']:.0f} s", flush=True)
-            versions = runs["trl"].get("versions", versions)
-            trl = summarize(runs["trl"], args.skip, args.smooth)
-            tans = {st: summarize(runs[st], args.skip, args.smooth) for st in stalenesses}
-            for st, tan in tans.items():
-                add_row(f"{preset}, staleness {st}", sft_acc, tan, trl)
-            notes.append(f"{preset} trl: smoothed reward per step " + " ".join(f"{v:.2f}" for v in trl["smoothed"]))
-            for st, tan in tans.items():
-                notes.append(f"{preset} tandem staleness {st}: smoothed reward per step "
-                             + " ".join(f"{v:.2f}" for v in tan["smoothed"]))
+                    t = tan[st, seed]
+                    r_tan = reach(t, threshold)
+                    ratio = f"{r_trl[1] / r_tan[1]:.2f}x" if r_tan and r_trl else "n/a"
+                    rows.append(
+                        f"| {preset}, seed {seed}, staleness {st} | {sft_acc:.2f} | {t['tok_s']:.0f} | "
+                        f"{trl[seed]['tok_s']:.0f} | {t['tok_s'] / trl[seed]['tok_s']:.2f}x "
+                        f"| {t['s_step']:.2f} | {trl[seed]['s_step']:.2f} | {trl[seed]['s_step'] / t['s_step']:.2f}x "
+                        f"| {threshold:.3f} | {fmt_reach(r_tan)} | {fmt_reach(r_trl)} | {ratio} "
+                        f"| {reward_at(t, same_time):.3f} / {reward_at(trl[seed], same_time):.3f} "
+                        f"| {t['first']:.3f} -> {t['last']:.3f} | {trl[seed]['first']:.3f} -> {trl[seed]['last']:.3f} "
+                        f"| {t['wall']:.0f} / {trl[seed]['wall']:.0f} |"
+                    )
+                    print(rows[-1], flush=True)
+                notes.append(f"{preset} seed {seed} trl: smoothed reward per step "
+                             + " ".join(f"{v:.2f}" for v in trl[seed]["smoothed"]))
+                for st in stalenesses:
+                    notes.append(f"{preset} seed {seed} tandem staleness {st}: smoothed reward per step "
+                                 + " ".join(f"{v:.2f}" for v in tan[st, seed]["smoothed"]))
+            trl_all = [trl[seed] for seed in seeds]
+            m_trl = median_reach(trl_all, threshold)
+            for st in stalenesses:
+                tan_all = [tan[st, seed] for seed in seeds]
+                m_tan = median_reach(tan_all, threshold)
+                ratio = f"{m_trl / m_tan:.2f}x" if m_tan and m_trl else "n/a"
+                agg_rows.append(
+                    f"| {preset}, staleness {st} | {len(seeds)} | {threshold:.3f} "
+                    f"| {', '.join(fmt_reach(reach(x, threshold)) for x in tan_all)} "
+                    f"| {', '.join(fmt_reach(reach(x, threshold)) for x in trl_all)} "
+                    f"| {f'{m_tan:.0f} s' if m_tan else 'n/a'} / {f'{m_trl:.0f} s' if m_trl else 'n/a'} | {ratio} "
+                    f"| {same_time:.0f} s: {statistics.mean(reward_at(x, same_time) for x in tan_all):.3f} / "
+                    f"{statistics.mean(reward_at(x, same_time) for x in trl_all):.3f} "
+                    f"| {statistics.median(x['tok_s'] for x in tan_all) / statistics.median(x['tok_s'] for x in trl_all):.2f}x |"
+                )
+                print(agg_rows[-1], flush=True)
     header = (
-        "| preset, Tandem staleness | SFT eval acc | Tandem completion tok/s | TRL tok/s | ratio | Tandem s/step | TRL s/step | ratio "
+        "| preset, seed, Tandem staleness | SFT eval acc | Tandem completion tok/s | TRL tok/s | ratio | Tandem s/step | TRL s/step | ratio "
         "| reward threshold | Tandem reaches it | TRL reaches it | TRL time / Tandem time | reward after the same "
         "training time (Tandem / TRL) | Tandem reward first -> last | TRL reward first -> last | wall s incl. start-up "
         "(Tandem / TRL) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---|"
     )
-    table = header + "\n" + "\n".join(rows)
+    agg_header = (
+        "| preset, Tandem staleness | seeds | reward threshold | Tandem reaches it (per seed) | TRL reaches it (per seed) "
+        "| median training time to it (Tandem / TRL) | TRL time / Tandem time | mean reward after the same training "
+        "time (Tandem / TRL) | median tok/s ratio |\n|---|---:|---:|---|---|---|---:|---|---:|"
+    )
     version_line = ", ".join(f"{k} {v}" for k, v in versions.items())
     body = (
         f"`bench/vs_trl.py`: GRPO on arithmetic with task options `{args.task}`, {args.prompts} prompts x {args.samples} samples x at most "
-        f"{args.max_new_tokens} new tokens per step, {args.steps} steps, lr {args.lr:g}, from a `tandem sft` warm start "
+        f"{args.max_new_tokens} new tokens per step, {args.steps} steps, lr {args.lr:g}, seeds {args.seeds} (data order and "
+        f"sampling; both frameworks), from a `tandem sft` warm start "
         f"(random init -> SFT with lr {args.sft_lr:g} {args.sft_schedule}, batch 32; steps {args.sft_steps}). Tandem: `tandem train`, one "
         "server (`tandem:d1`, core 0) + one trainer rank (`archon:d1`, core 1), one thread each, "
         f"`rollout.max_head_offpolicyness` {args.staleness} (one run each: 0 is on-policy like TRL, 1 overlaps "
@@ -418,8 +456,10 @@ def main() -> None:
         f"{args.skip + 1}-{args.steps} (the step's own timers: Tandem's `time/*`, a TRL callback around each "
         f"optimizer step); reward = batch mean, smoothed over {args.smooth} steps; time to reach = training time "
         "summed over steps up to the first step at or above the threshold (start-up and evaluation excluded); "
-        "default threshold = the lower of the two runs' best smoothed reward, so both reach it.\n\n"
-        + table + "\n\n" + "\n".join(f"- {n}" for n in notes)
+        + ("threshold declared before the run (`--threshold`)." if args.threshold is not None else
+           "threshold = the lowest best smoothed reward over all runs of the preset, so every run reaches it.")
+        + "\n\nSummary over seeds:\n\n" + agg_header + "\n" + "\n".join(agg_rows)
+        + "\n\nPer run:\n\n" + header + "\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {n}" for n in notes)
     )
     print("\n" + body)
     print(f"\nbenchmark took {time.monotonic() - t_start:.0f} s")

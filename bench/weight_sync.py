@@ -1,5 +1,5 @@
-"""Weight sync: one trainer process (TrainEngine, world size 1) and ONE `tandem serve` process on
-this host, for Qwen-shaped models of ~10M, ~100M and ~500M parameters (random init).
+"""Weight sync: one trainer process (TrainEngine, world size 1) and one `tandem serve` process per
+transport on this host, for Qwen-shaped models of ~10M, ~100M and ~500M parameters (random init).
 
 Weights travel in bf16: the trainer keeps fp32 master weights and computes in bf16, so each
 exported bucket is cast on the fly (the work a gather does at world size 1); the server serves
@@ -7,8 +7,9 @@ bf16. Per model, every transport runs the full update (pause, transfer, commit, 
 - **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
 - **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
 - **disk**: HF checkpoint written by the trainer, staged by the server;
-- **shm**: one /dev/shm segment per bucket (the default `shm_reuse=True`: segments kept between
-  updates, created by an untimed first update), mapped and copied by the server;
+- **shm**: one /dev/shm segment per bucket, served in place by the server (zero-copy: two sets of
+  segments written in turn; the default `shm_reuse=True` keeps them between updates, created by
+  two untimed first updates);
   **shm, fresh segments** (`shm_reuse=False`): segments created and unlinked by every update.
 Distributed buckets travel as one flat buffer each (one broadcast per bucket) into persistent
 receive buffers on the server; the group and those buffers are made by an untimed first update.
@@ -125,13 +126,23 @@ def raw_memcpy(tensors: list[torch.Tensor], reps: int) -> float:
 
 
 LABELS = ("serial", "pipelined", "disk", "shm", "shm_fresh")
+KIND = {"serial": "distributed", "pipelined": "distributed", "shm_fresh": "shm"}  # label -> transport
+
+
+def server_of(label: str) -> str:
+    return "distributed" if KIND.get(label) == "distributed" else label
 
 
 def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = None,
              labels: tuple[str, ...] = LABELS) -> dict:
     model_dir, n_params = make_model(root, size)
-    server = ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
-                           "--weight-sync-timeout", "300", timeout=600)
+    # One server per transport (serial and pipelined share one): each reaches its own steady state
+    # (distributed: two sets of staging buffers; shm: parameters in the trainer's segments) as in a
+    # deployment that uses one transport; sharing a server, every switch of transport would cost
+    # fresh pages (and shm's commit would pay for freeing shm_fresh's segments).
+    kinds = {server_of(label) for label in labels}
+    servers = {kind: ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
+                                   "--weight-sync-timeout", "300", timeout=600) for kind in sorted(kinds)}
     engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
     payload = sum(p.numel() for p in engine.model.parameters()) * 2
     bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
@@ -147,26 +158,30 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
           f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
     try:
-        with HttpFleet([server.url], deadlines=DEADLINES) as fleet, contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:
+            fleets = {kind: stack.enter_context(HttpFleet([server.url], deadlines=DEADLINES))
+                      for kind, server in servers.items()}
             version = 0
             # One updater per transport, all open at once; serial and pipelined share one (and its
             # group), toggling `pipeline`. Runs are interleaved (every transport once per round), so
             # the noise of a shared machine hits all of them alike.
             updaters: dict[str, WeightUpdater] = {}
             for label in labels:
-                kind = {"serial": "distributed", "pipelined": "distributed", "shm_fresh": "shm"}.get(label, label)
+                kind = KIND.get(label, label)
                 if kind == "distributed" and "distributed" in updaters:
                     updaters[label] = updaters["distributed"]
                     continue
                 meta = WeightUpdateMeta(type=kind, path=str(root / f"versions-{size}"), bucket_bytes=bucket,
                                         deadlines=DEADLINES)
-                updater = stack.enter_context(WeightUpdater(engine, fleet, meta, shm_reuse=label != "shm_fresh"))
+                updater = stack.enter_context(WeightUpdater(engine, fleets[server_of(label)], meta,
+                                                            shm_reuse=label != "shm_fresh"))
                 updaters[label] = updater
                 if kind == "distributed":
                     updaters["distributed"] = updater
                 # Outside the timing: the group, the server's two sets of staging buffers (ping-pong:
-                # steady from the third update on), the trainer's send buffers, the shm segments.
-                for _ in range(2 if kind == "distributed" else 1 if label == "shm" else 0):
+                # steady from the third update on), the trainer's send buffers, both sets of shm
+                # segments (written in turn).
+                for _ in range(2 if kind == "distributed" or label == "shm" else 0):
                     version += 1
                     updater.update(version)
             results: dict[str, list] = {label: [] for label in labels}
@@ -185,7 +200,8 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
                       f"{shown}", flush=True)
     finally:
         engine.close()
-        server.stop()
+        for server in servers.values():
+            server.stop()
     return out
 
 
@@ -217,8 +233,10 @@ def main() -> None:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--bucket-mib", type=float, default=None, help="bucket size (default: payload / 16, >= 4 MiB)")
     ap.add_argument("--only", default=",".join(LABELS), help="transports to run (a quick look; no report)")
+    ap.add_argument("--trainer-threads", type=int, default=1,
+                    help="torch threads of the trainer process (the cast into send buffers / segments)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.trainer_threads)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-ws-") as tmp:
         root = Path(tmp)
@@ -235,8 +253,9 @@ def main() -> None:
         for k in LABELS) for r in rows)
     text = (f"{body}\n\nPhases of the median run (seconds):\n{phases}\n\n"
             "Times are whole updates (pause, transfer, commit, version, continue) between one trainer process "
-            "(TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket) and one `tandem serve` "
-            "process (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
+            "(TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket, "
+            f"{args.trainer_threads} torch thread(s)) and a `tandem serve` "
+            "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
             "across transports, median of 7 / 5 / 3 rounds; raw memcpy = one copy of the same tensors into buffers allocated once.")
     print(text)
