@@ -320,8 +320,10 @@ def summarize(run: dict, skip: int, smooth: int) -> dict:
         "len": statistics.mean(s["completion_tokens"] for s in steps) / 1.0,
         "cum": cum,
         "smoothed": smoothed,
-        "best": max(smoothed),
-        "first": smoothed[0],
+        # Only full windows count: a one-step "average" at the start is a single noisy batch.
+        "best": max(smoothed[min(smooth, len(smoothed)) - 1:]),
+        "first": smoothed[min(smooth, len(smoothed)) - 1],
+        "smooth": smooth,
         "last": smoothed[-1],
         "train_s": cum[-1],
         "wall": run["wall"],
@@ -329,8 +331,9 @@ def summarize(run: dict, skip: int, smooth: int) -> dict:
 
 
 def reach(summary: dict, threshold: float) -> tuple[int, float] | None:
+    """(step, training seconds) of the first full smoothing window at or above `threshold`."""
     for i, value in enumerate(summary["smoothed"]):
-        if value >= threshold - 1e-9:
+        if i + 1 >= summary["smooth"] and value >= threshold - 1e-9:
             return i + 1, summary["cum"][i]
     return None
 
@@ -454,7 +457,7 @@ def main() -> None:
         "`actor.max_tokens_per_mb=2048` (one micro-batch per step). TRL: `GRPOTrainer` (CPU, HF `generate` in process, no vLLM), "
         f"{args.trl_threads} torch threads. Versions: {version_line}. Tokens/s and s/step over steps "
         f"{args.skip + 1}-{args.steps} (the step's own timers: Tandem's `time/*`, a TRL callback around each "
-        f"optimizer step); reward = batch mean, smoothed over {args.smooth} steps; time to reach = training time "
+        f"optimizer step); reward = batch mean, smoothed over {args.smooth} steps (full windows only); time to reach = training time "
         "summed over steps up to the first step at or above the threshold (start-up and evaluation excluded); "
         + ("threshold declared before the run (`--threshold`)." if args.threshold is not None else
            "threshold = the lowest best smoothed reward over all runs of the preset, so every run reaches it.")
