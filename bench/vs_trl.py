@@ -4,6 +4,14 @@
     .venv/bin/python bench/vs_trl.py                         # small and medium (~10 minutes; SFT warm starts add ~5 on a first run), appends
     .venv/bin/python bench/vs_trl.py --quick                 # smoke run: small, 4 steps, prints only
 
+Time to reward (where the reward really rises: the demo's flawed-teacher warm start, lr 2e-4;
+lr 5e-4 was unstable at staleness 1 and flat on-policy; ~35 minutes after a 3-minute SFT):
+
+    .venv/bin/python bench/vs_trl.py --workdir /tmp/vstrl --presets small \
+        --task '{"difficulty": "add1x3", "instruction": false, "teacher_slip": 0.6}' \
+        --sft-steps small=800 --sft-lr 3e-3 --sft-schedule cosine --samples 16 --max-new-tokens 8 \
+        --steps 150 --lr 2e-4 --staleness 0,1 --seeds 1,2,3 --smooth 10 --threshold 0.40
+
 For each preset: `tandem init-model` makes the model (random init, local tokenizer, ChatML
 template), `tandem sft` warm-starts it on the task (the same checkpoint is then the start of both
 RL runs, so the reward has somewhere to go), then
