@@ -85,7 +85,7 @@ def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> bool:
             setattr(tensor, ADOPTED, True)
             setattr(param, SHARED, getattr(tensor, ADOPT) == "shared")
         elif getattr(param, SHARED, False):
-            param.data = tensor.to(dtype=param.dtype, device=param.device, copy=True).contiguous()
+            param.data = tensor.to(dtype=param.dtype, device=param.device, copy=True)
             setattr(param, SHARED, False)
         else:
             param.copy_(tensor)

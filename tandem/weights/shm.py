@@ -178,7 +178,7 @@ def map_segment(name: str, nbytes: int, private: bool = False) -> torch.Tensor:
                            prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    with warnings.catch_warnings():  # read-only buffer: we only ever copy out of it
+    with warnings.catch_warnings():  # a read-only buffer (the default mapping): we only copy out of it
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
 
