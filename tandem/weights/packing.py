@@ -12,6 +12,7 @@ bytes to send. No fleet calls here (see `update.py` for the orchestration).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from tandem.weights.group import WeightGroup, dtype_from_name
 from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
-from tandem.weights.shm import ShmWriter, cuda_ipc_handle, layout, pack, tensor_views
+from tandem.weights.shm import ALIGN, ShmWriter, cuda_ipc_handle, layout, pack, tensor_views
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -85,12 +86,15 @@ class SendBuffers:
     def shm(self) -> ShmWriter | None:
         return self.shm_sets[self.shm_current]
 
-    def rewind_shm(self) -> None:
-        """Before an shm update: write the set that is not live, reusing its segments."""
+    def rewind_shm(self, expected: int | None = None) -> None:
+        """Before an shm update of about `expected` bytes: write the set that is not live,
+        reusing its segments (the other set's last update tells its size when `expected` does not)."""
         self.shm_current = 0 if self.shm_live is None else 1 - self.shm_live
         if self.shm_sets[self.shm_current] is None:
             self.shm_sets[self.shm_current] = ShmWriter()
-        self.shm_sets[self.shm_current].rewind()
+        other = self.shm_sets[1 - self.shm_current]
+        known = max(expected or 0, other.used if other is not None else 0)
+        self.shm_sets[self.shm_current].rewind(known or None)
 
     def shm_committed(self) -> None:
         """Every server committed this update: its set is live, the other may be written."""
@@ -130,6 +134,17 @@ class SendBuffers:
         self.flat.clear()
 
 
+def merge_packed(group: Sequence[Packed]) -> Packed:
+    """Buckets packed one after another into the same shm segment, as one bucket (one announcement
+    of the window they span)."""
+    first = group[0].shm
+    names = [n for p in group for n in p.names]
+    specs = tuple(spec for p in group for spec in p.specs)
+    offsets = [o for p in group for o in p.offsets]
+    return Packed(names, specs, offsets, first.nbytes, [],
+                  shm=dataclasses.replace(first, specs=specs, offsets=tuple(offsets)))
+
+
 def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
     """Broadcast each tensor from rank 0, in order; -> the seconds it took."""
     start = time.perf_counter()
@@ -151,6 +166,18 @@ def export_buckets(engine: Any, world_size: int, dtype: torch.dtype | None,
         if params is not None:
             return wire, plan_buckets(params, bucket_bytes, wire)
     return dtype, iter(engine.export_weights(bucket_bytes, dtype))
+
+
+def expected_bytes(engine: Any, dtype: torch.dtype | None) -> int | None:
+    """About how many bytes an export of `engine` takes in `dtype` (each tensor 64-byte aligned), from
+    its model's parameters (global shapes under FSDP); None without a model."""
+    model = getattr(engine, "model", None)
+    if model is None or not hasattr(model, "parameters"):
+        return None
+    total = 0
+    for param in model.parameters():
+        total += -(-param.numel() * (dtype or param.dtype).itemsize // ALIGN) * ALIGN
+    return total or None
 
 
 def plain_parameters(engine: Any) -> Bucket | None:

@@ -1,18 +1,20 @@
 """Shared-memory buckets for inference servers on the trainer's host (data plane only).
 
-A bucket is one segment: a file in /dev/shm named `tandem-w-<pid>-<token>-<k>` holding its tensors
-back to back, each at an offset aligned to `ALIGN` bytes (the same layout a distributed bucket
-uses in its flat buffer: `layout`, `pack`). Trainer rank 0 creates it and casts the tensors
-straight into it (`ShmWriter`). Zero-copy (what `WeightUpdater` does): the trainer writes two
-sets of segments in turn (ping-pong) and never the set the servers serve from; each server maps
-the new set copy-on-write (`map_segment(private=True)`) and, at commit, its parameters become
-views of it: one cast by the trainer is the whole transfer, and every server on the host shares
-the same pages. Otherwise the server maps a segment read-only, copies it into its own staging
-buffer and unmaps it while answering the request. The trainer keeps its segments between updates
-(their pages stay allocated) or unlinks them after each one; either way they are unlinked at
-close and after a failure (a server keeps serving from an unlinked segment it has mapped; the
-memory goes when its last mapping does). The segment's name carries the creator's pid, so
-`remove_stale_segments` can delete what a killed trainer left behind.
+A segment is a file in /dev/shm named `tandem-w-<pid>-<token>-<k>-<id>`; an update's buckets are
+written into it back to back, each tensor at an offset aligned to `ALIGN` bytes (the layout a
+distributed bucket uses in its flat buffer: `layout`, `pack`), so one segment normally holds the
+whole update and one announcement may cover several buckets (a window of the segment). Trainer
+rank 0 creates it and casts the tensors straight into it (`ShmWriter`). Zero-copy (what
+`WeightUpdater` does): the trainer writes two sets of segments in turn (ping-pong) and never the
+set the servers serve from; each server maps the announced window copy-on-write
+(`map_segment(private=True)`) and, at commit, its parameters become views of it: one cast by the
+trainer is the whole transfer, and every server on the host shares the same pages. Otherwise the
+server maps the window read-only, copies it into its own staging buffer and unmaps it while
+answering the request. The trainer keeps its segments between updates (their pages stay
+allocated) or unlinks them after each one; either way they are unlinked at close and after a
+failure (a server keeps serving from an unlinked segment it has mapped; the memory goes when its
+last mapping does). The segment's name carries the creator's pid, so `remove_stale_segments` can
+delete what a killed trainer left behind.
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
 (`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file.
@@ -92,47 +94,76 @@ def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dty
 
 
 class ShmWriter:
-    """Trainer side: one segment per bucket, unlinked together by `close`. `rewind` starts the
-    next update over the same segments (a bucket of the same size reuses its segment, whose pages
-    are already allocated: fresh tmpfs pages cost far more than the copy itself)."""
+    """Trainer side: the segments of one set, unlinked together by `close`. Buckets are written
+    back to back into one segment while they fit (a new one is opened when not), so a whole update
+    normally lives in one segment and an announcement may cover several buckets (a window of it).
+
+    `rewind(expected)` starts the next update over the same memory: pages of a kept segment are
+    already allocated (fresh tmpfs pages cost far more than the copy itself). `expected` (the
+    update's size, when known) sizes the first segment; after a pass that needed several segments
+    they are replaced by one of the total size."""
 
     def __init__(self, tag: str | None = None):
         self.token = f"{os.getpid()}-{tag or uuid.uuid4().hex[:12]}"
         self.paths: list[Path] = []
         self._maps: list[mmap.mmap] = []
-        self._next = 0  # the bucket the next `write` fills
+        self._seg = 0  # the segment the next `write` goes to
+        self._cursor = 0  # and where in it
+        self._expected = 0  # bytes the current update is expected to need
+        self._done = 0  # bytes taken in the segments before `_seg`
 
-    def rewind(self) -> None:
-        self._next = 0
+    def rewind(self, expected: int | None = None) -> None:
+        want = max(expected or 0, self.used)
+        if len(self._maps) > 1 or (self._maps and len(self._maps[0]) < want):
+            self.close()  # consolidate: the next write opens one segment of the whole size
+        self._seg = self._cursor = self._done = 0
+        self._expected = want
 
     def write(self, tensors: Sequence[torch.Tensor],
               dtype: torch.dtype | None = None) -> tuple[str, list[int], int, list[torch.Tensor]]:
-        """`tensors` (cast to `dtype` when given, straight into the segment) into the next segment;
-        -> (segment name, offsets, size in bytes, views of the written tensors)."""
-        offsets, nbytes = layout(tensors, dtype)
-        k = self._next
-        self._next += 1
-        if k < len(self._maps) and len(self._maps[k]) != nbytes:
-            self._maps[k].close()
-            self.paths[k].unlink(missing_ok=True)
-            self._maps[k] = None  # type: ignore[call-overload]
-        if k >= len(self._maps) or self._maps[k] is None:
-            name = f"{PREFIX}{self.token}-{k}-{uuid.uuid4().hex[:6]}"
-            path = segment_path(name)
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            if k < len(self._maps):
-                self.paths[k], self._maps[k] = path, mm
-            else:
-                self.paths.append(path)
-                self._maps.append(mm)
-        mm, name = self._maps[k], self.paths[k].name
+        """`tensors` (cast to `dtype` when given, straight into the segment) after the previous
+        bucket; -> (segment name, offsets in it, the segment's size, views of the written tensors)."""
+        rel, nbytes = layout(tensors, dtype)
+        start = -(-self._cursor // ALIGN) * ALIGN
+        if self._seg < len(self._maps) and start + nbytes > len(self._maps[self._seg]) and start > 0:
+            self._done += start  # does not fit after the previous bucket: the next segment
+            self._seg, self._cursor, start = self._seg + 1, 0, 0
+        if self._seg >= len(self._maps):
+            self._open(max(nbytes, self._expected - self._done))
+        elif nbytes > len(self._maps[self._seg]):  # a kept segment too small for this bucket alone
+            self._replace(self._seg, max(nbytes, self._expected - self._done))
+        mm, name = self._maps[self._seg], self.paths[self._seg].name
+        offsets = [start + o for o in rel]
         views = pack(torch.frombuffer(mm, dtype=torch.uint8), tensors, offsets, dtype)
-        return name, offsets, nbytes, views
+        self._cursor = start + nbytes
+        return name, offsets, len(mm), views
+
+    @property
+    def used(self) -> int:
+        """Bytes this update has taken so far (alignment included)."""
+        return self._done + self._cursor
+
+    def _create(self, nbytes: int) -> tuple[Path, mmap.mmap]:
+        name = f"{PREFIX}{self.token}-{len(self.paths)}-{uuid.uuid4().hex[:6]}"
+        path = segment_path(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        return path, mm
+
+    def _open(self, nbytes: int) -> None:
+        path, mm = self._create(nbytes)
+        self.paths.append(path)
+        self._maps.append(mm)
+
+    def _replace(self, k: int, nbytes: int) -> None:
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+            self._maps[k].close()
+        self.paths[k].unlink(missing_ok=True)
+        self.paths[k], self._maps[k] = self._create(nbytes)
 
     def close(self) -> None:
         """Unmap and unlink every segment (idempotent). Views returned by `write` must be gone."""
@@ -144,21 +175,28 @@ class ShmWriter:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self.paths.clear()
-        self._next = 0
+        self._seg = self._cursor = self._done = 0
 
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault every page in for reading (no copy-on-write break)
 
 
-def map_segment(name: str, nbytes: int, private: bool = False) -> torch.Tensor:
-    """Server side: a uint8 view of a segment, its pages mapped up front. The mapping lives as long
-    as the returned tensor or any view of it (unlinking the file does not end it).
+def map_segment(name: str, nbytes: int, private: bool = False, start: int = 0,
+                end: int | None = None) -> tuple[torch.Tensor, int]:
+    """Server side: a uint8 view of bytes [start, end) of a segment of `nbytes` (default: all of
+    it), its pages mapped up front; -> (view, base): byte `base + i` of the segment is view[i]
+    (`base` is `start` rounded down to the mapping granularity). The mapping lives as long as the
+    view or any view of it (unlinking the file does not end it).
 
     Default: read-only and shared, to copy out of. `private=True` (to serve from in place):
     copy-on-write, so reads share the writer's pages while a write by this process, should any
     code path ever write a parameter in place, lands in a private copy instead of faulting or
     reaching the trainer's segment."""
     path = segment_path(name)
+    end = nbytes if end is None else end
+    if not 0 <= start < end <= nbytes:
+        raise ShmError(f"bytes [{start}, {end}) are not inside the segment's {nbytes}")
+    base = start - start % mmap.ALLOCATIONGRANULARITY
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
@@ -170,17 +208,18 @@ def map_segment(name: str, nbytes: int, private: bool = False) -> torch.Tensor:
         if private:
             # MAP_POPULATE on a private writable mapping would break copy-on-write on every page
             # (a full copy); populating for reading keeps the pages shared.
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=base)
             with contextlib.suppress(OSError):  # older kernels: pages fault in on first use instead
                 mm.madvise(MADV_POPULATE_READ)
         else:
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, end - base, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ, offset=base)
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # a read-only buffer (the default mapping): we only copy out of it
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        return torch.frombuffer(mm, dtype=torch.uint8), base
 
 
 def tensor_views(buf: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Sequence[int]],

@@ -27,12 +27,13 @@ Transports (`meta.type`):
   otherwise one broadcast per tensor (views of the same buffer). Pipelined (default): bucket k + 1
   is gathered/cast while bucket k is broadcast, its request issued when k is acknowledged; at most
   one bucket in flight. Serial: gather, send, wait, next.
-- shm: per bucket, rank 0 casts straight into one /dev/shm segment, which the servers map and,
-  at commit, serve from (zero-copy: two sets of segments written in turn, never the one being
-  served); the same pipeline. Segments are kept between updates (`shm_reuse=True`, the default)
-  and unlinked at `close`, after a failure, or (a dead trainer's) by the next updater; with
-  `shm_reuse=False` every segment is unlinked when the update ends, committed or not (servers
-  keep serving from their mappings).
+- shm: rank 0 casts the buckets back to back into one /dev/shm segment, which the servers map
+  and, at commit, serve from (zero-copy: two sets of segments written in turn, never the one being
+  served). One announcement in flight; the trainer does not wait for it between buckets, and what
+  it cast meanwhile goes out together in the next (`_ShmAnnouncements`). Segments are kept
+  between updates (`shm_reuse=True`, the default) and unlinked at `close`, after a failure, or (a
+  dead trainer's) by the next updater; with `shm_reuse=False` every segment is unlinked when the
+  update ends, committed or not (servers keep serving from their mappings).
 
 This module is the orchestration (fleet calls, deadlines, the pipeline, rollback, the outcome);
 which tensors form a bucket and how a bucket becomes bytes on the wire is `packing.py`.
@@ -57,12 +58,19 @@ import torch.distributed as dist
 
 from tandem.errors import TandemError
 from tandem.weights.fleet import Fleet, FleetError, ServerResult
-from tandem.weights.group import WeightGroup, WeightGroupError, dtype_from_name, host_store, init_weight_group
+from tandem.weights.group import WeightGroup, WeightGroupError, host_store, init_weight_group
 from tandem.weights.meta import FlatLayout, WeightUpdateMeta
-from tandem.weights.packing import Packed, SendBuffers, broadcast_all, export_buckets
+from tandem.weights.packing import (
+    Packed,
+    SendBuffers,
+    broadcast_all,
+    expected_bytes,
+    export_buckets,
+    merge_packed,
+)
 from tandem.weights.packing import plan_buckets as _plan_buckets  # noqa: F401  (its old name, for tests)
 from tandem.weights.shm import remove_stale_segments
-from tandem.weights.verify import compare_checksums, tensor_checksum
+from tandem.weights.verify import UpdateVerifier
 
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 
@@ -113,6 +121,26 @@ class _InFlight:
     deadline: float
 
 
+@dataclass
+class _ShmAnnouncements:
+    """shm buckets packed but not yet announced (in order), and the announcement in flight."""
+
+    pending: list[Packed] = field(default_factory=list)
+    in_flight: _InFlight | None = None
+    sent: int = 0  # announcements so far: the servers' bucket index of the next one
+
+    def take_window(self) -> Packed:
+        """The leading pending buckets that lie in one segment, as one bucket (a CUDA IPC bucket
+        goes alone: each has its own buffer)."""
+        first = self.pending[0]
+        count = 1
+        if first.shm.segment is not None:
+            while count < len(self.pending) and self.pending[count].shm.segment == first.shm.segment:
+                count += 1
+        group, self.pending = self.pending[:count], self.pending[count:]
+        return first if count == 1 else merge_packed(group)
+
+
 class WeightUpdater:
     def __init__(self, engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, pipeline: bool = True,
                  verify: bool = False, dtype: torch.dtype | None = None, keep_group: bool = True,
@@ -133,7 +161,7 @@ class WeightUpdater:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if self.rank == 0 else None
         self._stuck: list[Future] = []  # trainer-side work that outlived its deadline
         self._buffers = SendBuffers()  # flat send buffers (kept between updates), shm segments
-        self._checksums: dict[str, dict[str, str]] = {}  # served dtype -> name -> sha256
+        self._verifier = UpdateVerifier(fleet) if self.rank == 0 else None
         if self.rank == 0 and meta.type == "shm":
             remove_stale_segments()
 
@@ -172,7 +200,7 @@ class WeightUpdater:
             failure = self._call("pause_generation", self.fleet.pause_generation)
             state["paused"] = failure is None
             if failure is None and self.verify:
-                failure = self._prepare_verify()
+                failure = self._call("verify", self._verifier.prepare)
             if failure is None and meta.type == "distributed" and self._group is None:
                 with _timed(report, "init_group"):
                     failure = self._form_group(meta, clock)
@@ -185,13 +213,13 @@ class WeightUpdater:
                     failure = self._wait(self.fleet.update_weights_from_disk(meta, commit=False),
                                          "update_weights_from_disk", clock.left())
                     if failure is None and self.verify:
-                        self._hash_checkpoint(meta.versioned_path())
+                        self._verifier.add_checkpoint(meta.versioned_path())
             if failure is None:
                 with _timed(report, "commit"):
                     failure = self._call("commit_staged_weights", lambda: self.fleet.commit_weights(meta))
             if failure is None and self.verify:
                 with _timed(report, "verify"):
-                    failure = self._check_servers()
+                    failure = self._call("verify", self._verifier.check)
                     report.verified = failure is None
             if failure is None:
                 failure = self._call("update_weight_version", lambda: self.fleet.set_version(meta.version))
@@ -215,9 +243,10 @@ class WeightUpdater:
         Pipelined: bucket k is packed into one of two flat buffers while bucket k - 1 (in the
         other) is broadcast by the worker thread; k is sent once k - 1 is acknowledged."""
         rank0 = self.rank == 0
-        if rank0 and meta.type == "shm":
-            self._buffers.rewind_shm()
         wire_dtype, buckets = export_buckets(self.engine, self.world_size, self.dtype, meta.bucket_bytes)
+        if rank0 and meta.type == "shm":
+            self._buffers.rewind_shm(expected_bytes(self.engine, wire_dtype))
+        shm = _ShmAnnouncements() if meta.type == "shm" else None
         in_flight: _InFlight | None = None
         k = -1
         while True:
@@ -242,11 +271,18 @@ class WeightUpdater:
                 if in_flight is not None:  # reap k - 1 before anything is torn down
                     self._settle(in_flight, clock, report)
                     in_flight = None
+                if shm is not None:
+                    self._drain_shm(meta, shm, clock, report, send=False)
                 continue
             del bucket
             if self.verify:
-                self._hash(list(zip(packed.names, packed.views, strict=True)))
+                self._verifier.add(list(zip(packed.names, packed.views, strict=True)))
             packed.views = []  # shm: no exported view of a segment may outlive the write
+            if shm is not None:
+                shm.pending.append(packed)
+                failure = (self._announce_shm(meta, shm, clock, report, wait=False) if self.pipeline
+                           else self._drain_shm(meta, shm, clock, report))
+                continue
             if in_flight is not None:  # pipelined: bucket k was packed while k - 1 was in flight
                 with _timed(report, "wait"):
                     failure = self._settle(in_flight, clock, report)
@@ -261,9 +297,44 @@ class WeightUpdater:
         if in_flight is not None:
             with _timed(report, "wait"):
                 failure = self._settle(in_flight, clock, report)
+        if shm is not None:
+            failure = self._drain_shm(meta, shm, clock, report, send=failure is None) or failure
         if rank0 and failure is None and report.buckets == 0:
             failure = WeightSyncError("the engine exported no weights", "export")
         return failure
+
+    def _announce_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: _Clock, report: UpdateReport,
+                      *, wait: bool) -> WeightSyncError | None:
+        """shm: settle the announcement in flight (waiting for it only when `wait`; otherwise only
+        if it is done) and announce what is pending. At most one announcement is in flight, so
+        whatever is packed meanwhile goes out together in the next one (its window of the
+        segment): the trainer never waits on a server between buckets, and a fast cast of many
+        small buckets costs few round trips."""
+        if shm.in_flight is not None:
+            if not wait and not shm.in_flight.fleet_future.done():
+                return None
+            with _timed(report, "wait"):
+                failure = self._settle(shm.in_flight, clock, report)
+            shm.in_flight = None
+            if failure is not None:
+                shm.pending.clear()
+                return failure
+        if shm.pending:
+            shm.in_flight = self._send(meta, shm.sent, shm.take_window(), clock)
+            shm.sent += 1
+        return None
+
+    def _drain_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: _Clock, report: UpdateReport,
+                   send: bool = True) -> WeightSyncError | None:
+        """Announce everything pending and wait for all of it (`send=False`: only settle the
+        announcement in flight, e.g. after a failure)."""
+        if not send:
+            shm.pending.clear()
+        while shm.in_flight is not None or shm.pending:
+            failure = self._announce_shm(meta, shm, clock, report, wait=True)
+            if failure is not None:
+                return failure
+        return None
 
     def _send(self, meta: WeightUpdateMeta, k: int, packed: Packed, clock: _Clock) -> _InFlight:
         deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
@@ -380,43 +451,6 @@ class WeightUpdater:
                 failure = WeightSyncError(payload[0][0], payload[0][1])
         if failure is not None:
             raise failure
-
-    # ------------------------------------------------------------------ verification (rank 0)
-    def _prepare_verify(self) -> WeightSyncError | None:
-        self._checksums = {}
-        try:
-            served = self.fleet.weight_checksums(names=[])
-        except FleetError as exc:
-            return WeightSyncError.from_fleet(exc)
-        self._checksums = {s.dtype: {} for s in served.values()}
-        return None
-
-    def _hash(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        for dtype_name, sums in self._checksums.items():
-            dtype = dtype_from_name(dtype_name)
-            for name, t in bucket:
-                sums[name] = tensor_checksum(t.to(dtype))
-
-    def _hash_checkpoint(self, path: Path) -> None:
-        from tandem.models.hf_checkpoint import iter_hf_tensors
-
-        tensors = list(iter_hf_tensors(path))
-        self._hash(tensors)
-
-    def _check_servers(self) -> WeightSyncError | None:
-        try:
-            served = self.fleet.weight_checksums()
-        except FleetError as exc:
-            return WeightSyncError.from_fleet(exc)
-        bad = []
-        for address, got in served.items():
-            wrong = compare_checksums(self._checksums.get(got.dtype, {}), got.checksums)
-            if wrong:
-                bad.append(ServerResult(address, False, f"{len(wrong)} tensor(s) differ from the trainer's, "
-                                                        f"e.g. {wrong[:3]}"))
-        if bad:
-            return WeightSyncError.from_fleet(FleetError("verify", bad))
-        return None
 
     # ------------------------------------------------------------------ helpers
     def _call(self, phase: str, fn: Callable[[], Any]) -> WeightSyncError | None:

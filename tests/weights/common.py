@@ -13,7 +13,7 @@ from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.meta import Deadlines
 from tandem.weights.verify import tensor_checksum
-from tests.inference.server_utils import ServerProcess
+from tests.inference.server_utils import ServerProcess, wait_for
 
 PROMPTS = [[11, 57, 200, 31, 9], [300, 14, 15, 92, 65, 35, 89]]
 NEW = 10
@@ -117,3 +117,16 @@ def mapped_segments(pid: int) -> list[str]:
 def mapped_names(pid: int) -> set[str]:
     """Names of the weight segments process `pid` maps (unlinked ones included)."""
     return {line.split("/dev/shm/", 1)[1].split()[0] for line in mapped_segments(pid)}
+
+
+def served_set(servers: list[ServerProcess], timeout: float = 10.0) -> set[str]:
+    """The segments the servers serve from, once the mappings a commit replaced are gone (they are
+    released in the background): every server maps the same set, written by one writer (a set's
+    segments share the `tandem-w-<pid>-<token>` prefix)."""
+
+    def one_set() -> set[str] | None:
+        maps = [mapped_names(s.pid) for s in servers]
+        writers = {name.rsplit("-", 2)[0] for name in maps[0]}
+        return maps[0] if len(writers) == 1 and all(m == maps[0] for m in maps) else None
+
+    return wait_for(one_set, timeout=timeout, interval=0.02)

@@ -28,6 +28,7 @@ from tests.weights.common import (
     expected_checksums,
     mapped_names,
     served_checksums,
+    served_set,
     shm_leftovers,
     start_server,
     version_of,
@@ -156,8 +157,8 @@ def test_shm_refused_then_retry_and_no_leaks(servers, fleet, model_dir):
     old, old_src = good_update(model_dir, fleet, "shm")
     # Zero-copy: both servers serve from the segments of the committed update (unlinked when its
     # updater closed; the mappings keep them alive).
-    served = mapped_names(a.pid)
-    assert shm_leftovers() == [] and len(served) >= 5 and mapped_names(b.pid) == served
+    served = served_set([a, b])
+    assert shm_leftovers() == [] and len(served) >= 5
     a.ok("/_fault", {"route": "update_weights_from_shm", "action": "500", "nth": 2})
     version = Versions.next()
     src = CheckpointSource(model_dir, scale=1.0 + version / 100)
@@ -169,24 +170,28 @@ def test_shm_refused_then_retry_and_no_leaks(servers, fleet, model_dir):
         assert shm_leftovers() == [] and mapped_names(a.pid) == served == mapped_names(b.pid)
         u.update(version)
         live = set(shm_leftovers())
-        assert len(live) >= 5 and mapped_names(a.pid) == live == mapped_names(b.pid)
+        assert len(live) >= 5 and served_set([a, b]) == live
     assert_unchanged(servers["servers"], version, src)
     assert shm_leftovers() == [] and mapped_names(a.pid) == live == mapped_names(b.pid)
     # Ping-pong: updates write two sets of segments in turn, kept between updates (shm_reuse); the
     # servers map the set of the last committed update only, never the one the next update writes.
+    # This engine does not tell its size: the first update takes a segment per bucket, every later
+    # one a single segment holding the whole update (the size learnt), reused from then on.
     with WeightUpdater(src, fleet, meta("shm"), shm_reuse=True) as u:
         sets = []
-        for _ in range(3):
+        for _ in range(5):
             version = Versions.next()
             src = CheckpointSource(model_dir, scale=1.0 + version / 100)
             u.engine = src
             u.update(version)
-            now = mapped_names(a.pid)
-            assert now == mapped_names(b.pid) and now <= set(shm_leftovers())
+            now = served_set([a, b])
+            assert now <= set(shm_leftovers())
             assert_unchanged(servers["servers"], version, src)
+            assert not sets or now.isdisjoint(sets[-1])
             sets.append(now)
-        assert sets[0].isdisjoint(sets[1]) and sets[2] == sets[0]
-        assert set(shm_leftovers()) == sets[0] | sets[1]
+        assert len(sets[0]) >= 5 and [len(x) for x in sets[1:]] == [1, 1, 1, 1]
+        assert sets[3] == sets[1] and sets[4] == sets[2]
+        assert set(shm_leftovers()) == sets[3] | sets[4]
     assert shm_leftovers() == []
 
 
@@ -199,7 +204,7 @@ def test_serving_from_shm_never_writes_the_trainers_segments(servers, fleet, mod
     with WeightUpdater(src, fleet, meta("shm"), shm_reuse=True) as u:
         u.update(version)
         live = sorted(shm_leftovers())
-        assert set(live) == mapped_names(a.pid)
+        assert set(live) == served_set([a, b])
         before = {name: Path("/dev/shm", name).read_bytes() for name in live}
         disk_version, disk_src = good_update(model_dir, fleet, "disk", tmp_path)
         assert_unchanged(servers["servers"], disk_version, disk_src)

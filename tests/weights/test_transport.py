@@ -18,7 +18,7 @@ from tandem.models.tiny import init_model
 from tandem.train.weight_export import iter_weight_buckets
 from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import WeightUpdateMeta
-from tandem.weights.shm import layout, pack, tensor_views
+from tandem.weights.shm import ShmError, ShmWriter, layout, map_segment, pack, tensor_views
 from tandem.weights.update import WeightSyncError, WeightUpdater, _plan_buckets
 from tests.inference.conftest import make_model_dir
 from tests.weights.common import (
@@ -62,6 +62,44 @@ def test_pack_casts_into_the_flat_buffer():
     again = tensor_views(buf, offsets, [t.shape for t in tensors], [torch.bfloat16] * 3)
     for t, v, w in zip(tensors, views, again, strict=True):
         assert v.data_ptr() == w.data_ptr() and torch.equal(v, t.to(torch.bfloat16))
+
+
+def test_shm_writer_puts_an_update_in_one_segment_announced_in_windows():
+    """Buckets go back to back into one segment (sized by `expected`, or learnt from the last pass);
+    a window of several buckets maps and reads back exactly; a kept segment is reused."""
+    torch.manual_seed(0)
+    buckets = [[torch.randn(300, 7), torch.randn(5)], [torch.randn(1000)], [torch.randn(64, 64)]]
+    writer = ShmWriter()
+    try:
+        packs = []
+        for b in buckets:  # no size known: a segment per bucket
+            name, offsets, nbytes, views = writer.write(b, torch.bfloat16)
+            packs.append((name, offsets, nbytes))
+            del views
+        assert len({p[0] for p in packs}) == 3 and len(writer.paths) == 3
+        used = writer.used
+        writer.rewind()  # consolidated into one segment of the size learnt
+        assert writer.paths == []
+        packs = [writer.write(b, torch.bfloat16)[:3] for b in buckets]
+        assert len({p[0] for p in packs}) == 1 and len(writer.paths) == 1 and writer.used == used
+        first_path = writer.paths[0]
+        # buckets 1 and 2 as one window: map only the bytes they span
+        specs = [t for b in buckets[1:] for t in b]
+        offsets = [o for p in packs[1:] for o in p[1]]
+        mapped, base = map_segment(packs[0][0], packs[0][2], start=min(offsets), end=packs[0][2])
+        assert base <= min(offsets) and mapped.numel() == packs[0][2] - base
+        got = tensor_views(mapped, [o - base for o in offsets], [t.shape for t in specs], [torch.bfloat16] * 2)
+        for g, t in zip(got, specs, strict=True):
+            assert torch.equal(g, t.to(torch.bfloat16))
+        del got, mapped
+        writer.rewind(expected=1)  # a smaller guess never shrinks what the last pass needed
+        writer.write(buckets[0], torch.bfloat16)
+        assert writer.paths == [first_path]
+        with pytest.raises(ShmError, match="not inside"):
+            map_segment(packs[0][0], packs[0][2], start=0, end=packs[0][2] + 1)
+    finally:
+        writer.close()
+    assert not first_path.exists()
 
 
 def test_plan_buckets_match_the_engine_export(tmp_path):

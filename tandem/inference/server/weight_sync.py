@@ -27,6 +27,7 @@ the staging buffers (and what is staged).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import torch
@@ -258,8 +259,9 @@ def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | No
 async def update_weights_from_shm(request: Request) -> Response:
     """One bucket from a shared-memory segment written by a trainer on this host (tandem
     extension): `segment` (a /dev/shm name `tandem-w-...`) or `cuda_ipc` (a CUDA IPC handle),
-    `nbytes`, and per tensor `names`, `dtypes`, `shapes`, `offsets`; staged like the other routes.
-    `zero_copy: true` (segments only): the trainer will not write the segment while this server
+    `nbytes` (its size), and per tensor `names`, `dtypes`, `shapes`, `offsets` (in the segment; only
+    the bytes they span are mapped, so one segment may carry several buckets); staged like the
+    other routes. `zero_copy: true` (segments only): the trainer will not write the segment while this server
     serves from it, so the bucket is mapped copy-on-write and, at commit, the parameters become
     views of it; otherwise it is copied out while the request is answered."""
     state = state_of(request)
@@ -294,20 +296,22 @@ async def update_weights_from_shm(request: Request) -> Response:
             # buckets arrive as a server-owned copy already (copied at commit).
             in_place = zero_copy and state.engine.device.type == "cpu"
             reuse = bucket_index if segment is not None and bucket_index is not None and not in_place else None
-            staged_buf = receive_buffer(state, reuse, nbytes, state.engine.device) if reuse is not None else None
+            # Only the window of the segment this bucket's tensors occupy is mapped (a segment may
+            # hold the whole update, announced in several buckets).
+            start, end = _window(offsets, shapes, torch_dtypes, nbytes)
 
             def read() -> list[torch.Tensor]:
                 if segment is None:
                     return tensor_views(open_cuda_ipc(handle, state.engine.device), offsets, shapes, torch_dtypes)
-                if in_place:
-                    return tensor_views(map_segment(segment, nbytes, private=True), offsets, shapes, torch_dtypes)
-                mapped = map_segment(segment, nbytes)
-                if staged_buf is None:  # a one-shot update: views into the mapping, copied at commit
-                    return tensor_views(mapped, offsets, shapes, torch_dtypes)
-                tensor_views(mapped, offsets, shapes, torch_dtypes)  # the layout fits the segment
+                mapped, base = map_segment(segment, nbytes, private=in_place, start=start, end=end)
+                local = [o - base for o in offsets]
+                if in_place or reuse is None:  # served in place, or a one-shot update copied at commit
+                    return tensor_views(mapped, local, shapes, torch_dtypes)
+                tensor_views(mapped, local, shapes, torch_dtypes)  # the layout fits the window
+                staged_buf = receive_buffer(state, reuse, mapped.numel(), state.engine.device)
                 staged_buf.copy_(mapped)
                 del mapped  # unmapped here
-                return tensor_views(staged_buf, offsets, shapes, torch_dtypes)
+                return tensor_views(staged_buf, local, shapes, torch_dtypes)
 
             tensors = await asyncio.to_thread(read)
         except (ControlError, ShmError) as exc:
@@ -315,6 +319,18 @@ async def update_weights_from_shm(request: Request) -> Response:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         return await _finish(state, staging, list(zip(names, tensors, strict=True)), commit, version, abort_all,
                              f"{len(names)} tensors from shared memory", flat_index=reuse, in_place=in_place)
+
+
+def _window(offsets: list[int], shapes: list[list[int]], dtypes: list[torch.dtype], nbytes: int) -> tuple[int, int]:
+    """Bytes [start, end) of a segment of `nbytes` that a bucket's tensors occupy."""
+    if not offsets:
+        raise ControlError("a shared-memory bucket needs at least one tensor")
+    ends = [o + math.prod(s) * d.itemsize for o, s, d in zip(offsets, shapes, dtypes, strict=True)]
+    start, end = min(offsets), max(ends)
+    if start < 0 or end > nbytes:
+        raise ControlError(f"tensors span bytes [{start}, {end}) but the segment has nbytes={nbytes}; "
+                           "offsets and nbytes must describe the segment")
+    return start, max(end, start + 1)
 
 
 @router.post("/commit_staged_weights")
