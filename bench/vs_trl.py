@@ -12,6 +12,9 @@ lr 5e-4 was unstable at staleness 1 and flat on-policy; ~35 minutes after a 3-mi
         --sft-steps small=800 --sft-lr 3e-3 --sft-schedule cosine --samples 16 --max-new-tokens 8 \
         --steps 150 --lr 2e-4 --staleness 0,1 --seeds 1,2,3 --smooth 10 --threshold 0.40
 
+The medium preset (~2 hours: 14 minutes of SFT, then ~12-24 minutes per run): the same with
+`--presets medium --sft-steps medium=500 --steps 120 --seeds 1,2 --timeout 1800`, no `--threshold`.
+
 For each preset: `tandem init-model` makes the model (random init, local tokenizer, ChatML
 template), `tandem sft` warm-starts it on the task (the same checkpoint is then the start of both
 RL runs, so the reward has somewhere to go), then
