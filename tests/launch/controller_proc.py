@@ -8,7 +8,9 @@ Prints one JSON line with every child's pid, then "ready", then blocks inside a 
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 
 from tandem.launch import LocalScheduler
@@ -17,6 +19,7 @@ from tests.launch.procs import CHILD_ENV
 
 def main() -> None:
     model, run_dir = sys.argv[1], sys.argv[2]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
     sched = LocalScheduler(run_dir, env=CHILD_ENV, grace_s=10)
     sched.start_servers(1, model, server_args=["--num-threads", "1"], timeout_s=120)
     group = sched.start_workers(2, timeout_s=120)

@@ -194,7 +194,10 @@ def test_ctrl_c_leaves_no_process(tmp_path, tiny_model):
         assert pids <= tree and len(pids) == 3
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the controller did not exit within 30 s of SIGINT\n" + _hang_report(proc, tmp_path / "run"))
         exit_s = time.monotonic() - sent
         out = proc.stdout.read().decode()
         print(f"SIGINT -> controller exited (rc {rc}) after {exit_s:.2f}s; tree of {len(tree)} processes")
@@ -208,6 +211,23 @@ def test_ctrl_c_leaves_no_process(tmp_path, tiny_model):
                 os.killpg(pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+
+
+def _hang_report(proc: subprocess.Popen, run_dir) -> str:
+    """What a controller that does not exit is doing: every thread's stack (faulthandler on
+    SIGUSR1), its output so far, which children are alive, and the tail of each child's log."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    os.set_blocking(proc.stdout.fileno(), False)
+    out = b""
+    with contextlib.suppress(BlockingIOError, TypeError):
+        out = proc.stdout.read() or b""
+    parts = [f"controller output and stacks:\n{out.decode(errors='replace')[-6000:]}",
+             f"alive descendants: {sorted(pid for pid in descendants(proc.pid) if alive(pid))}"]
+    for log in sorted(run_dir.glob("logs/*")):
+        parts.append(f"--- {log.name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
 
 
 def test_server_that_fails_to_start(tmp_path):
