@@ -173,11 +173,19 @@ def test_worker_crash_ends_the_call(tmp_path):
     _assert_all_gone(sched)
 
 
+def _default_sigint() -> None:
+    # A controller started from a terminal. A suite launched in the background by a shell (`... &`)
+    # inherits SIGINT ignored, and the scheduler deliberately leaves an ignored SIGINT ignored
+    # (as under nohup): without this the signal would never arrive.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_leaves_no_process(tmp_path, tiny_model):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.launch.controller_proc", str(tiny_model), str(tmp_path / "run")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, bufsize=0,
         env={**os.environ, **CHILD_ENV},  # unbuffered: select() sees every line
+        preexec_fn=_default_sigint,
     )
     tree: set[int] = set()
     try:
