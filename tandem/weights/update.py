@@ -69,6 +69,7 @@ from tandem.weights.packing import (
     merge_packed,
 )
 from tandem.weights.packing import plan_buckets as _plan_buckets  # noqa: F401  (its old name, for tests)
+from tandem.weights.report import Clock, UpdateReport, timed
 from tandem.weights.shm import remove_stale_segments
 from tandem.weights.verify import UpdateVerifier
 
@@ -85,30 +86,6 @@ class WeightSyncError(TandemError, RuntimeError):
     @classmethod
     def from_fleet(cls, exc: FleetError) -> WeightSyncError:
         return cls(str(exc), exc.phase, exc.failures)
-
-
-@dataclass
-class UpdateReport:
-    version: int
-    type: str
-    seconds: float = 0.0
-    bytes: int = 0
-    buckets: int = 0
-    phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds per phase
-    verified: bool = False
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-class _Clock:
-    def __init__(self, total_s: float):
-        self.deadline = time.monotonic() + total_s
-
-    def left(self, cap: float | None = None) -> float:
-        left = max(0.0, self.deadline - time.monotonic())
-        return left if cap is None else min(left, cap)
 
 
 @dataclass
@@ -169,7 +146,7 @@ class WeightUpdater:
     def update(self, version: int) -> UpdateReport:
         """Move the engine's current weights to every server as `version`. Collective."""
         meta = self.meta.for_version(version)
-        clock = _Clock(meta.deadlines.update_s)
+        clock = Clock(meta.deadlines.update_s)
         report = UpdateReport(version, meta.type)
         start = time.perf_counter()
         rank0 = self.rank == 0
@@ -188,12 +165,12 @@ class WeightUpdater:
 
     __call__ = update
 
-    def _run(self, meta: WeightUpdateMeta, clock: _Clock, report: UpdateReport,
+    def _run(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport,
              state: dict[str, bool]) -> WeightSyncError | None:
         rank0 = self.rank == 0
         failure: WeightSyncError | None = None
         if meta.type == "disk":
-            with _timed(report, "save"):
+            with timed(report, "save"):
                 saved = Path(self.engine.save_hf(meta.versioned_path(), overwrite=True))
             report.bytes = sum(f.stat().st_size for f in saved.glob("*.safetensors"))
         if rank0:
@@ -202,23 +179,23 @@ class WeightUpdater:
             if failure is None and self.verify:
                 failure = self._call("verify", self._verifier.prepare)
             if failure is None and meta.type == "distributed" and self._group is None:
-                with _timed(report, "init_group"):
+                with timed(report, "init_group"):
                     failure = self._form_group(meta, clock)
         if meta.type in ("distributed", "shm"):
-            with _timed(report, "transfer"):
+            with timed(report, "transfer"):
                 failure = self._stream(meta, clock, report, failure)
         if rank0:
             if failure is None and meta.type == "disk":
-                with _timed(report, "load"):
+                with timed(report, "load"):
                     failure = self._wait(self.fleet.update_weights_from_disk(meta, commit=False),
                                          "update_weights_from_disk", clock.left())
                     if failure is None and self.verify:
                         self._verifier.add_checkpoint(meta.versioned_path())
             if failure is None:
-                with _timed(report, "commit"):
+                with timed(report, "commit"):
                     failure = self._call("commit_staged_weights", lambda: self.fleet.commit_weights(meta))
             if failure is None and self.verify:
-                with _timed(report, "verify"):
+                with timed(report, "verify"):
                     failure = self._call("verify", self._verifier.check)
                     report.verified = failure is None
             if failure is None:
@@ -234,7 +211,7 @@ class WeightUpdater:
         return failure
 
     # ------------------------------------------------------------------ streaming (all ranks)
-    def _stream(self, meta: WeightUpdateMeta, clock: _Clock, report: UpdateReport,
+    def _stream(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport,
                 failure: WeightSyncError | None) -> WeightSyncError | None:
         """Iterate the export on every rank; rank 0 packs each bucket (cast straight into a reused
         flat buffer or the bucket's shm segment) and sends it while nothing failed (the gathers
@@ -250,7 +227,7 @@ class WeightUpdater:
         in_flight: _InFlight | None = None
         k = -1
         while True:
-            with _timed(report, "export"):  # the gather (a collective), or nothing on the fast path
+            with timed(report, "export"):  # the gather (a collective), or nothing on the fast path
                 bucket = next(buckets, None)
             if bucket is None:
                 break
@@ -262,7 +239,7 @@ class WeightUpdater:
             if failure is not None:
                 continue
             try:
-                with _timed(report, "pack"):
+                with timed(report, "pack"):
                     packed = self._buffers.pack(meta, k % 2 if self.pipeline else 0, bucket, wire_dtype)
             except Exception as exc:  # e.g. /dev/shm full: fail the update, keep iterating the gathers
                 phase = f"update_weights_from_{meta.type} (bucket {k})"
@@ -284,18 +261,18 @@ class WeightUpdater:
                            else self._drain_shm(meta, shm, clock, report))
                 continue
             if in_flight is not None:  # pipelined: bucket k was packed while k - 1 was in flight
-                with _timed(report, "wait"):
+                with timed(report, "wait"):
                     failure = self._settle(in_flight, clock, report)
                 in_flight = None
                 if failure is not None:
                     continue
             in_flight = self._send(meta, k, packed, clock)
             if not self.pipeline:
-                with _timed(report, "wait"):
+                with timed(report, "wait"):
                     failure = self._settle(in_flight, clock, report)
                 in_flight = None
         if in_flight is not None:
-            with _timed(report, "wait"):
+            with timed(report, "wait"):
                 failure = self._settle(in_flight, clock, report)
         if shm is not None:
             failure = self._drain_shm(meta, shm, clock, report, send=failure is None) or failure
@@ -303,7 +280,7 @@ class WeightUpdater:
             failure = WeightSyncError("the engine exported no weights", "export")
         return failure
 
-    def _announce_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: _Clock, report: UpdateReport,
+    def _announce_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: Clock, report: UpdateReport,
                       *, wait: bool) -> WeightSyncError | None:
         """shm: settle the announcement in flight (waiting for it only when `wait`; otherwise only
         if it is done) and announce what is pending. At most one announcement is in flight, so
@@ -313,7 +290,7 @@ class WeightUpdater:
         if shm.in_flight is not None:
             if not wait and not shm.in_flight.fleet_future.done():
                 return None
-            with _timed(report, "wait"):
+            with timed(report, "wait"):
                 failure = self._settle(shm.in_flight, clock, report)
             shm.in_flight = None
             if failure is not None:
@@ -324,7 +301,7 @@ class WeightUpdater:
             shm.sent += 1
         return None
 
-    def _drain_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: _Clock, report: UpdateReport,
+    def _drain_shm(self, meta: WeightUpdateMeta, shm: _ShmAnnouncements, clock: Clock, report: UpdateReport,
                    send: bool = True) -> WeightSyncError | None:
         """Announce everything pending and wait for all of it (`send=False`: only settle the
         announcement in flight, e.g. after a failure)."""
@@ -336,7 +313,7 @@ class WeightUpdater:
                 return failure
         return None
 
-    def _send(self, meta: WeightUpdateMeta, k: int, packed: Packed, clock: _Clock) -> _InFlight:
+    def _send(self, meta: WeightUpdateMeta, k: int, packed: Packed, clock: Clock) -> _InFlight:
         deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
         if meta.type == "distributed":
             timeout = meta.deadlines.bucket_s
@@ -354,7 +331,7 @@ class WeightUpdater:
         fleet_future = self.fleet.update_weights_from_shm(meta, packed.shm, commit=False, bucket_index=k)
         return _InFlight(f"update_weights_from_shm (bucket {k})", fleet_future, None, deadline)
 
-    def _settle(self, item: _InFlight, clock: _Clock, report: UpdateReport | None = None) -> WeightSyncError | None:
+    def _settle(self, item: _InFlight, clock: Clock, report: UpdateReport | None = None) -> WeightSyncError | None:
         """Wait for one bucket (both halves) up to its deadline; -> the failure, if any."""
         problems: list[WeightSyncError] = []
         fleet_future = item.fleet_future
@@ -377,7 +354,7 @@ class WeightUpdater:
         return problems[0] if problems else None
 
     # ------------------------------------------------------------------ group lifecycle (rank 0)
-    def _form_group(self, meta: WeightUpdateMeta, clock: _Clock) -> WeightSyncError | None:
+    def _form_group(self, meta: WeightUpdateMeta, clock: Clock) -> WeightSyncError | None:
         timeout = clock.left(meta.deadlines.init_group_s)
         try:
             self._store = host_store(meta.master_address, meta.master_port, timeout_s=max(timeout, 1.0))
@@ -498,14 +475,3 @@ def update_weights(engine: Any, fleet: Fleet | None, meta: WeightUpdateMeta, *, 
     with WeightUpdater(engine, fleet, meta, pipeline=pipeline, verify=verify, dtype=dtype,
                        keep_group=False) as updater:
         return updater.update(meta.version)
-
-
-class _timed:
-    def __init__(self, report: UpdateReport, phase: str):
-        self.report, self.phase = report, phase
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.report.phases[self.phase] = self.report.phases.get(self.phase, 0.0) + time.perf_counter() - self.start

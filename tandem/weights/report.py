@@ -1,0 +1,46 @@
+"""What one weight update reports (seconds, bytes, buckets, seconds per phase) and the clocks the
+updater keeps while it runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class UpdateReport:
+    version: int
+    type: str
+    seconds: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds per phase
+    verified: bool = False
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class Clock:
+    """The whole update's deadline: what is left of it, optionally capped by a phase's own."""
+
+    def __init__(self, total_s: float):
+        self.deadline = time.monotonic() + total_s
+
+    def left(self, cap: float | None = None) -> float:
+        left = max(0.0, self.deadline - time.monotonic())
+        return left if cap is None else min(left, cap)
+
+
+class timed:
+    """`with timed(report, phase):` adds the block's seconds to `report.phases[phase]`."""
+
+    def __init__(self, report: UpdateReport, phase: str):
+        self.report, self.phase = report, phase
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.report.phases[self.phase] = self.report.phases.get(self.phase, 0.0) + time.perf_counter() - self.start
