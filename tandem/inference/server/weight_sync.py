@@ -259,11 +259,11 @@ def _flat_layout(body: dict[str, Any], count: int) -> tuple[list[int], int] | No
 async def update_weights_from_shm(request: Request) -> Response:
     """One bucket from a shared-memory segment written by a trainer on this host (tandem
     extension): `segment` (a /dev/shm name `tandem-w-...`) or `cuda_ipc` (a CUDA IPC handle),
-    `nbytes` (its size), and per tensor `names`, `dtypes`, `shapes`, `offsets` (in the segment; only
-    the bytes they span are mapped, so one segment may carry several buckets); staged like the
-    other routes. `zero_copy: true` (segments only): the trainer will not write the segment while this server
-    serves from it, so the bucket is mapped copy-on-write and, at commit, the parameters become
-    views of it; otherwise it is copied out while the request is answered."""
+    `nbytes` (its size), and per tensor `names`, `dtypes`, `shapes`, `offsets` (in the segment;
+    only the bytes they span are mapped, so one segment may carry several buckets); staged like
+    the other routes. `zero_copy: true` (segments only): the trainer will not write the segment
+    while this server serves from it, so the bucket is mapped copy-on-write and, at commit, the
+    parameters become views of it; otherwise it is copied out while the request is answered."""
     state = state_of(request)
     await fault_point(request, "update_weights_from_shm")
     state.check_ready()
