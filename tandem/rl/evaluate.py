@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tandem import aio
 from tandem.data.tasks import Task
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import GenerationParams, ModelRequest
@@ -37,4 +38,4 @@ def evaluate(servers: list[str], items: list[dict[str, Any]], task: Task, tokeni
     if not items:
         return {}
     client = InferenceClient(list(servers), client_config)
-    return asyncio.run(_evaluate(client, items, task, tokenizer, max_new_tokens, concurrency))
+    return aio.run(_evaluate(client, items, task, tokenizer, max_new_tokens, concurrency))

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem.aio import new_event_loop
 from tandem.rollout.fleet_wire import FLEET_OPS, checksums_to_json, decode_call, result_to_json
 from tandem.rollout.workers import EPISODE_ROUTE, READY_ROUTE
 from tandem.weights.fleet import FleetError, FleetResult
@@ -169,7 +170,7 @@ class CallbackServer:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=60)
         self.server = _EventServer(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self._run, name="tandem-rollout-callbacks", daemon=True)
         self._error: BaseException | None = None
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tandem.data.trajectory import Trajectory
+from tandem.aio import new_event_loop
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.dump import TrajectoryDumper
 from tandem.rollout.staleness import StalenessManager
@@ -76,7 +77,7 @@ class WorkflowExecutor:
         self._seq = itertools.count()
         self._sources: dict[int, tuple[Any, Iterator[Any]]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-rollout", daemon=True)
         self._thread.start()
 

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem import aio
 from tandem.data.trajectory import Trajectory
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import RolloutError
@@ -240,7 +241,7 @@ class WorkerPool:
 def worker_main(index: int, conn: Any, addresses: list[str], client_config: dict[str, Any],
                 callback_address: str, secret: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rollout-worker-{index} %(name)s %(levelname)s %(message)s")
-    asyncio.run(_WorkerProcess(index, conn, addresses, client_config, callback_address, secret).main())
+    aio.run(_WorkerProcess(index, conn, addresses, client_config, callback_address, secret).main())
 
 
 class _WorkerProcess:

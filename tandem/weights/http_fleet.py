@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from tandem.aio import new_event_loop
 from tandem.weights.fleet import FleetError, FleetResult, ServerChecksums, ServerResult
 from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 
@@ -37,7 +38,7 @@ class HttpFleet:
         self.addresses = [a.rstrip("/") if "://" in a else f"http://{a.rstrip('/')}" for a in addresses]
         self.deadlines = deadlines or Deadlines()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._session: aiohttp.ClientSession | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-fleet", daemon=True)
         self._thread.start()
