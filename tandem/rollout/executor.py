@@ -27,8 +27,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandem.data.trajectory import Trajectory
 from tandem.aio import new_event_loop
+from tandem.data.trajectory import Trajectory
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.dump import TrajectoryDumper
 from tandem.rollout.staleness import StalenessManager

@@ -4,15 +4,26 @@ Gathering a sharded parameter is a collective: every rank must gather the same p
 same order. The order here is the model's `named_parameters()` order, which depends only on the
 module structure, so it is identical on all ranks; bucket boundaries depend only on shapes and
 dtypes, so they are identical too. Tied weights appear once (under the embedding's HF name).
+
+A bucket of FSDP / HSDP parameters (sharded on dim 0 along one mesh dimension, replicated along
+the others) is gathered with ONE all-gather (`gather_bucket`): every rank casts its shards into one
+flat buffer, each parameter padded to the same per-rank slot as DTensor's own sharding
+(`ceil(rows / world)` rows), and each full tensor is then cut out of the gathered buffer. One
+`full_tensor()` per parameter costs a collective and DTensor's dispatch each (at trainer world
+size 2 on CPU: ~3 ms per parameter, 0.45 s for a 100M model, against ~0.1 s bucketed). Other
+placements (tensor parallel, partial) fall back to `full_tensor()` per parameter; the choice
+depends only on placements and meshes, so every rank makes the same one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def hf_parameter_names(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
@@ -36,12 +47,16 @@ def full_tensor(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+SAVE_BUCKET_BYTES = 128 << 20  # gathered together when saving; bounds the memory a save adds
+
+
 def iter_hf_tensors_from_model(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = SAVE_BUCKET_BYTES
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(hf_name, full tensor)` one parameter at a time. Collective: consume it on every rank."""
-    for _, hf_name, param in hf_parameter_names(model):
-        yield hf_name, full_tensor(param, dtype)
+    """`(hf_name, full tensor)` one parameter at a time, gathered a bucket at a time (one
+    all-gather per bucket, see `gather_bucket`). Collective: consume it on every rank."""
+    for bucket in iter_weight_buckets(model, bucket_bytes, dtype):
+        yield from bucket
 
 
 def iter_weight_buckets(
@@ -64,4 +79,58 @@ def iter_weight_buckets(
         size += nbytes
     for entries in plan:
         if entries:
-            yield [(name, full_tensor(param, dtype)) for name, param in entries]
+            yield gather_bucket(entries, dtype)
+
+
+def _dim0_shard_axis(t: torch.Tensor) -> int | None:
+    """The mesh dimension along which DTensor `t` is sharded on dim 0, when it is replicated along
+    every other one (FSDP, HSDP); None for anything else (plain tensors, TP, partial values)."""
+    if not isinstance(t, DTensor) or t.dim() == 0:
+        return None
+    axes = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
+    if len(axes) != 1 or type(t.placements[axes[0]]) is not Shard or t.placements[axes[0]].dim != 0:
+        return None
+    return axes[0]
+
+
+@torch.no_grad()
+def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """`(hf_name, full tensor)` for one bucket of `(hf_name, parameter)`, cast to `dtype` when given.
+    Collective. Parameters sharded on dim 0 over the same mesh dimension travel in one all-gather
+    (see the module docstring); anything else is gathered one parameter at a time."""
+    params = [p.detach() for _, p in entries]
+    axes = {_dim0_shard_axis(p) for p in params}
+    first = params[0]
+    fused = (len(axes) == 1 and None not in axes and len({(p.device_mesh, p.placements) for p in params}) == 1
+             and len({dtype or p.dtype for p in params}) == 1)
+    if not fused:
+        return [(name, full_tensor(p, dtype)) for (name, _), p in zip(entries, params, strict=True)]
+    axis = axes.pop()
+    mesh = first.device_mesh
+    world, rank = mesh.size(axis), mesh.get_local_rank(axis)
+    out_dtype = dtype or first.dtype
+    slots = []  # per parameter: (offset in a rank's slot, padded elements, rows per rank)
+    offset = 0
+    for p in params:
+        rows = -(-p.shape[0] // world)
+        padded = rows * math.prod(p.shape[1:])
+        slots.append((offset, padded, rows))
+        offset += padded
+    local = torch.empty(offset, dtype=out_dtype, device=first.to_local().device)
+    for p, (off, _, rows) in zip(params, slots, strict=True):
+        shard = p.to_local()
+        expected = max(0, min(rows, p.shape[0] - rank * rows))
+        if shard.shape[0] != expected:  # not DTensor's ceil-chunk sharding: a bug to report, not to mask
+            raise RuntimeError(f"shard of {tuple(p.shape)} on rank {rank} of {world} has {shard.shape[0]} rows, "
+                               f"expected {expected}")
+        local[off: off + shard.numel()].view(shard.shape).copy_(shard)
+    gathered = torch.empty(world * offset, dtype=out_dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(axis))
+    grid = gathered.view(world, offset)
+    out = []
+    for (name, _), p, (off, padded, _) in zip(entries, params, slots, strict=True):
+        # Rank r's rows follow rank r - 1's; padding only ever trails the real rows (ceil chunks).
+        full = grid[:, off: off + padded].reshape(-1)[: p.numel()].view(p.shape)
+        out.append((name, full))
+    return out

@@ -61,3 +61,40 @@ def engine_checks(rank: int, world_size: int, path: str, out_dir: str) -> dict:
     res["uneven_logprobs"] = engine.forward_logprobs(uneven).logprobs
     engine.close()
     return res
+
+
+def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+    """`gather_bucket` against DTensor's own `full_tensor()`, per parameter, on FSDP-like (Shard(0))
+    and HSDP-like (Replicate, Shard(0)) placements, with row counts that do not divide the world
+    (some ranks hold empty shards), a bf16 cast, and a bucket that mixes in a replicated tensor
+    (the per-parameter fallback). Also counts the all-gathers the fused path makes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tandem.train import weight_export
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
+    g = torch.Generator().manual_seed(0)  # the same global tensors on every rank
+    shapes = [(7, 5), (2, 3), (1,), (10,), (5, 2, 3)]
+    globals_ = [torch.randn(s, generator=g) for s in shapes]
+    params = [(f"p{i}", distribute_tensor(t, mesh, placements)) for i, t in enumerate(globals_)]
+    calls = []
+    real = dist.all_gather_into_tensor
+    dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        fused = weight_export.gather_bucket(params, torch.bfloat16)
+        fused_calls = len(calls)
+        replicated = distribute_tensor(globals_[3], mesh, [Replicate()] * len(mesh_shape))
+        mixed = weight_export.gather_bucket([*params[:2], ("r", replicated)])
+    finally:
+        dist.all_gather_into_tensor = real
+    return {
+        "fused_calls": fused_calls,
+        "fused_equal": [torch.equal(t, p.to(torch.bfloat16).full_tensor()) and t.dtype == torch.bfloat16
+                        for (_, t), (_, p) in zip(fused, params, strict=True)],
+        "fused_exact": [torch.equal(t, g_.to(torch.bfloat16)) for (_, t), g_ in zip(fused, globals_, strict=True)],
+        "mixed_equal": [torch.equal(t, g_) for (_, t), g_ in zip(mixed, [*globals_[:2], globals_[3]], strict=True)],
+        "names": [n for n, _ in fused] + [n for n, _ in mixed],
+    }

@@ -187,13 +187,14 @@ def test_weight_export_gathers_lazily(tiny_dir, monkeypatch):
     import tandem.train.weight_export as weight_export
 
     gathered = []
-    real = weight_export.full_tensor
-    monkeypatch.setattr(weight_export, "full_tensor", lambda p, dtype=None: gathered.append(1) or real(p, dtype))
+    real = weight_export.gather_bucket
+    monkeypatch.setattr(weight_export, "gather_bucket",
+                        lambda entries, dtype=None: gathered.append(len(entries)) or real(entries, dtype))
     engine = TrainEngine(engine_config(str(tiny_dir)))
     buckets = engine.export_weights(40_000)
     first = next(buckets)
-    assert len(gathered) == len(first)  # only the first bucket has been materialised
+    assert gathered == [len(first)]  # only the first bucket has been materialised
     rest = list(buckets)
     engine.close()
-    assert len(gathered) == len(first) + sum(map(len, rest)) == 24
+    assert gathered == [len(first)] + [len(b) for b in rest] and sum(gathered) == 24
     assert all(t.dtype == torch.float32 for b in rest for _, t in b)  # the compute dtype by default
