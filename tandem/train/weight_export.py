@@ -126,11 +126,25 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
                                f"expected {expected}")
         local[off: off + shard.numel()].view(shard.shape).copy_(shard)
     gathered = torch.empty(world * offset, dtype=out_dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(axis))
     grid = gathered.view(world, offset)
+    all_gather_flat(grid, local, rank, mesh.get_group(axis))
     out = []
     for (name, _), p, (off, padded, _) in zip(entries, params, slots, strict=True):
         # Rank r's rows follow rank r - 1's; padding only ever trails the real rows (ceil chunks).
         full = grid[:, off: off + padded].reshape(-1)[: p.numel()].view(p.shape)
         out.append((name, full))
     return out
+
+
+def all_gather_flat(grid: torch.Tensor, local: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+    """`grid[r] = rank r's local` for every rank r of `group` (`rank` is this one's index in it).
+    On gloo as one broadcast per rank: gloo's allgather moves large buffers far slower than its
+    broadcast (2 ranks on loopback, 24 MiB each: 45 ms against 14 ms for two broadcasts, 6 MiB:
+    6.9 against 4.0 ms). Elsewhere (NCCL) the backend's own all-gather."""
+    if dist.get_backend(group) != "gloo":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(grid.view(-1), local, group=group)
+        return
+    grid[rank].copy_(local)
+    for r in range(grid.shape[0]):
+        dist.broadcast(grid[r], src=dist.get_global_rank(group, r), group=group)

@@ -67,8 +67,7 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
     """`gather_bucket` against DTensor's own `full_tensor()`, per parameter, on FSDP-like (Shard(0))
     and HSDP-like (Replicate, Shard(0)) placements, with row counts that do not divide the world
     (some ranks hold empty shards), a bf16 cast, and a bucket that mixes in a replicated tensor
-    (the per-parameter fallback). Also counts the all-gathers the fused path makes."""
-    import torch.distributed as dist
+    (the per-parameter fallback). Also counts the all-gathers the fused path makes (one per bucket)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -81,15 +80,15 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
     globals_ = [torch.randn(s, generator=g) for s in shapes]
     params = [(f"p{i}", distribute_tensor(t, mesh, placements)) for i, t in enumerate(globals_)]
     calls = []
-    real = dist.all_gather_into_tensor
-    dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = weight_export.all_gather_flat
+    weight_export.all_gather_flat = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         fused = weight_export.gather_bucket(params, torch.bfloat16)
         fused_calls = len(calls)
         replicated = distribute_tensor(globals_[3], mesh, [Replicate()] * len(mesh_shape))
         mixed = weight_export.gather_bucket([*params[:2], ("r", replicated)])
     finally:
-        dist.all_gather_into_tensor = real
+        weight_export.all_gather_flat = real
     return {
         "fused_calls": fused_calls,
         "fused_equal": [torch.equal(t, p.to(torch.bfloat16).full_tensor()) and t.dtype == torch.bfloat16
