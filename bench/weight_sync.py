@@ -1,9 +1,10 @@
-"""Weight sync: one trainer process (TrainEngine, world size 1) and one `tandem serve` process per
-transport on this host, for Qwen-shaped models of ~10M, ~100M and ~500M parameters (random init).
+"""Weight sync: a trainer (TrainEngine: one process, or `--trainer-world N` FSDP ranks spawned with
+gloo) and one `tandem serve` process per transport on this host, for Qwen-shaped models of ~10M,
+~100M and ~500M parameters (random init).
 
 Weights travel in bf16: the trainer keeps fp32 master weights and computes in bf16, so each
-exported bucket is cast on the fly (the work a gather does at world size 1); the server serves
-bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
+exported bucket is cast on the fly (at world size 1 the only work of the "gather"; at world size
+N > 1 each rank casts its shards and the bucket is all-gathered); the server serves bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
 - **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
 - **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
 - **disk**: HF checkpoint written by the trainer, staged by the server;
@@ -19,7 +20,8 @@ tensor and one per flat bucket) and **raw memcpy** (one copy of the same tensors
 allocated once). GB/s = payload bytes / seconds of the whole update.
 
 Run: `.venv/bin/python bench/weight_sync.py` (about 2-3 minutes on 2 cores); prints a table and
-appends it to docs/benchmarks.md (`--no-report` to skip). `--sizes 10M,100M` picks models.
+appends it to docs/benchmarks.md (`--no-report` to skip). `--sizes 10M,100M` picks models;
+`--trainer-world 2` measures an FSDP trainer of two ranks (each bucket gathered, then sent).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import Deadlines, WeightUpdateMeta
 from tandem.weights.shm import layout, pack
 from tandem.weights.update import WeightUpdater
+from tests.distributed import run_distributed
 from tests.inference.server_utils import ServerProcess
 
 # Qwen2/Qwen3-shaped sizes (tied embeddings).
@@ -133,34 +136,15 @@ def server_of(label: str) -> str:
     return "distributed" if KIND.get(label) == "distributed" else label
 
 
-def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = None,
-             labels: tuple[str, ...] = LABELS) -> dict:
-    model_dir, n_params = make_model(root, size)
-    # One server per transport (serial and pipelined share one): each reaches its own steady state
-    # (distributed: two sets of staging buffers; shm: parameters in the trainer's segments) as in a
-    # deployment that uses one transport; sharing a server, every switch of transport would cost
-    # fresh pages (and shm's commit would pay for freeing shm_fresh's segments).
-    kinds = {server_of(label) for label in labels}
-    servers = {kind: ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
-                                   "--weight-sync-timeout", "300", timeout=600) for kind in sorted(kinds)}
-    engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
-    payload = sum(p.numel() for p in engine.model.parameters()) * 2
-    bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
-    reps = REPS[size]
-    out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket}
-    buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
-    tensors = [t for b in buckets for t in b]
-    out["raw_gloo_tensors"] = raw_gloo(tensors, reps)
-    out["raw_gloo_flat"] = raw_gloo(flat_buckets(buckets), reps)
-    out["raw_gloo"] = min(out["raw_gloo_tensors"], out["raw_gloo_flat"])
-    out["raw_memcpy"] = raw_memcpy(tensors, reps)
-    del tensors, buckets
-    print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
-          f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
+def run_updates(rank: int, world: int, model_dir: str, urls: dict[str, str], root: str, bucket: int,
+                labels: tuple[str, ...], reps: int) -> dict | None:
+    """Every trainer rank: the timed updates of every transport (rank 0 talks to the servers).
+    -> {label: [(seconds, phases), ...]} on rank 0."""
+    engine = TrainEngine(TrainEngineConfig(path=model_dir, dtype="bfloat16"))
     try:
         with contextlib.ExitStack() as stack:
-            fleets = {kind: stack.enter_context(HttpFleet([server.url], deadlines=DEADLINES))
-                      for kind, server in servers.items()}
+            fleets = {kind: stack.enter_context(HttpFleet([url], deadlines=DEADLINES)) if rank == 0 else None
+                      for kind, url in urls.items()}
             version = 0
             # One updater per transport, all open at once; serial and pipelined share one (and its
             # group), toggling `pipeline`. Runs are interleaved (every transport once per round), so
@@ -171,8 +155,7 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
                 if kind == "distributed" and "distributed" in updaters:
                     updaters[label] = updaters["distributed"]
                     continue
-                meta = WeightUpdateMeta(type=kind, path=str(root / f"versions-{size}"), bucket_bytes=bucket,
-                                        deadlines=DEADLINES)
+                meta = WeightUpdateMeta(type=kind, path=f"{root}/versions", bucket_bytes=bucket, deadlines=DEADLINES)
                 updater = stack.enter_context(WeightUpdater(engine, fleets[server_of(label)], meta,
                                                             shm_reuse=label != "shm_fresh"))
                 updaters[label] = updater
@@ -192,16 +175,53 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
                     version += 1
                     report = updater.update(version)
                     results[label].append((report.seconds, report.phases))
-            for label in labels:
-                runs = sorted(results[label], key=lambda r: r[0])
-                out[label], out[label + "_phases"] = runs[len(runs) // 2]
-                shown = {p: round(v, 3) for p, v in out[label + "_phases"].items()}
-                print(f"  {size} {label}: {out[label]:.3f}s (runs {[round(r[0], 3) for r in results[label]]}) "
-                      f"{shown}", flush=True)
     finally:
         engine.close()
+    return results if rank == 0 else None
+
+
+def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = None,
+             labels: tuple[str, ...] = LABELS, world: int = 1) -> dict:
+    model_dir, n_params = make_model(root, size)
+    # One server per transport (serial and pipelined share one): each reaches its own steady state
+    # (distributed: two sets of staging buffers; shm: parameters in the trainer's segments) as in a
+    # deployment that uses one transport; sharing a server, every switch of transport would cost
+    # fresh pages (and shm's commit would pay for freeing shm_fresh's segments).
+    kinds = {server_of(label) for label in labels}
+    servers = {kind: ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
+                                   "--weight-sync-timeout", "300", timeout=600) for kind in sorted(kinds)}
+    engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
+    payload = sum(p.numel() for p in engine.model.parameters()) * 2
+    bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
+    reps = REPS[size]
+    out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket}
+    buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
+    engine.close()
+    del engine
+    tensors = [t for b in buckets for t in b]
+    out["raw_gloo_tensors"] = raw_gloo(tensors, reps)
+    out["raw_gloo_flat"] = raw_gloo(flat_buckets(buckets), reps)
+    out["raw_gloo"] = min(out["raw_gloo_tensors"], out["raw_gloo_flat"])
+    out["raw_memcpy"] = raw_memcpy(tensors, reps)
+    del tensors, buckets
+    print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
+          f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
+    urls = {kind: server.url for kind, server in servers.items()}
+    args = (str(model_dir), urls, str(root / f"run-{size}"), bucket, labels, reps)
+    try:
+        if world == 1:
+            results = run_updates(0, 1, *args)
+        else:  # FSDP over `world` spawned ranks (gloo): every bucket is gathered before it is sent
+            results = run_distributed(run_updates, world, args=args, timeout=3600)[0]
+    finally:
         for server in servers.values():
             server.stop()
+    for label in labels:
+        runs = sorted(results[label], key=lambda r: r[0])
+        out[label], out[label + "_phases"] = runs[len(runs) // 2]
+        shown = {p: round(v, 3) for p, v in out[label + "_phases"].items()}
+        print(f"  {size} {label}: {out[label]:.3f}s (runs {[round(r[0], 3) for r in results[label]]}) "
+              f"{shown}", flush=True)
     return out
 
 
@@ -235,6 +255,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(LABELS), help="transports to run (a quick look; no report)")
     ap.add_argument("--trainer-threads", type=int, default=1,
                     help="torch threads of the trainer process (the cast into send buffers / segments)")
+    ap.add_argument("--trainer-world", type=int, default=1,
+                    help="trainer ranks (FSDP over spawned gloo processes, 1 torch thread each); 1 = in this process")
     args = ap.parse_args()
     torch.set_num_threads(args.trainer_threads)
     rows = []
@@ -244,7 +266,8 @@ def main() -> None:
         log_dir.mkdir()
         for size in args.sizes.split(","):
             print(f"model {size} ...", flush=True)
-            rows.append(run_size(size, root, log_dir, args.bucket_mib, tuple(args.only.split(","))))
+            rows.append(run_size(size, root, log_dir, args.bucket_mib, tuple(args.only.split(",")),
+                                 args.trainer_world))
     if args.only != ",".join(LABELS):
         return
     body = table(rows)
@@ -252,9 +275,12 @@ def main() -> None:
         f"{k}: " + ", ".join(f"{p} {s:.2f}s" for p, s in r[f"{k}_phases"].items())
         for k in LABELS) for r in rows)
     text = (f"{body}\n\nPhases of the median run (seconds):\n{phases}\n\n"
-            "Times are whole updates (pause, transfer, commit, version, continue) between one trainer process "
-            "(TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket, "
-            f"{args.trainer_threads} torch thread(s)) and a `tandem serve` "
+            "Times are whole updates (pause, transfer, commit, version, continue) between a trainer "
+            + ("process (TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket, "
+               f"{args.trainer_threads} torch thread(s))" if args.trainer_world == 1 else
+               f"of {args.trainer_world} ranks (TrainEngine, FSDP over gloo, 1 torch thread each; fp32 "
+               "master shards cast to bf16 and all-gathered per bucket)")
+            + " and a `tandem serve` "
             "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
             "across transports, median of 7 / 5 / 3 rounds; raw memcpy = one copy of the same tensors into buffers allocated once.")
