@@ -43,6 +43,9 @@ class HttpFleet:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-fleet", daemon=True)
         self._thread.start()
         self._closed = False
+        # The version every server echoes, as far as this fleet knows: set by a commit or
+        # `set_version` that every server acknowledged, forgotten on any other call.
+        self._known_version: str | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _submit(self, coro) -> Future:
@@ -86,6 +89,7 @@ class HttpFleet:
     def _async(self, phase: str, path: str, body: dict[str, Any] | Sequence[dict[str, Any]],
                timeout: float) -> Future[FleetResult]:
         bodies = body if isinstance(body, list) else [body] * len(self.addresses)
+        self._known_version = None  # whatever this call does, the version is known again only after it
 
         async def run() -> FleetResult:
             return (await self._fanout(phase, path, bodies, timeout))[0]
@@ -108,8 +112,15 @@ class HttpFleet:
         return self._sync("continue_generation", "/continue_generation", {}, self.deadlines.http_s)
 
     def set_version(self, version: int) -> FleetResult:
-        return self._sync("update_weight_version", "/update_weight_version", {"new_version": str(version)},
-                          self.deadlines.http_s)
+        """Every server echoes `version` from now on. Right after a commit to that version (which
+        set it on every server together with the weights) nothing is sent."""
+        if self._known_version == str(version):
+            return FleetResult("update_weight_version", tuple(
+                ServerResult(a, True, f"weight version is already {version}") for a in self.addresses))
+        result = self._sync("update_weight_version", "/update_weight_version", {"new_version": str(version)},
+                            self.deadlines.http_s)
+        self._known_version = str(version)  # reached only when every server acknowledged
+        return result
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[FleetResult]:
         d = self.deadlines
@@ -163,8 +174,10 @@ class HttpFleet:
         return self._async("update_weights_from_disk", "/update_weights_from_disk", body, self.deadlines.update_s)
 
     def commit_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._sync("commit_staged_weights", "/commit_staged_weights", {"weight_version": meta.version_name},
-                          max(self.deadlines.http_s, self.deadlines.bucket_s))
+        result = self._sync("commit_staged_weights", "/commit_staged_weights", {"weight_version": meta.version_name},
+                            max(self.deadlines.http_s, self.deadlines.bucket_s))
+        self._known_version = meta.version_name  # reached only when every server committed
+        return result
 
     def discard_weights(self, meta: WeightUpdateMeta) -> FleetResult:
         return self._sync("discard_staged_weights", "/discard_staged_weights", {}, self.deadlines.http_s)

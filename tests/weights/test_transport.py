@@ -224,3 +224,29 @@ def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
     assert swap_weights(model, stage_weights(model, newer))
     assert all(p.data_ptr() == t.data_ptr() and getattr(t, ADOPTED) for (_, p), (_, t) in zip(names, newer,
                                                                                                strict=True))
+
+
+@pytest.mark.slow
+def test_set_version_after_a_commit_sends_nothing(server, model_dir):
+    """The commit sets the version on every server with the weights, so the updater's `set_version`
+    right after it needs no round trip; a version the fleet does not know every server echoes (any
+    other call makes it forget) goes to the servers."""
+    server.ok("/_fault", {"clear": True})
+    with HttpFleet([server.url], deadlines=FAST) as fleet:
+        sent = []
+        real = fleet._sync
+        fleet._sync = lambda phase, *a, **k: sent.append(phase) or real(phase, *a, **k)
+        _update(model_dir, fleet, 301)
+        # (the group is left when the updater closes)
+        assert sent == ["pause_generation", "commit_staged_weights", "continue_generation",
+                        "destroy_weights_update_group"], sent
+        assert version_of(server) == "301"
+        sent.clear()
+        fleet.set_version(301)  # after continue_generation: not known any more, sent
+        assert not fleet.set_version(301).failures  # now known: nothing sent
+        assert sent == ["update_weight_version"]
+        server.ok("/update_weight_version", {"new_version": "other"})  # someone else moves it
+        fleet.continue_generation()
+        fleet.set_version(301)
+        assert sent == ["update_weight_version", "continue_generation", "update_weight_version"]
+        assert version_of(server) == "301"
