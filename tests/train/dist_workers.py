@@ -83,7 +83,12 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
     real = weight_export.all_gather_flat
     weight_export.all_gather_flat = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
-        fused = weight_export.gather_bucket(params, torch.bfloat16)
+        # Three buckets sharing the gather buffer, as in one export; the first (one tensor, so the
+        # whole buffer) is the largest, so the later ones reuse its memory: it must stay intact.
+        scratch: dict = {}
+        fused = weight_export.gather_bucket(params[:1], torch.bfloat16, scratch)
+        fused += weight_export.gather_bucket(params[1:4], torch.bfloat16, scratch)
+        fused += weight_export.gather_bucket(params[4:], torch.bfloat16, scratch)
         fused_calls = len(calls)
         replicated = distribute_tensor(globals_[3], mesh, [Replicate()] * len(mesh_shape))
         mixed = weight_export.gather_bucket([*params[:2], ("r", replicated)])
