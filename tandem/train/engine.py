@@ -32,7 +32,7 @@ from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.sharded_load import load_hf_weights_sharded
-from tandem.train.weight_export import iter_weight_buckets
+from tandem.train.weight_export import Alloc, iter_weight_buckets
 
 
 @dataclass
@@ -207,10 +207,11 @@ class TrainEngine:
             overwrite=overwrite,
         )
 
-    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None):
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None):
         """Buckets of `(hf_name, full tensor)`, at most `bucket_bytes` each, in the compute dtype
-        by default (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype)
+        by default, written into `alloc`'s tensors when it gives some (see
+        `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
+        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc)
 
     def save_state(self, path: str | Path) -> Path:
         """Everything needed to continue exactly where this step left off. Collective."""

@@ -18,7 +18,7 @@ depends only on placements and meshes, so every rank makes the same one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,20 @@ def iter_hf_tensors_from_model(
         yield from bucket
 
 
+# Where a bucket's full tensors go: (HF names, shapes, dtype, device) -> one tensor per name to
+# write into, or None to let the export allocate them.
+Alloc = Callable[[list[str], list[torch.Size], torch.dtype, torch.device], "list[torch.Tensor] | None"]
+
+
 def iter_weight_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` each; a single tensor larger
     than the limit travels alone. A bucket is gathered only when asked for and is not referenced
     after the next one is requested, so at most one bucket is materialised at a time (as long as
-    the caller drops it too). Collective: iterate it fully, on every rank."""
+    the caller drops it too). `alloc` (see `Alloc`) lets the caller say where each bucket's
+    tensors are written, e.g. straight into a send buffer. Collective: iterate it fully, on every
+    rank."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan: list[list[tuple[str, nn.Parameter]]] = [[]]
@@ -80,7 +87,7 @@ def iter_weight_buckets(
     scratch: dict[str, torch.Tensor] = {}  # the gather buffer, reused by every bucket of this export
     for entries in plan:
         if entries:
-            yield gather_bucket(entries, dtype, scratch)
+            yield gather_bucket(entries, dtype, scratch, alloc)
 
 
 def _dim0_shard_axis(t: torch.Tensor) -> int | None:
@@ -96,19 +103,27 @@ def _dim0_shard_axis(t: torch.Tensor) -> int | None:
 
 @torch.no_grad()
 def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                  scratch: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+                  scratch: dict[str, torch.Tensor] | None = None,
+                  alloc: Alloc | None = None) -> list[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` for one bucket of `(hf_name, parameter)`, cast to `dtype` when given.
     Collective. Parameters sharded on dim 0 over the same mesh dimension travel in one all-gather
     (see the module docstring); anything else is gathered one parameter at a time. `scratch` keeps
     the gather buffer for the next bucket (fresh pages cost more than the copies); the tensors
-    returned never alias it."""
+    returned never alias it. With `alloc`, they are the tensors it gave (written in place)."""
     params = [p.detach() for _, p in entries]
+    names = [name for name, _ in entries]
     axes = {_dim0_shard_axis(p) for p in params}
     first = params[0]
     fused = (len(axes) == 1 and None not in axes and len({(p.device_mesh, p.placements) for p in params}) == 1
              and len({dtype or p.dtype for p in params}) == 1)
     if not fused:
-        return [(name, full_tensor(p, dtype)) for (name, _), p in zip(entries, params, strict=True)]
+        fulls = [full_tensor(p, dtype) for p in params]
+        dests = _destinations(alloc, names, fulls, fulls[0].dtype, fulls[0].device)
+        if dests is None:
+            return list(zip(names, fulls, strict=True))
+        for dest, full in zip(dests, fulls, strict=True):
+            dest.copy_(full)
+        return list(zip(names, dests, strict=True))
     axis = axes.pop()
     mesh = first.device_mesh
     world, rank = mesh.size(axis), mesh.get_local_rank(axis)
@@ -130,10 +145,11 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
                                f"expected {expected}")
         grid[rank, off: off + shard.numel()].view(shard.shape).copy_(shard)
     all_gather_flat(grid, rank, mesh.get_group(axis))
+    dests = _destinations(alloc, names, params, out_dtype, device)
     out = []
-    for (name, _), p, (off, padded, rows) in zip(entries, params, slots, strict=True):
+    for i, ((name, _), p, (off, padded, rows)) in enumerate(zip(entries, params, slots, strict=True)):
         # Rank r holds rows [r * rows, (r + 1) * rows) (fewer or none at the end: ceil chunks).
-        full = torch.empty(p.shape, dtype=out_dtype, device=device)
+        full = torch.empty(p.shape, dtype=out_dtype, device=device) if dests is None else dests[i]
         flat = full.view(-1)
         for r in range(world):
             n = max(0, min(rows, p.shape[0] - r * rows)) * (padded // rows if rows else 0)
@@ -141,6 +157,19 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
                 flat[r * padded: r * padded + n].copy_(grid[r, off: off + n])
         out.append((name, full))
     return out
+
+
+def _destinations(alloc: Alloc | None, names: list[str], tensors: list[torch.Tensor], dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor] | None:
+    """The caller's tensors for this bucket (checked: a wrong one would corrupt the export), or None."""
+    dests = None if alloc is None else alloc(names, [t.shape for t in tensors], dtype, device)
+    if dests is not None:
+        bad = [n for n, d, t in zip(names, dests, tensors, strict=True)
+               if d.shape != t.shape or d.dtype != dtype or d.device != device or not d.is_contiguous()]
+        if len(dests) != len(names) or bad:
+            raise ValueError(f"alloc gave tensors that do not fit the bucket (first misfit: {bad[:1]}); it must "
+                             "return one contiguous tensor per name with the given shape, dtype and device")
+    return dests
 
 
 def _scratch(scratch: dict[str, torch.Tensor] | None, numel: int, dtype: torch.dtype,

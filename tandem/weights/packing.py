@@ -13,16 +13,20 @@ bytes to send. No fleet calls here (see `update.py` for the orchestration).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.weights.group import WeightGroup, dtype_from_name
 from tandem.weights.meta import ParamSpec, ShmBucket, WeightUpdateMeta
-from tandem.weights.shm import ALIGN, ShmWriter, cuda_ipc_handle, layout, pack, tensor_views
+from tandem.weights.shm import ALIGN, ShmWriter, cuda_ipc_handle, layout, tensor_views
+
+if TYPE_CHECKING:
+    from tandem.train.weight_export import Alloc
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -102,24 +106,56 @@ class SendBuffers:
 
     def pack(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None) -> Packed:
         """Cast `bucket` into its send memory (flat buffer `slot`, or the bucket's shm segment)."""
-        names = [n for n, _ in bucket]
         tensors = [t.detach() for _, t in bucket]
-        specs = tuple(ParamSpec(n, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch."))
-                      for n, t in zip(names, tensors, strict=True))
+        if meta.type == "shm" and tensors[0].is_cuda:
+            names = [n for n, _ in bucket]
+            specs = _specs(names, [t.shape for t in tensors], [dtype or t.dtype for t in tensors])
+            buf, handle, offsets, nbytes = cuda_ipc_handle(tensors, dtype)
+            self.keep.append(buf)
+            views = tensor_views(buf, offsets, [s.shape for s in specs], [dtype_from_name(s.dtype) for s in specs])
+            return Packed(names, specs, offsets, nbytes, views, shm=ShmBucket(specs, tuple(offsets), nbytes,
+                                                                                cuda_ipc=handle))
+        device = torch.device("cpu") if meta.type == "shm" or meta.backend == "gloo" else tensors[0].device
+        packed = self._place(meta, slot, [(n, t) for (n, _), t in zip(bucket, tensors, strict=True)], dtype, device)
+        for view, t in zip(packed.views, tensors, strict=True):
+            view.copy_(t)  # the cast writes straight into the send memory
+        return packed
+
+    def reserve(self, meta: WeightUpdateMeta, slot: int, names: Sequence[str], shapes: Sequence[torch.Size],
+                dtype: torch.dtype, device: torch.device) -> Packed | None:
+        """Room for a bucket not yet gathered, exactly where `pack` would put it, for the export
+        to write the gathered tensors into (`Packed.views`, uninitialised); None when the bucket
+        would not live on `device` (gloo from a GPU, CUDA IPC): the export allocates, `pack` copies."""
         if meta.type == "shm":
-            if tensors[0].is_cuda:
-                buf, handle, offsets, nbytes = cuda_ipc_handle(tensors, dtype)
-                self.keep.append(buf)
-                views = tensor_views(buf, offsets, [s.shape for s in specs], [dtype_from_name(s.dtype) for s in specs])
-                return Packed(names, specs, offsets, nbytes, views, shm=ShmBucket(specs, tuple(offsets), nbytes,
-                                                                                    cuda_ipc=handle))
-            name, offsets, nbytes, views = self.shm.write(tensors, dtype)
+            if device.type != "cpu":
+                return None
+        elif (torch.device("cpu") if meta.backend == "gloo" else device) != device:
+            return None
+        shells = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape in zip(names, shapes, strict=True)]
+        return self._place(meta, slot, shells, dtype, device)
+
+    def scratch(self, slot: int, shapes: Sequence[torch.Size], dtype: torch.dtype,
+                device: torch.device) -> list[torch.Tensor]:
+        """Tensors of `shapes` in flat buffer `slot`: where a trainer rank other than 0 lets the
+        export put a bucket it only gathers to drop (no fresh memory per bucket)."""
+        shells = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+        offsets, nbytes = layout(shells, dtype)
+        return tensor_views(self.flat.get(slot, nbytes, device), offsets, shapes, [dtype] * len(shapes))
+
+    def _place(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None,
+               device: torch.device) -> Packed:
+        """Where the bucket goes (offsets, views; nothing copied): the next window of this update's
+        shm segment, or flat buffer `slot` on `device`. Only shapes and dtypes of `bucket` count."""
+        names = [n for n, _ in bucket]
+        tensors = [t for _, t in bucket]
+        specs = _specs(names, [t.shape for t in tensors], [dtype or t.dtype for t in tensors])
+        if meta.type == "shm":
+            name, offsets, nbytes, views = self.shm.reserve(tensors, dtype)
             return Packed(names, specs, offsets, nbytes, views,
                           shm=ShmBucket(specs, tuple(offsets), nbytes, segment=name, zero_copy=True))
         offsets, nbytes = layout(tensors, dtype)
-        device = torch.device("cpu") if meta.backend == "gloo" else tensors[0].device
         buf = self.flat.get(slot, nbytes, device)
-        views = pack(buf, tensors, offsets, dtype)
+        views = tensor_views(buf, offsets, [t.shape for t in tensors], [dtype or t.dtype for t in tensors])
         return Packed(names, specs, offsets, nbytes, views, flat=buf)
 
     def release_shm(self) -> None:
@@ -132,6 +168,11 @@ class SendBuffers:
 
     def clear(self) -> None:
         self.flat.clear()
+
+
+def _specs(names: Sequence[str], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> tuple[ParamSpec, ...]:
+    return tuple(ParamSpec(n, tuple(shape), str(d).removeprefix("torch."))
+                 for n, shape, d in zip(names, shapes, dtypes, strict=True))
 
 
 def merge_packed(group: Sequence[Packed]) -> Packed:
@@ -153,19 +194,29 @@ def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s
     return time.perf_counter() - start
 
 
-def export_buckets(engine: Any, world_size: int, dtype: torch.dtype | None,
-                   bucket_bytes: int) -> tuple[torch.dtype | None, Iterator[Bucket]]:
+def export_buckets(engine: Any, world_size: int, dtype: torch.dtype | None, bucket_bytes: int,
+                   alloc: Alloc | None = None) -> tuple[torch.dtype | None, Iterator[Bucket]]:
     """(dtype on the wire, buckets of `(hf_name, tensor)`). At trainer world size 1 with plain
     parameters the buckets hold the parameters themselves, uncast: `SendBuffers.pack` casts them
     straight into the flat buffer / segment, so no tensor is allocated per bucket. Otherwise (FSDP
     world > 1, or an engine that is not a TrainEngine) the engine's own export (gathers, the cast
-    happening on the shard) in `dtype`; the pack then copies into the buffer."""
+    happening on the shard) in `dtype`, gathering into `alloc`'s tensors (the send memory, see
+    `SendBuffers.reserve`) when the engine takes an `alloc`; else the pack copies into it."""
     wire = dtype or getattr(engine, "param_dtype", None)
     if world_size == 1 and wire is not None:
         params = plain_parameters(engine)
         if params is not None:
             return wire, plan_buckets(params, bucket_bytes, wire)
+    if alloc is not None and "alloc" in inspect.signature(engine.export_weights).parameters:
+        return dtype, iter(engine.export_weights(bucket_bytes, dtype, alloc=alloc))
     return dtype, iter(engine.export_weights(bucket_bytes, dtype))
+
+
+def lives_in(bucket: Bucket, packed: Packed) -> bool:
+    """Whether the bucket's tensors are `packed`'s views (the export wrote into the reservation)."""
+    return len(bucket) == len(packed.views) and all(
+        t.data_ptr() == v.data_ptr() and t.shape == v.shape and t.dtype == v.dtype
+        for (_, t), v in zip(bucket, packed.views, strict=True))
 
 
 def expected_bytes(engine: Any, dtype: torch.dtype | None) -> int | None:

@@ -14,6 +14,7 @@ class UpdateReport:
     seconds: float = 0.0
     bytes: int = 0
     buckets: int = 0
+    in_place: int = 0  # buckets the export gathered straight into their send memory (no pack copy)
     phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds per phase
     verified: bool = False
 

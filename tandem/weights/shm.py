@@ -123,6 +123,15 @@ class ShmWriter:
               dtype: torch.dtype | None = None) -> tuple[str, list[int], int, list[torch.Tensor]]:
         """`tensors` (cast to `dtype` when given, straight into the segment) after the previous
         bucket; -> (segment name, offsets in it, the segment's size, views of the written tensors)."""
+        name, offsets, size, views = self.reserve(tensors, dtype)
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t)
+        return name, offsets, size, views
+
+    def reserve(self, tensors: Sequence[torch.Tensor],
+                dtype: torch.dtype | None = None) -> tuple[str, list[int], int, list[torch.Tensor]]:
+        """Room for `tensors` (only their shapes and dtypes count: meta tensors will do) after the
+        previous bucket, as `write` places them, left for the caller to fill; same result."""
         rel, nbytes = layout(tensors, dtype)
         start = -(-self._cursor // ALIGN) * ALIGN
         if self._seg < len(self._maps) and start + nbytes > len(self._maps[self._seg]) and start > 0:
@@ -134,7 +143,8 @@ class ShmWriter:
             self._replace(self._seg, max(nbytes, self._expected - self._done))
         mm, name = self._maps[self._seg], self.paths[self._seg].name
         offsets = [start + o for o in rel]
-        views = pack(torch.frombuffer(mm, dtype=torch.uint8), tensors, offsets, dtype)
+        views = tensor_views(torch.frombuffer(mm, dtype=torch.uint8), offsets, [t.shape for t in tensors],
+                             [dtype or t.dtype for t in tensors])
         self._cursor = start + nbytes
         return name, offsets, len(mm), views
 

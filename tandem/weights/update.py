@@ -66,6 +66,7 @@ from tandem.weights.packing import (
     broadcast_all,
     expected_bytes,
     export_buckets,
+    lives_in,
     merge_packed,
 )
 from tandem.weights.packing import plan_buckets as _plan_buckets  # noqa: F401  (its old name, for tests)
@@ -220,13 +221,28 @@ class WeightUpdater:
         Pipelined: bucket k is packed into one of two flat buffers while bucket k - 1 (in the
         other) is broadcast by the worker thread; k is sent once k - 1 is acknowledged."""
         rank0 = self.rank == 0
-        wire_dtype, buckets = export_buckets(self.engine, self.world_size, self.dtype, meta.bucket_bytes)
+        k = -1
+        reserved: list[Packed | None] = [None]
+
+        def alloc(names, shapes, dtype, device):  # the export's bucket k + 1 goes straight to its send memory
+            slot = (k + 1) % 2 if self.pipeline else 0
+            if not rank0:  # gathered only to be dropped: a reused buffer, no fresh pages
+                return self._buffers.scratch(slot, shapes, dtype, device)
+            if failure is not None or (self.dtype is not None and dtype != self.dtype):
+                return None
+            try:
+                reserved[0] = self._buffers.reserve(meta, slot, names, shapes, dtype, device)
+            except Exception:  # e.g. /dev/shm full: raised again by `pack`, which fails the update
+                return None  # (raising here would leave the other ranks in the next gather)
+            return None if reserved[0] is None else reserved[0].views
+
+        wire_dtype, buckets = export_buckets(self.engine, self.world_size, self.dtype, meta.bucket_bytes, alloc)
         if rank0 and meta.type == "shm":
             self._buffers.rewind_shm(expected_bytes(self.engine, wire_dtype))
         shm = _ShmAnnouncements() if meta.type == "shm" else None
         in_flight: _InFlight | None = None
-        k = -1
         while True:
+            reserved[0] = None
             with timed(report, "export"):  # the gather (a collective), or nothing on the fast path
                 bucket = next(buckets, None)
             if bucket is None:
@@ -240,7 +256,11 @@ class WeightUpdater:
                 continue
             try:
                 with timed(report, "pack"):
-                    packed = self._buffers.pack(meta, k % 2 if self.pipeline else 0, bucket, wire_dtype)
+                    if reserved[0] is not None and lives_in(bucket, reserved[0]):
+                        packed = reserved[0]  # gathered straight into its send memory
+                        report.in_place += 1
+                    else:
+                        packed = self._buffers.pack(meta, k % 2 if self.pipeline else 0, bucket, wire_dtype)
             except Exception as exc:  # e.g. /dev/shm full: fail the update, keep iterating the gathers
                 phase = f"update_weights_from_{meta.type} (bucket {k})"
                 failure = WeightSyncError(f"{phase}: the trainer could not pack the bucket: "

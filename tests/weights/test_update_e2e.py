@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
         want = expected_checksums(tensors)
         reference = load_into(load_model(model_dir), tensors)
         row = {"kind": kind, "pipeline": pipeline, "version": version, "verified": report.verified,
-               "buckets": report.buckets, "checksums_equal": [], "full_tensor_equal": [], "greedy_equal": [],
+               "buckets": report.buckets, "in_place": report.in_place, "checksums_equal": [], "full_tensor_equal": [], "greedy_equal": [],
                "versions": [], "lp_vs_reference": 0.0, "lp_vs_trainer": 0.0}
         for url in urls:
             row["checksums_equal"].append(_post(url, "/get_weights_checksum", {})["checksums"] == want)
@@ -109,7 +109,7 @@ def test_updates_reach_every_server_exactly(setup, world, tmp_path):
     assert [(r["kind"], r["pipeline"]) for r in rows] == list(STEPS)
     for r in rows:
         label = f"world {world} {r['kind']}{'' if r['pipeline'] else ' (serial)'}"
-        print(f"\n[{label}] buckets {r['buckets']}, max |logprob diff| vs native greedy {r['lp_vs_reference']:.2e}, "
+        print(f"\n[{label}] buckets {r['buckets']} ({r['in_place']} gathered in place), max |logprob diff| vs native greedy {r['lp_vs_reference']:.2e}, "
               f"vs trainer {r['lp_vs_trainer']:.2e}")
         assert r["verified"], label
         assert all(r["checksums_equal"]) and all(r["full_tensor_equal"]), (label, r)
@@ -117,6 +117,9 @@ def test_updates_reach_every_server_exactly(setup, world, tmp_path):
         assert set(r["versions"]) == {str(r["version"])}, (label, r)
         assert r["lp_vs_reference"] <= 1e-5 and r["lp_vs_trainer"] <= 1e-5, (label, r)
         assert r["kind"] == "disk" or r["buckets"] >= 5, (label, r)
+        # At world size 2 every bucket is all-gathered straight into its send memory (flat buffer
+        # or shm segment); at world size 1 the parameters are cast into it (no gather).
+        assert r["in_place"] == (r["buckets"] if world == 2 and r["kind"] != "disk" else 0), (label, r)
     # Disk: only the newest acknowledged copy stays.
     assert sorted(p.name for p in (tmp_path / "versions").iterdir()) == [f"v{first:08d}"]
     assert not math.isnan(rows[-1]["lp_vs_trainer"])
