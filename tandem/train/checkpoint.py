@@ -52,7 +52,7 @@ def save_hf_weights(
     # blocked in the first collective.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise CheckpointError(f"{str(out)!r} exists and is not empty; pass overwrite=True or choose another path")
-    tensors = iter_hf_tensors_from_model(model, dtype)
+    tensors = iter_hf_tensors_from_model(model, dtype, dst=0)  # rank 0 writes; shards travel to it alone
     if _rank() == 0:
         config = dict(model.hf_config)
         config["architectures"] = [model.spec.hf_architecture(model.args)]

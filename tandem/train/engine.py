@@ -207,11 +207,12 @@ class TrainEngine:
             overwrite=overwrite,
         )
 
-    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None):
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
+                       dst: int | None = None):
         """Buckets of `(hf_name, full tensor)`, at most `bucket_bytes` each, in the compute dtype
-        by default, written into `alloc`'s tensors when it gives some (see
-        `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
-        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc)
+        by default, written into `alloc`'s tensors when it gives some, on rank `dst` only when
+        given (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
+        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
 
     def save_state(self, path: str | Path) -> Path:
         """Everything needed to continue exactly where this step left off. Collective."""

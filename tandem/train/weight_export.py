@@ -51,11 +51,13 @@ SAVE_BUCKET_BYTES = 128 << 20  # gathered together when saving; bounds the memor
 
 
 def iter_hf_tensors_from_model(
-    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = SAVE_BUCKET_BYTES
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = SAVE_BUCKET_BYTES,
+    dst: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` one parameter at a time, gathered a bucket at a time (one
-    all-gather per bucket, see `gather_bucket`). Collective: consume it on every rank."""
-    for bucket in iter_weight_buckets(model, bucket_bytes, dtype):
+    collective per bucket, see `gather_bucket`); with `dst`, only on that rank (nothing elsewhere).
+    Collective: consume it on every rank."""
+    for bucket in iter_weight_buckets(model, bucket_bytes, dtype, dst=dst):
         yield from bucket
 
 
@@ -65,14 +67,16 @@ Alloc = Callable[[list[str], list[torch.Size], torch.dtype, torch.device], "list
 
 
 def iter_weight_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
+    dst: int | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` each; a single tensor larger
     than the limit travels alone. A bucket is gathered only when asked for and is not referenced
     after the next one is requested, so at most one bucket is materialised at a time (as long as
     the caller drops it too). `alloc` (see `Alloc`) lets the caller say where each bucket's
-    tensors are written, e.g. straight into a send buffer. Collective: iterate it fully, on every
-    rank."""
+    tensors are written, e.g. straight into a send buffer. `dst` (a global rank): only that rank
+    needs the tensors; every other rank gets an empty list per bucket, and FSDP shards travel to
+    `dst` alone instead of to every rank. Collective: iterate it fully, on every rank."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     plan: list[list[tuple[str, nn.Parameter]]] = [[]]
@@ -87,7 +91,7 @@ def iter_weight_buckets(
     scratch: dict[str, torch.Tensor] = {}  # the gather buffer, reused by every bucket of this export
     for entries in plan:
         if entries:
-            yield gather_bucket(entries, dtype, scratch, alloc)
+            yield gather_bucket(entries, dtype, scratch, alloc, dst)
 
 
 def _dim0_shard_axis(t: torch.Tensor) -> int | None:
@@ -103,13 +107,14 @@ def _dim0_shard_axis(t: torch.Tensor) -> int | None:
 
 @torch.no_grad()
 def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                  scratch: dict[str, torch.Tensor] | None = None,
-                  alloc: Alloc | None = None) -> list[tuple[str, torch.Tensor]]:
+                  scratch: dict[str, torch.Tensor] | None = None, alloc: Alloc | None = None,
+                  dst: int | None = None) -> list[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` for one bucket of `(hf_name, parameter)`, cast to `dtype` when given.
     Collective. Parameters sharded on dim 0 over the same mesh dimension travel in one all-gather
     (see the module docstring); anything else is gathered one parameter at a time. `scratch` keeps
     the gather buffer for the next bucket (fresh pages cost more than the copies); the tensors
-    returned never alias it. With `alloc`, they are the tensors it gave (written in place)."""
+    returned never alias it. With `alloc`, they are the tensors it gave (written in place). With
+    `dst`, ranks other than `dst` get `[]` (and send their shards to `dst` only)."""
     params = [p.detach() for _, p in entries]
     names = [name for name, _ in entries]
     axes = {_dim0_shard_axis(p) for p in params}
@@ -118,6 +123,8 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
              and len({dtype or p.dtype for p in params}) == 1)
     if not fused:
         fulls = [full_tensor(p, dtype) for p in params]
+        if dst is not None and _global_rank() != dst:
+            return []
         dests = _destinations(alloc, names, fulls, fulls[0].dtype, fulls[0].device)
         if dests is None:
             return list(zip(names, fulls, strict=True))
@@ -136,6 +143,9 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
         slots.append((offset, padded, rows))
         offset += padded
     device = first.to_local().device
+    group = mesh.get_group(axis)
+    if dst is not None and dst not in dist.get_process_group_ranks(group):
+        return []  # another replica (HSDP) brings the shards to `dst`
     grid = _scratch(scratch, world * offset, out_dtype, device).view(world, offset)
     for p, (off, _, rows) in zip(params, slots, strict=True):  # this rank's slot: its shards, cast
         shard = p.to_local()
@@ -144,7 +154,12 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
             raise RuntimeError(f"shard of {tuple(p.shape)} on rank {rank} of {world} has {shard.shape[0]} rows, "
                                f"expected {expected}")
         grid[rank, off: off + shard.numel()].view(shard.shape).copy_(shard)
-    all_gather_flat(grid, rank, mesh.get_group(axis))
+    if dst is None:
+        all_gather_flat(grid, rank, group)
+    else:
+        gather_flat(grid, rank, dist.get_process_group_ranks(group).index(dst), group)
+        if _global_rank() != dst:
+            return []
     dests = _destinations(alloc, names, params, out_dtype, device)
     out = []
     for i, ((name, _), p, (off, padded, rows)) in enumerate(zip(entries, params, slots, strict=True)):
@@ -196,3 +211,24 @@ def all_gather_flat(grid: torch.Tensor, rank: int, group: dist.ProcessGroup) -> 
         return
     for r in range(grid.shape[0]):
         dist.broadcast(grid[r], src=dist.get_global_rank(group, r), group=group)
+
+
+def gather_flat(grid: torch.Tensor, rank: int, dst: int, group: dist.ProcessGroup) -> None:
+    """Rank `dst` of `group` gets every rank's `grid[r]` (in place; `rank` is this one's index in
+    the group, its row already filled). On gloo as point-to-point sends straight into the rows,
+    elsewhere the backend's gather."""
+    if dist.get_backend(group) != "gloo":
+        rows = list(grid.unbind(0)) if rank == dst else None
+        dist.gather(grid[rank], gather_list=rows, dst=dist.get_global_rank(group, dst), group=group)
+        return
+    if rank != dst:
+        dist.send(grid[rank], dst=dist.get_global_rank(group, dst), group=group)
+        return
+    works = [dist.irecv(grid[r], src=dist.get_global_rank(group, r), group=group)
+             for r in range(grid.shape[0]) if r != dst]
+    for work in works:
+        work.wait()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

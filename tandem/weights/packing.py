@@ -134,14 +134,6 @@ class SendBuffers:
         shells = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape in zip(names, shapes, strict=True)]
         return self._place(meta, slot, shells, dtype, device)
 
-    def scratch(self, slot: int, shapes: Sequence[torch.Size], dtype: torch.dtype,
-                device: torch.device) -> list[torch.Tensor]:
-        """Tensors of `shapes` in flat buffer `slot`: where a trainer rank other than 0 lets the
-        export put a bucket it only gathers to drop (no fresh memory per bucket)."""
-        shells = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
-        offsets, nbytes = layout(shells, dtype)
-        return tensor_views(self.flat.get(slot, nbytes, device), offsets, shapes, [dtype] * len(shapes))
-
     def _place(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None,
                device: torch.device) -> Packed:
         """Where the bucket goes (offsets, views; nothing copied): the next window of this update's
@@ -200,15 +192,17 @@ def export_buckets(engine: Any, world_size: int, dtype: torch.dtype | None, buck
     parameters the buckets hold the parameters themselves, uncast: `SendBuffers.pack` casts them
     straight into the flat buffer / segment, so no tensor is allocated per bucket. Otherwise (FSDP
     world > 1, or an engine that is not a TrainEngine) the engine's own export (gathers, the cast
-    happening on the shard) in `dtype`, gathering into `alloc`'s tensors (the send memory, see
-    `SendBuffers.reserve`) when the engine takes an `alloc`; else the pack copies into it."""
+    happening on the shard) in `dtype`, gathered to rank 0 alone and into `alloc`'s tensors (the
+    send memory, see `SendBuffers.reserve`) when the engine takes `alloc` and `dst`; else the
+    pack copies into the send memory."""
     wire = dtype or getattr(engine, "param_dtype", None)
     if world_size == 1 and wire is not None:
         params = plain_parameters(engine)
         if params is not None:
             return wire, plan_buckets(params, bucket_bytes, wire)
-    if alloc is not None and "alloc" in inspect.signature(engine.export_weights).parameters:
-        return dtype, iter(engine.export_weights(bucket_bytes, dtype, alloc=alloc))
+    if {"alloc", "dst"} <= inspect.signature(engine.export_weights).parameters.keys():
+        # Rank 0 alone needs the tensors: shards travel to it only, into its send memory.
+        return dtype, iter(engine.export_weights(bucket_bytes, dtype, alloc=alloc, dst=0))
     return dtype, iter(engine.export_weights(bucket_bytes, dtype))
 
 

@@ -225,13 +225,11 @@ class WeightUpdater:
         reserved: list[Packed | None] = [None]
 
         def alloc(names, shapes, dtype, device):  # the export's bucket k + 1 goes straight to its send memory
-            slot = (k + 1) % 2 if self.pipeline else 0
-            if not rank0:  # gathered only to be dropped: a reused buffer, no fresh pages
-                return self._buffers.scratch(slot, shapes, dtype, device)
-            if failure is not None or (self.dtype is not None and dtype != self.dtype):
+            if not rank0 or failure is not None or (self.dtype is not None and dtype != self.dtype):
                 return None
             try:
-                reserved[0] = self._buffers.reserve(meta, slot, names, shapes, dtype, device)
+                reserved[0] = self._buffers.reserve(meta, (k + 1) % 2 if self.pipeline else 0, names, shapes,
+                                                    dtype, device)
             except Exception:  # e.g. /dev/shm full: raised again by `pack`, which fails the update
                 return None  # (raising here would leave the other ranks in the next gather)
             return None if reserved[0] is None else reserved[0].views

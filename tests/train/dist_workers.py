@@ -92,6 +92,9 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
         fused_calls = len(calls)
         replicated = distribute_tensor(globals_[3], mesh, [Replicate()] * len(mesh_shape))
         mixed = weight_export.gather_bucket([*params[:2], ("r", replicated)])
+        # Only global rank 0 needs the tensors: the others get [] (HSDP: the other replica's
+        # ranks do not communicate at all).
+        to_rank0 = weight_export.gather_bucket(params, torch.bfloat16, {}, dst=0)
     finally:
         weight_export.all_gather_flat = real
     return {
@@ -101,4 +104,7 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
         "fused_exact": [torch.equal(t, g_.to(torch.bfloat16)) for (_, t), g_ in zip(fused, globals_, strict=True)],
         "mixed_equal": [torch.equal(t, g_) for (_, t), g_ in zip(mixed, [*globals_[:2], globals_[3]], strict=True)],
         "names": [n for n, _ in fused] + [n for n, _ in mixed],
+        "to_rank0": [torch.equal(t, g_.to(torch.bfloat16)) for (_, t), g_ in zip(to_rank0, globals_, strict=True)]
+        if rank == 0 else to_rank0,
+        "all_gathers_after": len(calls) - fused_calls,
     }

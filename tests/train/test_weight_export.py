@@ -1,6 +1,7 @@
 """`gather_bucket`: one all-gather per bucket of FSDP / HSDP shards, on real gloo process groups,
 equal to DTensor's own per-parameter gather bit for bit (uneven and empty shards included), and
-the tensors of a bucket stay intact when the next bucket reuses the gather buffer."""
+the tensors of a bucket stay intact when the next bucket reuses the gather buffer; gathered to one
+rank (`dst`), the same tensors there and nothing elsewhere."""
 
 from __future__ import annotations
 
@@ -21,3 +22,6 @@ def test_gather_bucket_equals_full_tensor(mesh_shape):
         assert all(r["fused_equal"]) and all(r["fused_exact"]), (rank, r)
         assert all(r["mixed_equal"]), (rank, r)
         assert r["names"] == ["p0", "p1", "p2", "p3", "p4", "p0", "p1", "r"]
+        # dst=0: the whole bucket on rank 0 only, without an all-gather
+        assert r["to_rank0"] == ([True] * 5 if rank == 0 else []), (rank, r)
+        assert r["all_gathers_after"] == 0, (rank, r)
