@@ -4,7 +4,7 @@ gloo) and one `tandem serve` process per transport on this host, for Qwen-shaped
 
 Weights travel in bf16: the trainer keeps fp32 master weights and computes in bf16, so each
 exported bucket is cast on the fly (at world size 1 the only work of the "gather"; at world size
-N > 1 each rank casts its shards and the bucket is all-gathered); the server serves bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
+N > 1 each rank casts its shards and rank 0 gathers the bucket); the server serves bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
 - **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
 - **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
 - **disk**: HF checkpoint written by the trainer, staged by the server;
@@ -279,7 +279,7 @@ def main() -> None:
             + ("process (TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket, "
                f"{args.trainer_threads} torch thread(s))" if args.trainer_world == 1 else
                f"of {args.trainer_world} ranks (TrainEngine, FSDP over gloo, 1 torch thread each; fp32 "
-               "master shards cast to bf16 and all-gathered per bucket)")
+               "master shards cast to bf16 and gathered to rank 0 per bucket)")
             + " and a `tandem serve` "
             "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
