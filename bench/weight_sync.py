@@ -4,7 +4,8 @@ gloo) and one `tandem serve` process per transport on this host, for Qwen-shaped
 
 Weights travel in bf16: the trainer keeps fp32 master weights and computes in bf16, so each
 exported bucket is cast on the fly (at world size 1 the only work of the "gather"; at world size
-N > 1 each rank casts its shards and rank 0 gathers the bucket); the server serves bf16. Per model, every transport runs the full update (pause, transfer, commit, version, continue):
+N > 1 each rank casts its shards and rank 0 gathers the bucket); the server serves bf16. Per
+model, every transport runs the full update (pause, transfer, commit, version, continue):
 - **serial**: distributed broadcast, one bucket at a time (gather, send, wait, next);
 - **pipelined**: distributed broadcast, bucket k + 1 gathered while bucket k is broadcast;
 - **disk**: HF checkpoint written by the trainer, staged by the server;
