@@ -50,8 +50,8 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 f"weight update tensor {hf_name!r} has dtype {tensor.dtype}, expected {param.dtype}"
             )
         staged[native] = tensor
-    missing = sorted(adapter.native_to_hf(n) for n in params.keys() - staged.keys())
-    if missing and not partial:
+    if not partial and params.keys() - staged.keys():
+        missing = sorted(adapter.native_to_hf(n) for n in params.keys() - staged.keys())
         raise WeightUpdateError(f"weight update is missing tensor(s): {', '.join(missing)}")
     return staged
 
