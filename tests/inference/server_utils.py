@@ -20,15 +20,16 @@ LISTENING = re.compile(r"tandem serve: listening on (http://\S+)")
 class ServerProcess:
     """`tandem serve --port 0 ...` in a subprocess; `url` once /health answers 200."""
 
-    def __init__(self, model: Path, log_dir: Path, *extra: str, api_key: str | None = None, timeout: float = 60):
+    def __init__(self, model: Path, log_dir: Path, *extra: str, api_key: str | None = None, timeout: float = 60,
+                 env: dict[str, str] | None = None):
         self.log = log_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0",
                "--num-threads", "1", *extra]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._log_file = self.log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.pid = self.proc.pid
         self.api_key = api_key
         self.url = self._wait_url(timeout)
