@@ -60,7 +60,7 @@ SIZES = {
     "500M": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, head_dim=64, intermediate_size=4864),
 }
-REPS = {"10M": 7, "100M": 5, "500M": 3}
+REPS = {"10M": 15, "100M": 7, "500M": 3}  # small models: ms-scale updates, more rounds for a steady median
 DEADLINES = Deadlines(init_group_s=120, bucket_s=300, update_s=1200, http_s=120)
 
 
@@ -284,7 +284,8 @@ def main() -> None:
             + " and a `tandem serve` "
             "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
-            "across transports, median of 7 / 5 / 3 rounds; raw memcpy = one copy of the same tensors into buffers allocated once.")
+            f"across transports, median of {' / '.join(str(REPS[r['size']]) for r in rows)} rounds; "
+            "raw memcpy = one copy of the same tensors into buffers allocated once.")
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
