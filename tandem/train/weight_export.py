@@ -6,9 +6,10 @@ module structure, so it is identical on all ranks; bucket boundaries depend only
 dtypes, so they are identical too. Tied weights appear once (under the embedding's HF name).
 
 A bucket of FSDP / HSDP parameters (sharded on dim 0 along one mesh dimension, replicated along
-the others) is gathered with ONE all-gather (`gather_bucket`): every rank casts its shards into one
-flat buffer, each parameter padded to the same per-rank slot as DTensor's own sharding
-(`ceil(rows / world)` rows), and each full tensor is then cut out of the gathered buffer. One
+the others) travels in ONE collective (`gather_bucket`: an all-gather, or a gather to one rank
+when only that rank needs the tensors): every rank casts its shards into one flat buffer, each
+parameter padded to the same per-rank slot as DTensor's own sharding (`ceil(rows / world)` rows),
+and each full tensor is then copied out of the gathered buffer. One
 `full_tensor()` per parameter costs a collective and DTensor's dispatch each (at trainer world
 size 2 on CPU: ~3 ms per parameter, 0.45 s for a 100M model, against ~0.1 s bucketed). Other
 placements (tensor parallel, partial) fall back to `full_tensor()` per parameter; the choice
@@ -135,21 +136,21 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
     mesh = first.device_mesh
     world, rank = mesh.size(axis), mesh.get_local_rank(axis)
     out_dtype = dtype or first.dtype
-    slots = []  # per parameter: (offset in a rank's slot, padded elements, rows per rank)
+    slots = []  # per parameter: (offset in a rank's slot, rows per rank, elements per row)
     offset = 0
     for p in params:
-        rows = -(-p.shape[0] // world)
-        padded = rows * math.prod(p.shape[1:])
-        slots.append((offset, padded, rows))
-        offset += padded
+        rows, row_numel = -(-p.shape[0] // world), math.prod(p.shape[1:])
+        slots.append((offset, rows, row_numel))
+        offset += rows * row_numel
     device = first.to_local().device
     group = mesh.get_group(axis)
-    if dst is not None and dst not in dist.get_process_group_ranks(group):
+    members = dist.get_process_group_ranks(group)
+    if dst is not None and dst not in members:
         return []  # another replica (HSDP) brings the shards to `dst`
     grid = _scratch(scratch, world * offset, out_dtype, device).view(world, offset)
-    for p, (off, _, rows) in zip(params, slots, strict=True):  # this rank's slot: its shards, cast
+    for p, (off, rows, _) in zip(params, slots, strict=True):  # this rank's slot: its shards, cast
         shard = p.to_local()
-        expected = max(0, min(rows, p.shape[0] - rank * rows))
+        expected = _rows_of(rank, rows, p.shape[0])
         if shard.shape[0] != expected:  # not DTensor's ceil-chunk sharding: a bug to report, not to mask
             raise RuntimeError(f"shard of {tuple(p.shape)} on rank {rank} of {world} has {shard.shape[0]} rows, "
                                f"expected {expected}")
@@ -157,21 +158,27 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
     if dst is None:
         all_gather_flat(grid, rank, group)
     else:
-        gather_flat(grid, rank, dist.get_process_group_ranks(group).index(dst), group)
+        gather_flat(grid, rank, members.index(dst), group)
         if _global_rank() != dst:
             return []
     dests = _destinations(alloc, names, params, out_dtype, device)
     out = []
-    for i, ((name, _), p, (off, padded, rows)) in enumerate(zip(entries, params, slots, strict=True)):
+    for i, ((name, _), p, (off, rows, row_numel)) in enumerate(zip(entries, params, slots, strict=True)):
         # Rank r holds rows [r * rows, (r + 1) * rows) (fewer or none at the end: ceil chunks).
         full = torch.empty(p.shape, dtype=out_dtype, device=device) if dests is None else dests[i]
         flat = full.view(-1)
         for r in range(world):
-            n = max(0, min(rows, p.shape[0] - r * rows)) * (padded // rows if rows else 0)
+            n = _rows_of(r, rows, p.shape[0]) * row_numel
             if n:
-                flat[r * padded: r * padded + n].copy_(grid[r, off: off + n])
+                start = r * rows * row_numel
+                flat[start: start + n].copy_(grid[r, off: off + n])
         out.append((name, full))
     return out
+
+
+def _rows_of(rank: int, rows: int, total: int) -> int:
+    """Rows of a `total`-row tensor that `rank` holds when each holds `rows` (ceil chunks)."""
+    return max(0, min(rows, total - rank * rows))
 
 
 def _destinations(alloc: Alloc | None, names: list[str], tensors: list[torch.Tensor], dtype: torch.dtype,

@@ -6,7 +6,8 @@ bytes to send. No fleet calls here (see `update.py` for the orchestration).
   the engine's own `export_weights` (gathers, a collective every rank joins).
 - `SendBuffers.pack`: one bucket cast straight into one of two flat uint8 send buffers
   (distributed; kept for the updater's life, so no bucket allocates), a /dev/shm segment, or a CUDA
-  IPC buffer (shm), at 64-byte-aligned offsets: a `Packed` bucket.
+  IPC buffer (shm), at 64-byte-aligned offsets: a `Packed` bucket. `SendBuffers.reserve`: the same
+  place before the bucket exists, for an FSDP export to gather into (no pack copy).
 - `broadcast_all`: the trainer's side of one bucket's broadcasts (the flat buffer, or one per tensor).
 """
 
