@@ -50,8 +50,9 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 f"weight update tensor {hf_name!r} has dtype {tensor.dtype}, expected {param.dtype}"
             )
         staged[native] = tensor
-    if not partial and params.keys() - staged.keys():
-        missing = sorted(adapter.native_to_hf(n) for n in params.keys() - staged.keys())
+    absent = () if partial else params.keys() - staged.keys()
+    if absent:
+        missing = sorted(adapter.native_to_hf(n) for n in absent)
         raise WeightUpdateError(f"weight update is missing tensor(s): {', '.join(missing)}")
     return staged
 
