@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from tandem.errors import TandemError
+from tandem.tensor_copy import copy_all
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tandem-w-"
@@ -68,11 +69,8 @@ def pack(buf: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[i
     """Copy (casting to `dtype` when given) each tensor into the uint8 buffer `buf` at its offset;
     -> the views (one per tensor, in the stored dtype). No allocation: the cast writes straight
     into `buf`."""
-    views = []
-    for t, off in zip(tensors, offsets, strict=True):
-        view = _view(buf, off, t.shape, dtype or t.dtype)
-        view.copy_(t)
-        views.append(view)
+    views = [_view(buf, off, t.shape, dtype or t.dtype) for t, off in zip(tensors, offsets, strict=True)]
+    copy_all(views, tensors)
     return views
 
 
@@ -124,8 +122,7 @@ class ShmWriter:
         """`tensors` (cast to `dtype` when given, straight into the segment) after the previous
         bucket; -> (segment name, offsets in it, the segment's size, views of the written tensors)."""
         name, offsets, size, views = self.reserve(tensors, dtype)
-        for view, t in zip(views, tensors, strict=True):
-            view.copy_(t)
+        copy_all(views, tensors)
         return name, offsets, size, views
 
     def reserve(self, tensors: Sequence[torch.Tensor],
