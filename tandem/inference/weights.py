@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -12,10 +13,17 @@ from tandem.errors import CheckpointError
 from tandem.inference.errors import WeightUpdateError
 from tandem.weights.verify import tensor_checksum
 
+_NATIVE: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
+
 
 def _native_params(model: nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
-    adapter = model.spec.state_dict_adapter_cls(model.args)
-    return adapter, dict(model.named_parameters())  # tied weights appear once
+    """(state-dict adapter, native name -> parameter; tied weights appear once), made once per
+    model: walking the modules costs ~0.3 ms for a 500M model, paid by every bucket of an update
+    otherwise. Parameters keep their identity for a model's life (updates rebind `.data`)."""
+    known = _NATIVE.get(model)
+    if known is None:
+        known = _NATIVE[model] = (model.spec.state_dict_adapter_cls(model.args), dict(model.named_parameters()))
+    return known
 
 
 def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -77,7 +85,7 @@ def swap_weights(model: nn.Module, staged: dict[str, torch.Tensor]) -> bool:
     marked `ADOPTED`; otherwise every tensor is copied in place (cast when dtypes differ), except
     into a parameter living in shared memory, which gets fresh memory of its own instead (so the
     mapping goes and the writer's pages are never touched). -> whether adopted."""
-    params = dict(model.named_parameters())
+    _, params = _native_params(model)
     adopt = bool(staged) and all(getattr(t, ADOPT, False) and t.dtype == params[n].dtype
                                  and t.device == params[n].device for n, t in staged.items())
     retired: list[torch.Tensor] = []
