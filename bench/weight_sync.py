@@ -182,7 +182,7 @@ def run_updates(rank: int, world: int, model_dir: str, urls: dict[str, str], roo
 
 
 def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = None,
-             labels: tuple[str, ...] = LABELS, world: int = 1) -> dict:
+             labels: tuple[str, ...] = LABELS, world: int = 1, reps: int | None = None) -> dict:
     model_dir, n_params = make_model(root, size)
     # One server per transport (serial and pipelined share one): each reaches its own steady state
     # (distributed: two sets of staging buffers; shm: parameters in the trainer's segments) as in a
@@ -194,8 +194,8 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
     payload = sum(p.numel() for p in engine.model.parameters()) * 2
     bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
-    reps = REPS[size]
-    out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket}
+    reps = reps or REPS[size]
+    out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket, "reps": reps}
     buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
     engine.close()
     del engine
@@ -258,6 +258,8 @@ def main() -> None:
                     help="torch threads of the trainer process (the cast into send buffers / segments)")
     ap.add_argument("--trainer-world", type=int, default=1,
                     help="trainer ranks (FSDP over spawned gloo processes, 1 torch thread each); 1 = in this process")
+    ap.add_argument("--reps", type=int, default=None,
+                    help=f"timed rounds per transport for every size (default: {REPS})")
     args = ap.parse_args()
     torch.set_num_threads(args.trainer_threads)
     rows = []
@@ -268,7 +270,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             print(f"model {size} ...", flush=True)
             rows.append(run_size(size, root, log_dir, args.bucket_mib, tuple(args.only.split(",")),
-                                 args.trainer_world))
+                                 args.trainer_world, args.reps))
     if args.only != ",".join(LABELS):
         return
     body = table(rows)
@@ -284,7 +286,7 @@ def main() -> None:
             + " and a `tandem serve` "
             "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
-            f"across transports, median of {' / '.join(str(REPS[r['size']]) for r in rows)} rounds; "
+            f"across transports, median of {' / '.join(str(r['reps']) for r in rows)} rounds; "
             "raw memcpy = one copy of the same tensors into buffers allocated once.")
     print(text)
     if not args.no_report:
