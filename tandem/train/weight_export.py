@@ -26,8 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tandem.tensor_copy import copy_all
-
 
 def hf_parameter_names(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
     """(native name, HF name, parameter) in export order."""
@@ -150,16 +148,13 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
     if dst is not None and dst not in members:
         return []  # another replica (HSDP) brings the shards to `dst`
     grid = _scratch(scratch, world * offset, out_dtype, device).view(world, offset)
-    shards, places = [], []
     for p, (off, rows, _) in zip(params, slots, strict=True):  # this rank's slot: its shards, cast
         shard = p.to_local()
         expected = _rows_of(rank, rows, p.shape[0])
         if shard.shape[0] != expected:  # not DTensor's ceil-chunk sharding: a bug to report, not to mask
             raise RuntimeError(f"shard of {tuple(p.shape)} on rank {rank} of {world} has {shard.shape[0]} rows, "
                                f"expected {expected}")
-        shards.append(shard)
-        places.append(grid[rank, off: off + shard.numel()].view(shard.shape))
-    copy_all(places, shards)  # one call without the GIL: the previous bucket's sender keeps going
+        grid[rank, off: off + shard.numel()].view(shard.shape).copy_(shard)
     if dst is None:
         all_gather_flat(grid, rank, group)
     else:
@@ -167,7 +162,7 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
         if _global_rank() != dst:
             return []
     dests = _destinations(alloc, names, params, out_dtype, device)
-    out, targets, sources = [], [], []
+    out = []
     for i, ((name, _), p, (off, rows, row_numel)) in enumerate(zip(entries, params, slots, strict=True)):
         # Rank r holds rows [r * rows, (r + 1) * rows) (fewer or none at the end: ceil chunks).
         full = torch.empty(p.shape, dtype=out_dtype, device=device) if dests is None else dests[i]
@@ -176,10 +171,8 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
             n = _rows_of(r, rows, p.shape[0]) * row_numel
             if n:
                 start = r * rows * row_numel
-                targets.append(flat[start: start + n])
-                sources.append(grid[r, off: off + n])
+                flat[start: start + n].copy_(grid[r, off: off + n])
         out.append((name, full))
-    copy_all(targets, sources)
     return out
 
 

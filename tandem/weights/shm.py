@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from tandem.errors import TandemError
-from tandem.tensor_copy import copy_all
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tandem-w-"
@@ -69,8 +68,11 @@ def pack(buf: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[i
     """Copy (casting to `dtype` when given) each tensor into the uint8 buffer `buf` at its offset;
     -> the views (one per tensor, in the stored dtype). No allocation: the cast writes straight
     into `buf`."""
-    views = [_view(buf, off, t.shape, dtype or t.dtype) for t, off in zip(tensors, offsets, strict=True)]
-    copy_all(views, tensors)
+    views = []
+    for t, off in zip(tensors, offsets, strict=True):
+        view = _view(buf, off, t.shape, dtype or t.dtype)
+        view.copy_(t)
+        views.append(view)
     return views
 
 
@@ -122,7 +124,8 @@ class ShmWriter:
         """`tensors` (cast to `dtype` when given, straight into the segment) after the previous
         bucket; -> (segment name, offsets in it, the segment's size, views of the written tensors)."""
         name, offsets, size, views = self.reserve(tensors, dtype)
-        copy_all(views, tensors)
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t)
         return name, offsets, size, views
 
     def reserve(self, tensors: Sequence[torch.Tensor],
