@@ -25,9 +25,8 @@ Transports (`meta.type`):
   broadcast (`FlatLayout`: offsets in the announcement), when the fleet supports it (HttpFleet,
   RolloutCallback);
   otherwise one broadcast per tensor (views of the same buffer). Pipelined (default): bucket k + 1
-  is gathered/cast while bucket k is broadcast, its request issued as soon as k's broadcast
-  completes on the trainer (k's acknowledgement is collected while k + 1 travels); one broadcast
-  in flight at a time. Serial: gather, send, wait for the acknowledgement, next.
+  is gathered/cast while bucket k is broadcast, its request issued when k is acknowledged; at most
+  one bucket in flight. Serial: gather, send, wait, next.
 - shm: rank 0 casts the buckets back to back into one /dev/shm segment, which the servers map
   and, at commit, serve from (zero-copy: two sets of segments written in turn, never the one being
   served). One announcement in flight; the trainer does not wait for it between buckets, and what
@@ -98,7 +97,6 @@ class _InFlight:
     fleet_future: Future | None
     local_future: Future | None
     deadline: float
-    local_error: WeightSyncError | None = None  # the trainer's part failed (set once it is settled)
 
 
 @dataclass
@@ -221,8 +219,7 @@ class WeightUpdater:
         must run to the end on every rank either way).
 
         Pipelined: bucket k is packed into one of two flat buffers while bucket k - 1 (in the
-        other) is broadcast by the worker thread; k is sent once k - 1's broadcast returned
-        (`_follow`)."""
+        other) is broadcast by the worker thread; k is sent once k - 1 is acknowledged."""
         rank0 = self.rank == 0
         k = -1
         reserved: list[Packed | None] = [None]
@@ -281,13 +278,13 @@ class WeightUpdater:
                 failure = (self._announce_shm(meta, shm, clock, report, wait=False) if self.pipeline
                            else self._drain_shm(meta, shm, clock, report))
                 continue
-            if in_flight is None:
-                in_flight = self._send(meta, k, packed, clock)
-            else:  # pipelined: bucket k was packed while k - 1 was broadcast
+            if in_flight is not None:  # pipelined: bucket k was packed while k - 1 was in flight
                 with timed(report, "wait"):
-                    in_flight, failure = self._follow(meta, k, packed, in_flight, clock, report)
+                    failure = self._settle(in_flight, clock, report)
+                in_flight = None
                 if failure is not None:
                     continue
+            in_flight = self._send(meta, k, packed, clock)
             if not self.pipeline:
                 with timed(report, "wait"):
                     failure = self._settle(in_flight, clock, report)
@@ -352,44 +349,22 @@ class WeightUpdater:
         fleet_future = self.fleet.update_weights_from_shm(meta, packed.shm, commit=False, bucket_index=k)
         return _InFlight(f"update_weights_from_shm (bucket {k})", fleet_future, None, deadline)
 
-    def _follow(self, meta: WeightUpdateMeta, k: int, packed: Packed, previous: _InFlight, clock: Clock,
-                report: UpdateReport) -> tuple[_InFlight | None, WeightSyncError | None]:
-        """Pipelined: send bucket k as soon as bucket k - 1 has left the trainer (its broadcast
-        returned: its send buffer is free, its bytes are on their way), then collect k - 1's
-        acknowledgement while k is broadcast. The servers take buckets in order (k's request
-        waits for k - 1's to finish), so k's receive starts the moment k - 1's ends instead of a
-        round trip later; one broadcast is in flight at a time. -> (k in flight, k - 1's failure);
-        after a failure k has been reaped (the servers received and dropped it)."""
-        self._settle_local(previous, report)
-        current = self._send(meta, k, packed, clock) if previous.local_error is None else None
-        failure = self._settle(previous, clock, report)
-        if failure is not None and current is not None:
-            self._settle(current, clock, report)  # before anything is torn down
-            current = None
-        return current, failure
-
-    def _settle_local(self, item: _InFlight, report: UpdateReport | None = None) -> None:
-        """Wait for the trainer's part of one bucket (its broadcast) up to the bucket's deadline;
-        a failure stays on the item (`local_error`)."""
-        local, item.local_future = item.local_future, None
-        if local is None:
-            return
-        try:
-            seconds = local.result(timeout=max(0.0, item.deadline - time.monotonic()))
-            if report is not None:  # the worker's broadcast time (overlaps the next pack)
-                report.phases["broadcast"] = report.phases.get("broadcast", 0.0) + seconds
-        except cf.TimeoutError:
-            self._stuck.append(local)
-            item.local_error = WeightSyncError(f"{item.phase}: the trainer's side did not finish within the "
-                                               "bucket deadline", item.phase)
-        except Exception as exc:
-            item.local_error = WeightSyncError(f"{item.phase}: trainer side failed: {exc}", item.phase)
-
     def _settle(self, item: _InFlight, clock: Clock, report: UpdateReport | None = None) -> WeightSyncError | None:
         """Wait for one bucket (both halves) up to its deadline; -> the failure, if any."""
-        self._settle_local(item, report)
-        problems = [item.local_error] if item.local_error is not None else []
+        problems: list[WeightSyncError] = []
         fleet_future = item.fleet_future
+        if item.local_future is not None:
+            local = item.local_future
+            try:
+                seconds = local.result(timeout=max(0.0, item.deadline - time.monotonic()))
+                if report is not None:  # the worker's broadcast time (overlaps the next pack)
+                    report.phases["broadcast"] = report.phases.get("broadcast", 0.0) + seconds
+            except cf.TimeoutError:
+                self._stuck.append(local)
+                problems.append(WeightSyncError(f"{item.phase}: the trainer's side did not finish within the "
+                                                "bucket deadline", item.phase))
+            except Exception as exc:
+                problems.append(WeightSyncError(f"{item.phase}: trainer side failed: {exc}", item.phase))
         if fleet_future is not None:
             failure = self._wait(fleet_future, item.phase, max(0.0, item.deadline - time.monotonic()) + 1.0)
             if failure is not None:

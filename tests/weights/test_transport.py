@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
-from concurrent.futures import Future
 
 import aiohttp
 import pytest
@@ -252,53 +250,3 @@ def test_set_version_after_a_commit_sends_nothing(server, model_dir):
         fleet.set_version(301)
         assert sent == ["update_weight_version", "continue_generation", "update_weight_version"]
         assert version_of(server) == "301"
-
-
-class _HeldAcksFleet(HttpFleet):
-    """Holds back each bucket's acknowledgement until the next bucket is announced (or `HOLD_S`
-    passed: then the bucket is recorded in `waited`)."""
-
-    HOLD_S = 1.0
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.waited: list[int] = []
-        self._gate: threading.Event | None = None
-
-    def update_weights_from_distributed(self, meta, specs, *, commit=True, bucket_index=None, flat=None):
-        real = super().update_weights_from_distributed(meta, specs, commit=commit, bucket_index=bucket_index,
-                                                       flat=flat)
-        if self._gate is not None:
-            self._gate.set()  # the next bucket is announced: release the previous acknowledgement
-        gate = self._gate = threading.Event()
-        held: Future = Future()
-
-        def release() -> None:
-            if not gate.wait(self.HOLD_S):
-                self.waited.append(bucket_index)
-            try:
-                held.set_result(real.result(FAST.bucket_s))
-            except Exception as exc:
-                held.set_exception(exc)
-
-        threading.Thread(target=release, daemon=True).start()
-        return held
-
-
-@pytest.mark.slow
-def test_pipelined_announcement_does_not_wait_for_the_previous_acknowledgement(server, model_dir):
-    """Pipelined, bucket k + 1 is announced once bucket k left the trainer, while k's
-    acknowledgement is still on its way (the servers take buckets in order): with every
-    acknowledgement held back until the next announcement, only the last bucket waits. Serial
-    waits for each."""
-    server.ok("/_fault", {"clear": True})
-    with _HeldAcksFleet([server.url], deadlines=FAST) as fleet:
-        src = _update(model_dir, fleet, 301)
-        buckets = len(fleet.waited) and fleet.waited[-1] + 1
-        assert fleet.waited == [buckets - 1] and buckets >= 5, fleet.waited
-        assert served_checksums(server) == expected_checksums(src.tensors)
-        fleet.waited.clear()
-        fleet._gate = None
-        src = _update(model_dir, fleet, 302, pipeline=False)
-        assert fleet.waited == list(range(buckets))
-        assert served_checksums(server) == expected_checksums(src.tensors)
