@@ -107,7 +107,7 @@ class SendBuffers:
 
     def pack(self, meta: WeightUpdateMeta, slot: int, bucket: Bucket, dtype: torch.dtype | None) -> Packed:
         """Cast `bucket` into its send memory (flat buffer `slot`, or the bucket's shm segment)."""
-        tensors = [t.detach() for _, t in bucket]
+        tensors = [t.detach() if t.requires_grad else t for _, t in bucket]  # exports are detached already
         if meta.type == "shm" and tensors[0].is_cuda:
             names = [n for n, _ in bucket]
             specs = _specs(names, [t.shape for t in tensors], [dtype or t.dtype for t in tensors])
@@ -242,13 +242,18 @@ def plain_parameters(engine: Any) -> Bucket | None:
             return None  # an engine with its own export (e.g. merging adapters): use it
 
         out = []
-        for _, hf_name, param in hf_parameter_names(model):
-            t = param.detach()
-            if isinstance(t, DTensor):  # FSDP over a mesh of one: the local shard is the whole tensor
-                if t.device_mesh.size() != 1 or t.to_local().shape != t.shape:
-                    return None
-                t = t.to_local()
-            out.append((hf_name, t))
+        with torch.no_grad():  # to_local is then the shard itself, not an autograd op
+            for _, hf_name, param in hf_parameter_names(model):
+                t = param
+                if isinstance(t, DTensor):  # FSDP over a mesh of one: the local shard is the whole tensor
+                    if t.device_mesh.size() != 1:
+                        return None
+                    t = t.to_local()
+                    if t.shape != param.shape:
+                        return None
+                # Detach the plain tensor: a DTensor's detach dispatches through DTensor (~12 us
+                # a parameter, a few ms an update).
+                out.append((hf_name, t.detach()))
         return out
     except Exception:
         return None
