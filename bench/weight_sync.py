@@ -17,8 +17,12 @@ Distributed buckets travel as one flat buffer each (one broadcast per bucket) in
 receive buffers on the server; the group and those buffers are made by an untimed first update.
 Also measured in the same run, on the same bytes: **raw gloo** (a plain broadcast to a bare
 receiver process that receives into buffers allocated once; the faster of one broadcast per
-tensor and one per flat bucket) and **raw memcpy** (one copy of the same tensors into buffers
-allocated once). GB/s = payload bytes / seconds of the whole update.
+tensor and one per flat bucket), **raw memcpy** (one copy of the same tensors into buffers
+allocated once) and the **data plane** without its control plane: the fp32 weights cast bucket
+by bucket into two flat buffers and broadcast to a bare receiver, serial and pipelined (a worker
+thread sends bucket k while k + 1 is cast), no HTTP: the ceiling this host puts on pipelining and
+on the broadcast, and the share of the real update its round trips take. GB/s = payload bytes /
+seconds of the whole update.
 
 Run: `.venv/bin/python bench/weight_sync.py` (about 2-3 minutes on 2 cores); prints a table and
 appends it to docs/benchmarks.md (`--no-report` to skip). `--sizes 10M,100M` picks models;
@@ -34,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +51,7 @@ from tandem.train import TrainEngine, TrainEngineConfig
 from tandem.weights import host_store, init_weight_group
 from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import Deadlines, WeightUpdateMeta
+from tandem.weights.packing import plain_parameters, plan_buckets
 from tandem.weights.shm import layout, pack
 from tandem.weights.update import WeightUpdater
 from tests.distributed import run_distributed
@@ -105,6 +111,44 @@ def raw_gloo(tensors: list[torch.Tensor], reps: int) -> float:
     group.destroy()
     proc.join(30)
     return min(times[1:])
+
+
+def data_plane(sources: list[list[torch.Tensor]], wire: torch.dtype, reps: int) -> dict[str, float]:
+    """The updater's data plane alone, no HTTP: each bucket of fp32 `sources` cast into one of two
+    flat buffers (allocated once) and sent as one gloo broadcast to a bare receiver; serial (cast,
+    send, next) and pipelined (bucket k + 1 cast while a worker thread broadcasts k). What the
+    transfer would cost with a free control plane, on this host: seconds, the best of `reps`."""
+    layouts = [layout(b, wire) for b in sources]
+    store = host_store("127.0.0.1", 0, timeout_s=300)
+    rounds = 2 * (reps + 1)
+    proc = mp.get_context("spawn").Process(
+        target=_raw_receiver, args=(store.port, [(n,) for _, n in layouts], [torch.uint8] * len(layouts), rounds))
+    proc.start()
+    group = init_weight_group("127.0.0.1", store.port, 0, 2, timeout_s=300, store=store)
+    bufs = [torch.empty(max(n for _, n in layouts), dtype=torch.uint8) for _ in range(2)]
+    best = {"serial": float("inf"), "pipelined": float("inf")}
+    with ThreadPoolExecutor(1) as worker:
+        for r in range(rounds):  # serial and pipelined in turn; the first round of each warms up
+            mode = "serial" if r % 2 == 0 else "pipelined"
+            start = time.perf_counter()
+            sending = None
+            for k, (tensors, (offsets, nbytes)) in enumerate(zip(sources, layouts, strict=True)):
+                buf = bufs[k % 2][:nbytes]
+                pack(buf, tensors, offsets, wire)
+                if mode == "serial":
+                    group.broadcast(buf)
+                    continue
+                if sending is not None:
+                    sending.result()
+                sending = worker.submit(group.broadcast, buf)
+            if sending is not None:
+                sending.result()
+            group.barrier()  # received, as raw_gloo measures it
+            if r >= 2:
+                best[mode] = min(best[mode], time.perf_counter() - start)
+    group.destroy()
+    proc.join(30)
+    return best
 
 
 def flat_buckets(buckets: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -197,6 +241,7 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     reps = reps or REPS[size]
     out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket, "reps": reps}
     buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
+    sources = [[t.clone() for _, t in b] for b in plan_buckets(plain_parameters(engine), bucket, torch.bfloat16)]
     engine.close()
     del engine
     tensors = [t for b in buckets for t in b]
@@ -204,9 +249,13 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     out["raw_gloo_flat"] = raw_gloo(flat_buckets(buckets), reps)
     out["raw_gloo"] = min(out["raw_gloo_tensors"], out["raw_gloo_flat"])
     out["raw_memcpy"] = raw_memcpy(tensors, reps)
-    del tensors, buckets
+    plane = data_plane(sources, torch.bfloat16, reps)
+    out["plane_serial"], out["plane_pipelined"] = plane["serial"], plane["pipelined"]
+    del tensors, buckets, sources
     print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
           f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
+    print(f"  {size} data plane (cast + flat broadcast, no HTTP): serial {plane['serial']:.3f}s, "
+          f"pipelined {plane['pipelined']:.3f}s", flush=True)
     urls = {kind: server.url for kind, server in servers.items()}
     args = (str(model_dir), urls, str(root / f"run-{size}"), bucket, labels, reps)
     try:
@@ -248,6 +297,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plane_table(rows: list[dict]) -> str:
+    """The transfer without its control plane (`data_plane`) next to the real update: what this host
+    allows pipelining and the broadcast, and what the HTTP round trips per bucket add."""
+    lines = [
+        "| model | data plane serial | data plane pipelined | data plane pipelined / serial "
+        "| data plane pipelined / raw gloo | pipelined update / data plane pipelined |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['plane_serial']:.3f} s | {r['plane_pipelined']:.3f} s "
+            f"| {r['plane_serial'] / r['plane_pipelined']:.2f}x | {r['raw_gloo'] / r['plane_pipelined'] * 100:.0f}% "
+            f"| {r['plane_pipelined'] / r['pipelined'] * 100:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10M,100M,500M")
@@ -277,7 +343,8 @@ def main() -> None:
     phases = "\n".join(f"- {r['size']}: " + "; ".join(
         f"{k}: " + ", ".join(f"{p} {s:.2f}s" for p, s in r[f"{k}_phases"].items())
         for k in LABELS) for r in rows)
-    text = (f"{body}\n\nPhases of the median run (seconds):\n{phases}\n\n"
+    text = (f"{body}\n\nWithout the control plane (world-size-1 data plane, same bytes, best of the rounds):\n\n"
+            f"{plane_table(rows)}\n\nPhases of the median run (seconds):\n{phases}\n\n"
             "Times are whole updates (pause, transfer, commit, version, continue) between a trainer "
             + ("process (TrainEngine, world size 1, fp32 master weights cast to bf16 per bucket, "
                f"{args.trainer_threads} torch thread(s))" if args.trainer_world == 1 else
