@@ -17,21 +17,25 @@ last mapping does). The segment's name carries the creator's pid, so `remove_sta
 delete what a killed trainer left behind.
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
-(`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file.
+(`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file; the server reads a handle with an
+unpickler that resolves only what torch's CUDA tensor reduction contains.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
+import io
 import mmap
 import os
 import pickle
 import re
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -274,10 +278,49 @@ def cuda_ipc_handle(tensors: Sequence[torch.Tensor],
     return buf, handle, offsets, nbytes
 
 
+# Everything `reduce_tensor` pickles for a CUDA tensor (torch.multiprocessing.reductions): the
+# rebuild function, the tensor and storage types, torch.Size and a dtype. A handle naming anything
+# else is refused before any of it is called, so a forged handle cannot run code on the server.
+_IPC_GLOBALS = frozenset({
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"), ("torch", "Size"),
+    ("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
+})
+
+
+class _IpcUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _IPC_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise ShmError(f"a CUDA IPC handle may only name torch's rebuild_cuda_tensor and the types it takes, "
+                       f"not {module}.{name}")
+
+
+def load_cuda_ipc_handle(handle: str) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """(rebuild function, its arguments) of a handle made by `cuda_ipc_handle`, read with an
+    unpickler that resolves only what such a handle contains (`_IPC_GLOBALS`); ShmError otherwise."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        data = base64.b64decode(handle, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ShmError(f"cuda_ipc is not base64 text: {exc}") from exc
+    try:
+        loaded = _IpcUnpickler(io.BytesIO(data)).load()
+    except ShmError:
+        raise
+    except Exception as exc:
+        raise ShmError(f"cuda_ipc is not a CUDA IPC handle: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(loaded, tuple) and len(loaded) == 2 and loaded[0] is rebuild_cuda_tensor
+            and isinstance(loaded[1], tuple)):
+        raise ShmError("cuda_ipc is not a CUDA IPC handle (expected torch's rebuild_cuda_tensor and its arguments)")
+    return loaded
+
+
 def open_cuda_ipc(handle: str, device: torch.device) -> torch.Tensor:
     """GPU server: the trainer's buffer, copied onto `device` (the IPC mapping is dropped at once).
-    The handle is a pickle: accept it only from the trainer (use --api-key on shared networks)."""
-    rebuild, args = pickle.loads(base64.b64decode(handle))
+    The handle names nothing but torch's CUDA rebuild (`load_cuda_ipc_handle`); it still opens
+    device memory of another process, so take it from the trainer only (--api-key on shared hosts)."""
+    rebuild, args = load_cuda_ipc_handle(handle)
     shared = rebuild(*args)
     out = shared.to(device, copy=True)
     torch.cuda.current_stream(device).synchronize()
