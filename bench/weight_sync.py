@@ -151,6 +151,43 @@ def data_plane(sources: list[list[torch.Tensor]], wire: torch.dtype, reps: int) 
     return best
 
 
+def cast_alone(sources: list[list[torch.Tensor]], wire: torch.dtype, reps: int) -> float:
+    """Seconds to cast every bucket of fp32 `sources` into two flat buffers (allocated once), nothing
+    sent: the data plane's own work besides the broadcast, the best of `reps`."""
+    layouts = [layout(b, wire) for b in sources]
+    bufs = [torch.empty(max(n for _, n in layouts), dtype=torch.uint8) for _ in range(2)]
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for k, (tensors, (offsets, nbytes)) in enumerate(zip(sources, layouts, strict=True)):
+            pack(bufs[k % 2][:nbytes], tensors, offsets, wire)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def copy_scaling(nbytes: int = 128 << 20, reps: int = 5) -> float:
+    """Throughput of memory-bound copies on two threads at once / on one (1.0: the two CPUs share one
+    memory bandwidth, so overlapping the cast with the socket copies cannot speed the transfer up;
+    2.0: they scale). Each thread copies its own `nbytes` buffer `reps` times; the best of 3 rounds."""
+    srcs = [torch.ones(nbytes, dtype=torch.uint8) for _ in range(2)]
+    dsts = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+
+    def copies(i: int) -> None:
+        for _ in range(reps):
+            dsts[i].copy_(srcs[i])
+
+    one, two = float("inf"), float("inf")
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            start = time.perf_counter()
+            copies(0)
+            one = min(one, time.perf_counter() - start)
+            start = time.perf_counter()
+            list(pool.map(copies, range(2)))
+            two = min(two, time.perf_counter() - start)
+    return 2 * one / two
+
+
 def flat_buckets(buckets: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """Each bucket as one uint8 buffer (the layout the updater sends)."""
     out = []
@@ -251,11 +288,14 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     out["raw_memcpy"] = raw_memcpy(tensors, reps)
     plane = data_plane(sources, torch.bfloat16, reps)
     out["plane_serial"], out["plane_pipelined"] = plane["serial"], plane["pipelined"]
+    out["cast"] = cast_alone(sources, torch.bfloat16, reps)
+    out["copy_scaling"] = copy_scaling()
     del tensors, buckets, sources
     print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
           f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
     print(f"  {size} data plane (cast + flat broadcast, no HTTP): serial {plane['serial']:.3f}s, "
-          f"pipelined {plane['pipelined']:.3f}s", flush=True)
+          f"pipelined {plane['pipelined']:.3f}s; cast alone {out['cast']:.3f}s; memory-bound copies on 2 threads "
+          f"{out['copy_scaling']:.2f}x one thread's throughput", flush=True)
     urls = {kind: server.url for kind, server in servers.items()}
     args = (str(model_dir), urls, str(root / f"run-{size}"), bucket, labels, reps)
     try:
@@ -301,13 +341,15 @@ def plane_table(rows: list[dict]) -> str:
     """The transfer without its control plane (`data_plane`) next to the real update: what this host
     allows pipelining and the broadcast, and what the HTTP round trips per bucket add."""
     lines = [
-        "| model | data plane serial | data plane pipelined | data plane pipelined / serial "
-        "| data plane pipelined / raw gloo | pipelined update / data plane pipelined |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | cast alone | cast / raw gloo | copies on 2 threads / 1 | data plane serial "
+        "| data plane pipelined | data plane pipelined / serial | data plane pipelined / raw gloo "
+        "| pipelined update / data plane pipelined |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['size']} | {r['plane_serial']:.3f} s | {r['plane_pipelined']:.3f} s "
+            f"| {r['size']} | {r['cast']:.3f} s | {r['cast'] / r['raw_gloo']:.2f} | {r['copy_scaling']:.2f}x "
+            f"| {r['plane_serial']:.3f} s | {r['plane_pipelined']:.3f} s "
             f"| {r['plane_serial'] / r['plane_pipelined']:.2f}x | {r['raw_gloo'] / r['plane_pipelined'] * 100:.0f}% "
             f"| {r['plane_pipelined'] / r['pipelined'] * 100:.0f}% |"
         )
@@ -354,7 +396,11 @@ def main() -> None:
             "process per transport (bf16, 1 torch thread); raw gloo = a plain broadcast of the same bytes into buffers "
             "allocated once (the faster of one broadcast per tensor and one per flat bucket); runs interleaved "
             f"across transports, median of {' / '.join(str(r['reps']) for r in rows)} rounds; "
-            "raw memcpy = one copy of the same tensors into buffers allocated once.")
+            "raw memcpy = one copy of the same tensors into buffers allocated once. Cast alone = every bucket "
+            "cast fp32 -> bf16 into the flat buffers, nothing sent; copies on 2 threads / 1 = throughput of "
+            "memory-bound copies on two threads at once over one (1.0x: the CPUs share one memory bandwidth, and "
+            "the cast, the sender's and the receiver's socket copies cannot overlap usefully; the pipelined / "
+            "serial ceiling is about that figure, and the pipelined / raw ceiling about raw / (raw + cast) times it).")
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
