@@ -93,24 +93,45 @@ def _raw_receiver(port: int, shapes: list[tuple[int, ...]], dtypes: list[torch.d
     os._exit(0)
 
 
-def raw_gloo(tensors: list[torch.Tensor], reps: int) -> float:
-    """Seconds for a plain gloo broadcast of `tensors` (one op each) to another process."""
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs of this host since boot (Linux /proc/stat), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """Share of all CPUs' time spent busy between two `cpu_jiffies` samples (nan off Linux)."""
+    if before is None or after is None or after[1] == before[1]:
+        return float("nan")
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def raw_gloo(tensors: list[torch.Tensor], reps: int) -> tuple[float, float]:
+    """Seconds for a plain gloo broadcast of `tensors` (one op each) to another process (the best
+    round), and the share of this host's CPUs kept busy over the timed rounds."""
     store = host_store("127.0.0.1", 0, timeout_s=300)
     proc = mp.get_context("spawn").Process(
         target=_raw_receiver, args=(store.port, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors],
                                     reps + 1))
     proc.start()
     group = init_weight_group("127.0.0.1", store.port, 0, 2, timeout_s=300, store=store)
-    times = []
+    times, jiffies = [], None
     for _ in range(reps + 1):  # the first round warms both sides up
+        jiffies = jiffies or (cpu_jiffies() if times else None)
         start = time.perf_counter()
         for t in tensors:
             group.broadcast(t)
         group.barrier()
         times.append(time.perf_counter() - start)
+    busy = busy_share(jiffies, cpu_jiffies())
     group.destroy()
     proc.join(30)
-    return min(times[1:])
+    return min(times[1:]), busy
 
 
 def data_plane(sources: list[list[torch.Tensor]], wire: torch.dtype, reps: int) -> dict[str, float]:
@@ -282,8 +303,8 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     engine.close()
     del engine
     tensors = [t for b in buckets for t in b]
-    out["raw_gloo_tensors"] = raw_gloo(tensors, reps)
-    out["raw_gloo_flat"] = raw_gloo(flat_buckets(buckets), reps)
+    out["raw_gloo_tensors"], _ = raw_gloo(tensors, reps)
+    out["raw_gloo_flat"], out["raw_gloo_busy"] = raw_gloo(flat_buckets(buckets), reps)
     out["raw_gloo"] = min(out["raw_gloo_tensors"], out["raw_gloo_flat"])
     out["raw_memcpy"] = raw_memcpy(tensors, reps)
     plane = data_plane(sources, torch.bfloat16, reps)
@@ -292,7 +313,8 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     out["copy_scaling"] = copy_scaling()
     del tensors, buckets, sources
     print(f"  {size} raw gloo: {out['raw_gloo_tensors']:.3f}s per tensor, {out['raw_gloo_flat']:.3f}s per flat bucket; "
-          f"raw memcpy {out['raw_memcpy']:.3f}s", flush=True)
+          f"raw memcpy {out['raw_memcpy']:.3f}s; CPUs busy during the flat broadcasts "
+          f"{out['raw_gloo_busy'] * 100:.0f}%", flush=True)
     print(f"  {size} data plane (cast + flat broadcast, no HTTP): serial {plane['serial']:.3f}s, "
           f"pipelined {plane['pipelined']:.3f}s; cast alone {out['cast']:.3f}s; memory-bound copies on 2 threads "
           f"{out['copy_scaling']:.2f}x one thread's throughput", flush=True)
@@ -341,14 +363,15 @@ def plane_table(rows: list[dict]) -> str:
     """The transfer without its control plane (`data_plane`) next to the real update: what this host
     allows pipelining and the broadcast, and what the HTTP round trips per bucket add."""
     lines = [
-        "| model | cast alone | cast / raw gloo | copies on 2 threads / 1 | data plane serial "
-        "| data plane pipelined | data plane pipelined / serial | data plane pipelined / raw gloo "
-        "| pipelined update / data plane pipelined |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | cast alone | cast / raw gloo | copies on 2 threads / 1 | CPUs busy in raw gloo "
+        "| data plane serial | data plane pipelined | data plane pipelined / serial "
+        "| data plane pipelined / raw gloo | pipelined update / data plane pipelined |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['cast']:.3f} s | {r['cast'] / r['raw_gloo']:.2f} | {r['copy_scaling']:.2f}x "
+            f"| {r['raw_gloo_busy'] * 100:.0f}% "
             f"| {r['plane_serial']:.3f} s | {r['plane_pipelined']:.3f} s "
             f"| {r['plane_serial'] / r['plane_pipelined']:.2f}x | {r['raw_gloo'] / r['plane_pipelined'] * 100:.0f}% "
             f"| {r['plane_pipelined'] / r['pipelined'] * 100:.0f}% |"
@@ -400,7 +423,9 @@ def main() -> None:
             "cast fp32 -> bf16 into the flat buffers, nothing sent; copies on 2 threads / 1 = throughput of "
             "memory-bound copies on two threads at once over one (1.0x: the CPUs share one memory bandwidth, and "
             "the cast, the sender's and the receiver's socket copies cannot overlap usefully; the pipelined / "
-            "serial ceiling is about that figure, and the pipelined / raw ceiling about raw / (raw + cast) times it).")
+            "serial ceiling is about that figure, and the pipelined / raw ceiling about raw / (raw + cast) times it); "
+            "CPUs busy in raw gloo = share of all this host's CPU time spent busy (/proc/stat) during the timed "
+            "flat broadcasts, sender and receiver together: what is left for a cast running beside them.")
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
