@@ -120,15 +120,16 @@ def raw_gloo(tensors: list[torch.Tensor], reps: int) -> tuple[float, float]:
                                     reps + 1))
     proc.start()
     group = init_weight_group("127.0.0.1", store.port, 0, 2, timeout_s=300, store=store)
-    times, jiffies = [], None
-    for _ in range(reps + 1):  # the first round warms both sides up
-        jiffies = jiffies or (cpu_jiffies() if times else None)
+    times, before = [], None
+    for round_ in range(reps + 1):  # round 0 warms both sides up and is not timed
+        if round_ == 1:
+            before = cpu_jiffies()
         start = time.perf_counter()
         for t in tensors:
             group.broadcast(t)
         group.barrier()
         times.append(time.perf_counter() - start)
-    busy = busy_share(jiffies, cpu_jiffies())
+    busy = busy_share(before, cpu_jiffies())
     group.destroy()
     proc.join(30)
     return min(times[1:]), busy
@@ -425,7 +426,7 @@ def main() -> None:
             "the cast, the sender's and the receiver's socket copies cannot overlap usefully; the pipelined / "
             "serial ceiling is about that figure, and the pipelined / raw ceiling about raw / (raw + cast) times it); "
             "CPUs busy in raw gloo = share of all this host's CPU time spent busy (/proc/stat) during the timed "
-            "flat broadcasts, sender and receiver together: what is left for a cast running beside them.")
+            "flat broadcasts, sender and receiver together (a cast running beside them gets at most the rest).")
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
