@@ -71,8 +71,13 @@ class ManagedProcess:
     """A child in its own session with its output in a log file, and a pidfd as its sentinel."""
 
     def __init__(self, name: str, cmd: Sequence[str], log_path: Path, env: Mapping[str, str], *,
-                 cwd: str | Path | None = None, pass_fds: Sequence[int] = ()):
+                 cwd: str | Path | None = None, pass_fds: Sequence[int] = (), log_start: int | None = None):
+        """`log_start`: where this launch's lines begin in `log_path`, which earlier launches of the
+        same role may have filled (default: its current end). Log reads never look before it."""
         self.name, self.cmd, self.log_path = name, list(cmd), log_path
+        if log_start is None:
+            log_start = log_path.stat().st_size if log_path.exists() else 0
+        self.log_start = log_start
         self._life_r: int | None = None
         fds = list(pass_fds)
         if not hasattr(os, "pidfd_open"):  # fallback sentinel: a pipe whose write end only the child holds
@@ -104,10 +109,11 @@ class ManagedProcess:
         return describe_returncode(rc)
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines this launch wrote (never an earlier launch's)."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
+                f.seek(max(self.log_start, f.tell() - 64 * 1024))
                 text = f.read().decode("utf-8", errors="replace")
         except OSError:
             return ""
@@ -191,7 +197,7 @@ class LocalScheduler(Scheduler):
 
     def _await_server(self, proc: ManagedProcess, deadline: float, timeout_s: float) -> ServerHandle:
         host = port = None
-        offset, seen = 0, ""
+        offset, seen = proc.log_start, ""  # this launch's lines only: a rerun appends to the same log
         while host is None:
             with contextlib.suppress(OSError), open(proc.log_path, "rb") as f:
                 f.seek(offset)
@@ -413,9 +419,10 @@ class LocalScheduler(Scheduler):
             if guard:
                 cmd = [self.python, "-m", "tandem.launch.guard", str(os.getpid()), "--", *cmd]
             log = self.log_dir / f"{name}.log"
-            with open(log, "ab") as f:
+            with open(log, "ab") as f:  # appended: earlier launches of this role keep their lines
+                start = f.tell()
                 f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-            proc = ManagedProcess(name, cmd, log, env, pass_fds=pass_fds)
+            proc = ManagedProcess(name, cmd, log, env, pass_fds=pass_fds, log_start=start)
             self.processes.append(proc)
             return proc
 

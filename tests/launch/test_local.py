@@ -253,3 +253,27 @@ def test_server_that_fails_to_start(tmp_path):
     finally:
         sched.shutdown()
     _assert_all_gone(sched)
+
+
+def test_relaunch_into_a_run_directory_with_old_logs(tmp_path, tiny_model):
+    """A second launch into the same run directory must read its own server's listening line, not
+    the previous launch's (whose port is dead): it comes up as fast as the first."""
+    run = tmp_path / "run"
+    first = LocalScheduler(run, env=CHILD_ENV, grace_s=5)
+    try:
+        old = first.start_servers(1, tiny_model, server_args=["--num-threads", "1"], timeout_s=60)[0]
+    finally:
+        first.shutdown()
+    second = LocalScheduler(run, env=CHILD_ENV, grace_s=5)
+    try:
+        start = time.monotonic()
+        new = second.start_servers(1, tiny_model, server_args=["--num-threads", "1"], timeout_s=30)[0]
+        took = time.monotonic() - start
+        print(f"relaunch into {run}: healthy in {took:.1f}s (old port {old.port}, new {new.port})")
+        assert new.port != old.port
+        assert _health(new.url)[0] == 200
+        log = new.log_path.read_text()
+        assert log.count("listening on") == 2  # one log file per role, appended launch after launch
+    finally:
+        second.shutdown()
+    _assert_all_gone(second)
