@@ -11,40 +11,51 @@
 See docs/algorithms.md.
 """
 
-from tandem.algo.advantages import (
-    AdvantageOutput,
-    FilterResult,
-    add_advantages,
-    compute_advantages,
-    dynamic_filter,
-    gae,
-    group_index,
-    normalize,
-    normalize_with,
-)
-from tandem.algo.config import (
-    RECIPES,
-    AdvantageConfig,
-    AlgoConfig,
-    OverlongPenaltyConfig,
-    PPOConfig,
-    RewardConfig,
-    recipe,
-)
-from tandem.algo.losses import (
-    PolicyLoss,
-    ValueLoss,
-    loglinear_prox_logprobs,
-    make_policy_loss,
-    policy_loss_weight,
-    reduce_stats,
-    set_prox_logprobs,
-    summarize_stats,
-    to_input_alignment,
-    value_loss,
-)
-from tandem.algo.mismatch import batch_logprob_mismatch, logprob_mismatch
-from tandem.algo.rewards import kl_estimate, kl_rewards, overlong_penalty, shape_rewards
+# Loaded on first use: `tandem.algo.config` (the config schema) must not pull in torch, which the
+# advantage and loss modules need; configs then load in a fraction of a second.
+_LAZY = {
+    "AdvantageOutput": "tandem.algo.advantages",
+    "FilterResult": "tandem.algo.advantages",
+    "add_advantages": "tandem.algo.advantages",
+    "compute_advantages": "tandem.algo.advantages",
+    "dynamic_filter": "tandem.algo.advantages",
+    "gae": "tandem.algo.advantages",
+    "group_index": "tandem.algo.advantages",
+    "normalize": "tandem.algo.advantages",
+    "normalize_with": "tandem.algo.advantages",
+    "RECIPES": "tandem.algo.config",
+    "AdvantageConfig": "tandem.algo.config",
+    "AlgoConfig": "tandem.algo.config",
+    "OverlongPenaltyConfig": "tandem.algo.config",
+    "PPOConfig": "tandem.algo.config",
+    "RewardConfig": "tandem.algo.config",
+    "recipe": "tandem.algo.config",
+    "PolicyLoss": "tandem.algo.losses",
+    "ValueLoss": "tandem.algo.losses",
+    "loglinear_prox_logprobs": "tandem.algo.losses",
+    "make_policy_loss": "tandem.algo.losses",
+    "policy_loss_weight": "tandem.algo.losses",
+    "reduce_stats": "tandem.algo.losses",
+    "set_prox_logprobs": "tandem.algo.losses",
+    "summarize_stats": "tandem.algo.losses",
+    "to_input_alignment": "tandem.algo.losses",
+    "value_loss": "tandem.algo.losses",
+    "batch_logprob_mismatch": "tandem.algo.mismatch",
+    "logprob_mismatch": "tandem.algo.mismatch",
+    "kl_estimate": "tandem.algo.rewards",
+    "kl_rewards": "tandem.algo.rewards",
+    "overlong_penalty": "tandem.algo.rewards",
+    "shape_rewards": "tandem.algo.rewards",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tandem.algo' has no attribute {name!r}")
+
 
 __all__ = [
     "RECIPES",
