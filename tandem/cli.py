@@ -12,9 +12,29 @@ import json
 import sys
 from collections.abc import Sequence
 
-from tandem.errors import TandemError
+from tandem.errors import ConfigError, TandemError
 
 EXIT_USAGE = 2
+
+TRAIN_USAGE = """usage: tandem train CONFIG.yaml [key=value ...]
+
+Runs asynchronous RL: launches the inference servers and trainer ranks, trains, syncs weights,
+evaluates. For example:
+
+    tandem init-model runs/base --preset small
+    tandem train examples/demo.yaml actor.path=runs/base train.total_steps=50
+
+Every key with its type, default and range:  tandem show-config --keys  (docs/configuration.md)
+A config resolved and checked, without running:  tandem show-config CONFIG.yaml [key=value ...]
+Guides: docs/rl.md (runs, resuming, outputs), docs/configuration.md; example configs in examples/.
+"""
+
+# `tandem serve` flags that the launcher sets for every server it starts, and the key to use instead.
+LAUNCHER_FLAGS = {
+    "--model": "actor.path", "--model-path": "actor.path", "--host": "the launcher (127.0.0.1)",
+    "--port": "the launcher (a free port per server)", "--api-key": "rollout.api_key",
+    "--device": "experiment.device",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from tandem import __version__
+
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for LLMs, PyTorch-native.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("alloc", help="explain an allocation-mode string such as 'sglang:d4t2+archon:d4p2t2'")
@@ -81,11 +104,41 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The validated config of a command: schema checks (`load_config`), then the flags given to
+    launched servers (`rollout.server_args`), which only this module's `serve` parser knows."""
     from tandem.config.loader import load_config
 
     items = list(args.config)
     path = items.pop(0) if items and "=" not in items[0] else None
-    return load_config(path, items)
+    cfg = load_config(path, items)
+    check_server_args(cfg.rollout.server_args, "rollout.server_args")
+    return cfg
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit
+        raise ConfigError(message)
+
+
+def check_server_args(server_args: Sequence[str], key: str) -> None:
+    """`server_args` parse as `tandem serve` flags and leave the launcher's own flags alone."""
+    for arg in server_args:
+        flag = str(arg).split("=", 1)[0]
+        if flag in LAUNCHER_FLAGS:
+            raise ConfigError(f"{key}: {flag} is set by the launcher for every server; set it through "
+                              f"{LAUNCHER_FLAGS[flag]} instead and remove it from {key}")
+    parser = _RaisingParser(prog="tandem serve", add_help=False)
+    _add_serve_arguments(parser)
+    try:
+        parser.parse_args(["--model", "-", *map(str, server_args)])
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc} (the options of `tandem serve --help`)") from None
+
+
+def require_model_path(cfg) -> None:
+    if not cfg.actor.path:
+        raise ConfigError("actor.path is not set: pass the model to train, e.g. actor.path=runs/base (an HF "
+                          "directory; `tandem init-model DIR` makes a small one)")
 
 
 def _cmd_alloc(args: argparse.Namespace) -> int:
@@ -119,9 +172,13 @@ def _setup_logging() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from tandem.rl.trainer import run_rl
-
+    if not args.config:
+        print(TRAIN_USAGE, end="", file=sys.stderr)
+        return EXIT_USAGE
     cfg = config_from_args(args)
+    require_model_path(cfg)
+    from tandem.rl.trainer import run_rl  # torch, transformers: seconds, paid once the config is good
+
     _setup_logging()
     summary = run_rl(cfg)
     print(summary.describe())
@@ -129,9 +186,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    require_model_path(cfg)
     from tandem.rl.sft import run_sft
 
-    cfg = config_from_args(args)
     _setup_logging()
     out, result = run_sft(cfg)
     print(f"SFT model written to {out}; eval accuracy {result.get('eval/accuracy', float('nan')):.3f}")

@@ -65,6 +65,21 @@ class Component:
         return self.launch_error is None
 
     @property
+    def run_error(self) -> str | None:
+        """Why this version of Tandem cannot run the component as written, or None. Stricter than
+        `launch_error` (the grammar's rule): parallelism `tandem serve` and the trainer lack so far."""
+        if self.launch_error:
+            return self.launch_error
+        if self.backend == "tandem" and self.tp * self.pp * self.cp > 1:
+            dims = "".join(f"{k}{v}" for k, v in (("t", self.tp), ("p", self.pp), ("c", self.cp)) if v > 1)
+            return (f"`tandem serve` runs one device per server; tandem:d{self.dp}{dims} asks for "
+                    f"{self.world_size // self.dp} devices per server (use tandem:d{self.world_size})")
+        if not self.is_inference and self.tp * self.pp * self.cp * self.ep > 1:
+            return (f"only data parallelism (d) is applied by the trainer so far; tensor/pipeline/context/expert "
+                    f"parallel training is not available yet (use {self.backend}:d{self.world_size})")
+        return None
+
+    @property
     def label(self) -> str:
         """The name, or the backend for an unnamed component (what `target` refers to)."""
         return self.name or self.backend

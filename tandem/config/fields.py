@@ -1,21 +1,54 @@
-"""The one helper every config dataclass uses to declare a field with its documentation."""
+"""The one helper every config dataclass uses to declare a field with its documentation and range."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import field
 from typing import Any
+
+_BOUNDS = ("min", "gt", "max", "lt")
 
 
 def config_field(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with a default and metadata: `help` text, and optionally `choices` (the
-    allowed values) and `min` (a numeric floor), which `tandem.config.loader.validate` enforces."""
+    allowed values) and bounds, `min` / `max` (inclusive) and `gt` / `lt` (exclusive), which
+    `tandem.config.loader.validate` enforces and the keys table documents."""
+    unknown = set(meta) - {"choices", *_BOUNDS}
+    if unknown:
+        raise TypeError(f"config_field: unknown metadata {sorted(unknown)}")
     return field(default=default, metadata={"help": help, **meta})
 
 
+def describe_range(meta: Any) -> str | None:
+    """A field's allowed interval in interval notation, e.g. '(0.0, 1.0]' or '[1, inf)'; None
+    when it has no bounds."""
+    if not any(b in meta for b in _BOUNDS):
+        return None
+    low = f"[{meta['min']}" if "min" in meta else f"({meta['gt']}" if "gt" in meta else "(-inf"
+    high = f"{meta['max']}]" if "max" in meta else f"{meta['lt']})" if "lt" in meta else "inf)"
+    return f"{low}, {high}"
+
+
+def range_problem(value: Any, meta: Any) -> str | None:
+    """Why `value` falls outside the bounds in `meta` (None when it is inside, or None-valued)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if "min" in meta and value < meta["min"]:
+        return f"{value!r} is below the minimum {meta['min']!r}"
+    if "gt" in meta and value <= meta["gt"]:
+        return f"{value!r} must be greater than {meta['gt']!r}"
+    if "max" in meta and value > meta["max"]:
+        return f"{value!r} is above the maximum {meta['max']!r}"
+    if "lt" in meta and value >= meta["lt"]:
+        return f"{value!r} must be less than {meta['lt']!r}"
+    return None
+
+
 def check_field_metadata(section: Any, prefix: str = "") -> None:
-    """Enforce `choices` and `min` on a section's own fields (not its sub-sections); raises
-    `ConfigError` naming the field. `tandem.config.loader.validate` applies it to every section."""
+    """Enforce `choices` and bounds on a section's own fields (not its sub-sections), and refuse
+    NaN and infinities in float fields; raises `ConfigError` naming the field, its allowed values
+    and how to fix it. `tandem.config.loader.validate` applies it to every section."""
     from tandem.errors import ConfigError
 
     for f in dataclasses.fields(section):
@@ -26,6 +59,8 @@ def check_field_metadata(section: Any, prefix: str = "") -> None:
         choices = f.metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        floor = f.metadata.get("min")
-        if floor is not None and value is not None and value < floor:
-            raise ConfigError(f"{key}: {value!r} is below the minimum {floor!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: {value!r} is not a finite number; set {key} to a number")
+        problem = range_problem(value, f.metadata)
+        if problem is not None:
+            raise ConfigError(f"{key}: {problem}; set {key} to a value in {describe_range(f.metadata)}")

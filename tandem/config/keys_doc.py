@@ -10,6 +10,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from tandem.config.fields import describe_range
 from tandem.config.loader import schema_keys
 
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
@@ -42,7 +43,7 @@ def keys_markdown(schema: type, defaults: Any = None) -> str:
         meaning = f.metadata.get("help", "")
         if "choices" in f.metadata:
             meaning += " One of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
-        if "min" in f.metadata:
-            meaning += f" Minimum {f.metadata['min']}."
+        if (bounds := describe_range(f.metadata)) is not None:
+            meaning += f" Range {bounds}."
         rows.append(f"| `{key}` | {_type_name(schema, key)} | `{default}` | {meaning.replace('|', '/')} |")
     return "\n".join(rows)

@@ -28,10 +28,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ExperimentConfig:
     name: str = _f("tandem", "Experiment name; outputs go to fileroot/name/trial.")
     trial: str = _f("trial0", "Trial name within the experiment.")
-    seed: int = _f(1, "Seed for Python, NumPy and torch RNGs.", min=0)
+    seed: int = _f(1, "Seed for Python, NumPy and torch RNGs.", min=0, max=2**32 - 1)
     fileroot: str = _f("runs", "Root directory of logs, checkpoints and weight copies.")
     device: str = _f("cpu", "Device of trainers and launched servers (cuda: one GPU per rank/server).",
                      choices=("cpu", "cuda"))
+
+    def check(self, prefix: str) -> None:
+        for key in ("name", "trial"):
+            value = getattr(self, key)
+            if not value or value in (".", "..") or "/" in value or "\\" in value:
+                raise ConfigError(f"{prefix}{key}: {value!r} must be one directory name (outputs go to "
+                                  f"fileroot/name/trial), e.g. {prefix}{key}=run1")
 
 
 @dataclass
@@ -51,17 +58,25 @@ class ActorConfig:
     cpus: str = _f("", "Pin trainer ranks to these cores, e.g. '1' or '2-3' (empty: no pinning).")
 
     def check(self, prefix: str) -> None:
-        parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False)
+        comp = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False).components[0]
+        if comp.run_error:
+            raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
         check_cpus(self.cpus, f"{prefix}cpus")
+        if self.path:
+            check_model_dir(self.path, f"{prefix}path")
 
 
 @dataclass
 class GenerationConfig:
     n_samples: int = _f(4, "Samples per prompt (the GRPO group size).", min=1)
     max_new_tokens: int = _f(16, "Generation budget per sample.", min=1)
-    temperature: float = _f(1.0, "Sampling temperature of rollouts.", min=0.0)
-    top_p: float = _f(1.0, "Nucleus sampling threshold, in (0, 1].", min=0.0)
+    temperature: float = _f(1.0, "Sampling temperature of rollouts (0: greedy).", min=0.0)
+    top_p: float = _f(1.0, "Nucleus sampling threshold.", gt=0.0, max=1.0)
     top_k: int = _f(-1, "Top-k sampling (-1: the whole vocabulary).", min=-1)
+
+    def check(self, prefix: str) -> None:
+        if self.top_k == 0:
+            raise ConfigError(f"{prefix}top_k: 0 keeps no token; use -1 (the whole vocabulary) or at least 1")
 
 
 @dataclass
@@ -74,6 +89,16 @@ class TaskConfig:
     eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
     system_prompt: str | None = _f(None, "System message prepended to every prompt.")
 
+    def check(self, prefix: str) -> None:
+        from tandem.data.tasks import TaskError, available_tasks, get_task
+
+        if self.name not in available_tasks():
+            raise ConfigError(f"{prefix}name: unknown task {self.name!r}; available: {', '.join(available_tasks())}")
+        try:  # builds the task (cheap: data is generated or read later), which checks every option
+            get_task(self.name, **dict(self.options))
+        except TaskError as exc:
+            raise ConfigError(f"{prefix}options: {exc}") from None
+
 
 @dataclass
 class TrainConfig:
@@ -84,7 +109,10 @@ class TrainConfig:
     verify_weights: bool = _f(False, "After each update, compare per-tensor checksums with every server.")
     eval_every: int = _f(0, "Evaluate every N steps (0: only before and after training).", min=0)
     save_every: int = _f(0, "Save a resumable checkpoint every N steps (0: never).", min=0)
-    resume_from: str | None = _f(None, "Directory of a checkpoint written by save_every to continue from.")
+    resume_from: str | None = _f(None, "Directory of a checkpoint written by save_every to continue from "
+                                       "(default: the trial's latest checkpoint, if any).")
+    overwrite: bool = _f(False, "Replace the outputs of an earlier run of this trial instead of resuming or "
+                                "refusing.")
 
 
 @dataclass
@@ -129,6 +157,43 @@ class TandemConfig:
         self.algo.ppo.max_head_offpolicyness = self.rollout.max_head_offpolicyness
         self.algo.reward.max_new_tokens = self.gen.max_new_tokens
         self.algo.check(f"{prefix}algo.")
+        check_runnable_algo(self.algo, f"{prefix}algo.")
+
+
+def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
+    """Refuse settings whose model does not exist in `tandem train` yet, instead of training
+    without it: a critic (PPO's value model) and a reference model (the KL term)."""
+    if algo.name == "ppo" or algo.ppo.use_critic:
+        key = f"{prefix}name: 'ppo'" if algo.name == "ppo" else f"{prefix}ppo.use_critic=true"
+        raise ConfigError(f"{key} trains a critic (value model), which `tandem train` does not have yet: its "
+                          "values would be 0 and the advantages meaningless. Use a critic-free recipe "
+                          "(algo.name=grpo, dr_grpo, rloo, dapo or gspo)")
+    if algo.ppo.kl_ctl > 0:
+        raise ConfigError(f"{prefix}ppo.kl_ctl={algo.ppo.kl_ctl:g} needs a reference model, which `tandem train` "
+                          f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """`path` looks like an HF model directory: config.json naming a model_type, and safetensors
+    weights. Reads only config.json (whether that model_type is supported is known once the model
+    registry is imported, which costs seconds; the loader says so with the supported list)."""
+    import json
+    from pathlib import Path
+
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"{key}: {path!r} does not exist; pass an HF model directory (config.json + "
+                          "*.safetensors), e.g. one made by `tandem init-model DIR`")
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"{key}: {path!r} has no config.json; it must be an HF model directory")
+    try:
+        model_type = json.loads((where / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{key}: cannot read {str(where / 'config.json')!r}: {exc}") from None
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{key}: {str(where / 'config.json')!r} names no model_type; it must be an HF model config")
+    if not any(where.glob("*.safetensors")):
+        raise ConfigError(f"{key}: {path!r} has no *.safetensors weights")
 
 
 def check_cpus(spec: str, key: str) -> None:

@@ -80,9 +80,8 @@ def server_layout(alloc: Component | str | int) -> list[list[int]]:
     if comp.backend not in LAUNCHABLE_SERVERS:
         raise LaunchError(f"{comp.backend!r} servers are not started by Tandem; run them yourself and give "
                           f"the controller their addresses (launchable here: {', '.join(LAUNCHABLE_SERVERS)})")
-    if comp.tp * comp.pp * comp.cp > 1:
-        raise LaunchError(f"`tandem serve` runs one device per server; {comp.backend}:d{comp.dp}"
-                          f"t{comp.tp}p{comp.pp}c{comp.cp} asks for more (use d{comp.world_size})")
+    if comp.run_error:
+        raise LaunchError(comp.run_error)
     devs = list(comp.devices)
     return [[devs[i]] for i in range(comp.dp)]
 
@@ -96,8 +95,8 @@ def worker_layout(alloc: Component | str | int) -> tuple[int, list[int]]:
         return comp, list(range(comp))
     if comp.is_inference:
         raise LaunchError(f"{comp.label!r} is an inference component; start it with start_servers")
-    if comp.launch_error:
-        raise LaunchError(comp.launch_error)
+    if comp.run_error:
+        raise LaunchError(comp.run_error)
     return comp.world_size, list(comp.devices)
 
 

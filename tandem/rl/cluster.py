@@ -12,7 +12,6 @@ from pathlib import Path
 
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.schema import TandemConfig
-from tandem.errors import ConfigError
 from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.rpc import WorkerGroup
@@ -43,13 +42,6 @@ def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> Train
 def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> WorkerGroup:
     """The trainer group for `actor.backend`, with the engine initialised on every rank."""
     comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
-    if comp.launch_error:
-        raise ConfigError(f"actor.backend: {comp.launch_error}")
-    if comp.tp * comp.pp * comp.cp * comp.ep > 1:
-        raise ConfigError(
-            f"actor.backend={cfg.actor.backend!r}: only data parallelism (d) is applied by the trainer so "
-            "far; tensor/pipeline/context/expert parallel training is not available yet"
-        )
     env = {}
     if cfg.actor.num_threads:
         env["OMP_NUM_THREADS"] = str(cfg.actor.num_threads)

@@ -36,16 +36,18 @@ class RolloutConfig:
     max_concurrent_rollouts: int = _f(64, "Episodes running at once.", min=1)
     consumer_batch_size: int = _f(8, "Episodes per training batch.", min=1)
     max_head_offpolicyness: int = _f(1, "Staleness bound: batches the fleet may run ahead of the trainer.", min=0)
+    max_consecutive_failures: int = _f(
+        64, "End the run when this many episodes in a row failed (an error storm), with the first error.", min=1)
     order: str = _f("dispatch", "Hand-out order of accepted episodes.", choices=("dispatch", "completion"))
     workers: int = _f(0, "Rollout worker processes that run workflows (0: on the controller's loop).", min=0)
-    request_deadline_s: float = _f(600.0, "Deadline of one generation request (all calls, retries, waits).", min=0.0)
-    call_timeout_s: float | None = _f(None, "Timeout of one HTTP generation call (None: the deadline).")
+    request_deadline_s: float = _f(600.0, "Deadline of one generation request (all calls, retries, waits).", gt=0.0)
+    call_timeout_s: float | None = _f(None, "Timeout of one HTTP generation call (None: the deadline).", gt=0.0)
     dump_dir: str | None = _f(None, "Write accepted trajectories as JSONL per version here (debugging).")
     callback_host: str = _f("127.0.0.1", "Address the controller's callback server binds to.")
-    callback_port: int = _f(0, "Port of the callback server (0: any free port).", min=0)
+    callback_port: int = _f(0, "Port of the callback server (0: any free port).", min=0, max=65535)
     control_timeout_s: float = _f(30.0, "Timeout of one fleet control call (pause, continue, version) per server.",
-                                  min=0.0)
-    worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", min=0.0)
+                                  gt=0.0)
+    worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", gt=0.0)
 
     @property
     def allocation(self) -> AllocationMode:
@@ -73,7 +75,10 @@ class RolloutConfig:
         mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
         if len(mode.components) != 1:
             raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")
-        backend = mode.components[0].backend
+        comp = mode.components[0]
+        backend = comp.backend
+        if self.launched_by_tandem and comp.run_error:
+            raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
         if backend != "tandem" and not self.servers:
             raise ConfigError(
                 f"{prefix}servers is empty: Tandem does not start {backend} servers; start them and list their "
@@ -90,5 +95,5 @@ class RolloutConfig:
         return ExecutorConfig(
             max_concurrent_rollouts=self.max_concurrent_rollouts, consumer_batch_size=self.consumer_batch_size,
             max_staleness=self.max_head_offpolicyness, order=self.order,  # type: ignore[arg-type]
-            dump_dir=self.dump_dir,
+            dump_dir=self.dump_dir, max_consecutive_failures=self.max_consecutive_failures,
         )

@@ -12,6 +12,7 @@ from tandem.cli import main
 from tandem.config.loader import load_config, to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.errors import ConfigError
+from tandem.models.tiny import init_model
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -42,7 +43,7 @@ def test_interpolation_resolves(tmp_path):
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = load_config(None, ["actor.dtype=bfloat16", "experiment.seed=7", "actor.backend=archon:d2t2"])
+    cfg = load_config(None, ["actor.dtype=bfloat16", "experiment.seed=7", "actor.backend=archon:d4"])
     again = load_config(write(tmp_path, to_yaml(cfg)))
     assert again == cfg
 
@@ -171,8 +172,9 @@ def test_console_script_exit_code(tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
-def test_example_configs_load(path):
-    load_config(path)
+def test_example_configs_load(path, tmp_path):
+    model = init_model(tmp_path / "model", preset="tiny", seed=0)  # actor.path must name a model directory
+    load_config(path, [f"actor.path={model}"])
 
 
 def test_algo_recipe_sets_defaults_and_overrides_win():
