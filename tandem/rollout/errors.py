@@ -33,3 +33,18 @@ class ServerRequestError(RolloutError):
 
 class NoServerError(RolloutError):
     """The pool has no server at all."""
+
+
+class EpisodeFailureStorm(RolloutError):
+    """`count` episodes in a row failed: the rollouts stop instead of burning the dataset."""
+
+    def __init__(self, count: int, first_error: str):
+        self.count, self.first_error = count, first_error
+        super().__init__(
+            f"{count} episodes in a row failed (rollout.max_consecutive_failures); the first error: {first_error}. "
+            "Fix the cause (the reward function, the servers' log, the generation settings) and rerun"
+        )
+
+
+class RewardError(RolloutError):
+    """A reward function raised, hung or returned a non-number for an episode's sample."""

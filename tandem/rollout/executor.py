@@ -11,6 +11,13 @@ Order (`ExecutorConfig.order`):
   hold for every trajectory (docs/rollout.md derives it).
 - "completion": handed out as they finish; no head-of-line wait, but a straggler overtaken by
   younger episodes can be consumed later than the bound promises.
+
+Failures: an episode whose workflow raises is counted as failed (and rejected). Identical errors
+are logged once with their traceback, then as a running count (`tandem.log_repeats`). When
+`max_consecutive_failures` episodes in a row failed (no accepted episode in between), the executor
+stops starting episodes and every waiter gets `EpisodeFailureStorm`, naming the count and the
+first error of the streak: a broken reward or a server refusing every request ends a run instead
+of burning the dataset.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ from typing import Any, Literal
 
 from tandem.aio import new_event_loop
 from tandem.data.trajectory import Trajectory
+from tandem.log_repeats import RepeatCounter
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.dump import TrajectoryDumper
+from tandem.rollout.errors import EpisodeFailureStorm
 from tandem.rollout.staleness import StalenessManager
 from tandem.rollout.workflow import RolloutWorkflow, as_trajectories
 
@@ -44,6 +53,7 @@ class ExecutorConfig:
     max_staleness: int = 1
     order: Literal["dispatch", "completion"] = "dispatch"
     dump_dir: str | None = None  # JSONL per version when set
+    max_consecutive_failures: int | None = None  # an error storm ends the executor; None: never
 
 
 @dataclass
@@ -74,6 +84,9 @@ class WorkflowExecutor:
         self._error: BaseException | None = None
         self._version = 0
         self._counts = {"accepted": 0, "rejected": 0, "failed": 0}
+        self._streak = 0  # episodes failed in a row
+        self._streak_first = ""  # the first error of the current streak
+        self._errors = RepeatCounter(logger, level=logging.ERROR)
         self._seq = itertools.count()
         self._sources: dict[int, tuple[Any, Iterator[Any]]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -218,6 +231,8 @@ class WorkflowExecutor:
         return self._closed or self._error is not None
 
     def _raise_if_dead(self) -> None:
+        if isinstance(self._error, EpisodeFailureStorm):
+            raise self._error
         if self._error is not None:
             raise RuntimeError("the rollout executor failed") from self._error
         if self._closed:
@@ -246,7 +261,7 @@ class WorkflowExecutor:
         try:
             while True:
                 with self._cond:
-                    if self._paused or self._closed or not self._pending:
+                    if self._paused or self._dead() or not self._pending:
                         return
                     if self.staleness.capacity(self._version) <= 0:
                         return
@@ -265,7 +280,7 @@ class WorkflowExecutor:
                 self._cond.notify_all()
 
     async def _run_episode(self, ep: _Episode) -> None:
-        failed = False
+        error = None
         try:
             result = as_trajectories(await ep.workflow.arun_episode(self.client, ep.item))
             if result is None:
@@ -275,22 +290,25 @@ class WorkflowExecutor:
             if ep.future is not None:
                 ep.future.cancel()
             raise
-        except Exception:
-            logger.exception("episode %d failed and is rejected (item %.200r)", ep.seq, ep.item)
-            result, failed = None, True
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._errors.log(error, f"episode {ep.seq} failed and is rejected (item {ep.item!r:.200}): {error}",
+                             exc_info=exc)
+            result = None
         if result is None:
             self.staleness.on_reject()
         else:
             self.staleness.on_accept()
             if self._dumper is not None:
                 await asyncio.to_thread(self._dumper.write, self._version, result)
-        self._finish(ep, result, failed)
+        self._finish(ep, result, error)
         self._dispatch()
 
-    def _finish(self, ep: _Episode, result: list[Trajectory] | None, failed: bool) -> None:
+    def _finish(self, ep: _Episode, result: list[Trajectory] | None, error: str | None) -> None:
         with self._cond:
             self._counts["accepted" if result is not None else "rejected"] += 1
-            self._counts["failed"] += failed
+            self._counts["failed"] += error is not None
+            self._track_streak(result is not None, error)
             if ep.future is None:
                 if self.config.order == "completion":
                     if result is not None:
@@ -304,6 +322,24 @@ class WorkflowExecutor:
             self._cond.notify_all()
         if ep.future is not None and not ep.future.done():
             ep.future.set_result(result)
+
+    def _track_streak(self, accepted: bool, error: str | None) -> None:  # under self._cond
+        if accepted:
+            self._streak = 0
+        if error is None:
+            return
+        if self._streak == 0:
+            self._streak_first = error
+        self._streak += 1
+        limit = self.config.max_consecutive_failures
+        if limit is not None and self._streak >= limit and self._error is None:
+            self._errors.flush()
+            self._error = EpisodeFailureStorm(self._streak, self._streak_first)
+            logger.error("%s", self._error)
+            dropped, self._pending = list(self._pending), deque()
+            for ep in dropped:  # never started: their callers get the storm too
+                if ep.future is not None and not ep.future.done():
+                    ep.future.set_exception(self._error)
 
     async def _aclose(self) -> None:
         tasks = list(self._tasks)

@@ -40,3 +40,9 @@ def maybe_hang_reward(prompt_text, completion_text, prompt_ids, completion_ids, 
     if hang:
         stubborn_reward()
     return 1.0
+
+
+def slow_reward(*args, **fields) -> float:
+    """Takes 3 s: long enough to end a run while rewards are in flight."""
+    time.sleep(3)
+    return 1.0

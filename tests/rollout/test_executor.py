@@ -19,6 +19,7 @@ from tandem.rollout import (
     WorkflowExecutor,
 )
 from tandem.rollout.dump import read_dump
+from tandem.rollout.errors import EpisodeFailureStorm
 from tests.rollout import rewards
 from tests.rollout.fake_server import chain
 
@@ -132,6 +133,55 @@ def test_workflow_that_raises_is_rejected_and_logged(make_server, make_executor,
     assert ex.staleness.stats().running == 0
 
 
+class FailEvery(RolloutWorkflow):
+    """Raises the same error for every item; items that are lists generate instead."""
+
+    def __init__(self):
+        self.params = GenerationParams(max_new_tokens=2)
+
+    async def arun_episode(self, client, item):
+        if isinstance(item, list):
+            return (await client.agenerate(ModelRequest(list(item), self.params))).to_trajectory(prompt_id=str(item[0]))
+        raise ValueError("the grader crashed")
+
+
+def test_error_storm_ends_rollouts_with_the_first_error(make_server, make_executor, caplog):
+    """Every episode fails: after max_consecutive_failures in a row the waiter gets the storm
+    (count + first error) instead of the executor burning the dataset, and the error is logged
+    once with its traceback, then as a count."""
+    server = make_server()
+    ex = make_executor([server.address], max_concurrent_rollouts=4, consumer_batch_size=2, max_consecutive_failures=16)
+    items = iter(range(10**6))
+    start = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="tandem.rollout.executor"), \
+            pytest.raises(EpisodeFailureStorm) as info:
+        ex.prepare_batch(items, FailEvery(), timeout=30)
+    took = time.monotonic() - start
+    assert info.value.count == 16 and "ValueError: the grader crashed" in info.value.first_error
+    assert "16 episodes in a row failed" in str(info.value)
+    drawn = next(items)
+    assert drawn <= 16 + 4 + 2 + 2, f"{drawn} items drawn: the executor kept going"  # the limit + what was queued
+    assert took < 10
+    texts = [r.getMessage() for r in caplog.records]
+    first = [r for r in caplog.records if "the grader crashed" in r.getMessage() and r.exc_info]
+    assert len(first) == 1  # one traceback
+    assert any("in total]" in t for t in texts), texts  # the running count
+    assert len(texts) <= 4, texts
+    with pytest.raises(EpisodeFailureStorm):  # dead for good: no new episode starts
+        ex.submit([1], FailEvery())
+    print(f"storm after {took:.2f}s, {drawn} items drawn, {len(texts)} log records")
+
+
+def test_failures_between_successes_are_no_storm(make_server, make_executor):
+    server = make_server()
+    ex = make_executor([server.address], max_concurrent_rollouts=1, consumer_batch_size=1, max_staleness=10,
+                       max_consecutive_failures=2)
+    for i in range(7):
+        ex.submit("x" if i % 2 else [i + 1], FailEvery())  # succeed, fail, succeed, ... (one at a time)
+    assert len(ex.wait(4, timeout=20)) == 4
+    assert ex.stats()["failed"] == 3
+
+
 def test_reward_that_hangs_is_rejected_and_the_executor_goes_on(make_server, make_executor):
     server = make_server()
     ex = make_executor([server.address])
@@ -235,3 +285,38 @@ def test_hand_out_order(make_server, make_executor, order, expected):
     ex.submit(([1], 30), SizedGenerate())  # straggler, started first
     ex.submit(([2], 2), SizedGenerate())
     assert [t.prompt_id for t in ex.wait(2, timeout=10)] == expected
+
+
+def test_shutdown_with_rewards_in_flight_leaves_no_task_behind(make_server):
+    """The end of a run: the reward pool is closed and the executor shut down while rewards are
+    running. Every episode and reward task is cancelled and awaited before the loop closes, so no
+    coroutine is destroyed pending ('Exception ignored in: <coroutine object RewardRunner.ascore>
+    ... Event loop is closed' at exit) and nothing hangs."""
+    import gc
+    import sys
+
+    server = make_server()
+    ex = WorkflowExecutor(InferenceClient([server.address]), ExecutorConfig(max_concurrent_rollouts=4))
+    runner = RewardRunner(max_workers=2, timeout_s=30)
+    wf = RLVRWorkflow(rewards.slow_reward, GenerationParams(max_new_tokens=2), n_samples=2, reward_runner=runner)
+    unraisable: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
+    try:
+        for i in range(3):
+            ex.submit({"input_ids": [i + 1], "id": str(i)}, wf)
+        time.sleep(1.5)  # generation is instant; the rewards are running in the pool now
+        loop = ex._loop
+        start = time.monotonic()
+        runner.close()
+        ex.shutdown()
+        took = time.monotonic() - start
+        assert loop.is_closed()
+        del loop, ex, wf
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+        runner.close()
+    print(f"closed with rewards in flight in {took:.2f}s; unraisable: {unraisable}")
+    assert not unraisable
+    assert took < 5

@@ -13,6 +13,7 @@ from tandem.rollout import (
     RewardRunner,
     RLVRWorkflow,
 )
+from tandem.rollout.errors import RewardError
 from tests.rollout import rewards
 from tests.rollout.conftest import run
 from tests.rollout.fake_server import chain
@@ -61,10 +62,14 @@ def test_rlvr_group(make_server, runner, tokenizer):
     assert Trajectory.from_dict(group[0].to_dict()) == group[0]
 
 
-def test_rlvr_failed_reward_rejects_the_group(make_server, runner):
+def test_rlvr_failed_reward_fails_the_group(make_server, runner):
+    """A missing reward breaks the group's baseline: the episode fails with the reward's error (so
+    the executor counts it towards an error storm)."""
     server = make_server()
     wf = RLVRWorkflow(rewards.raising_reward, GenerationParams(max_new_tokens=3), n_samples=2, reward_runner=runner)
-    assert run(episode(wf, InferenceClient([server.address]), {"input_ids": [5, 6, 7]})) is None
+    with pytest.raises(RewardError, match=r"2/2 rewards of the group failed; the first: raising_reward: "
+                                          r"ValueError: the grader crashed"):
+        run(episode(wf, InferenceClient([server.address]), {"input_ids": [5, 6, 7]}))
 
 
 def test_multi_turn_keeps_token_ids_end_to_end(make_server, tokenizer):

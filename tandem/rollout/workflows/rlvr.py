@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import Any
 
 from tandem.data.trajectory import Trajectory
 from tandem.rollout.client import InferenceClient
+from tandem.rollout.errors import RewardError
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import GenerationParams, ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
-
-logger = logging.getLogger(__name__)
 
 # Item keys the workflow reads itself; everything else goes to the reward function as keywords.
 _RESERVED = ("input_ids", "messages", "prompt", "id")
@@ -77,9 +75,9 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         failed = [r.error for r in rewards if not r.ok]
         if failed:
-            # One missing reward breaks the group's baseline: the whole episode is rejected.
-            logger.warning("prompt %s rejected: %d/%d rewards failed: %s", prompt_id, len(failed), len(rewards), failed[0])
-            return None
+            # One missing reward breaks the group's baseline: the whole episode fails (the executor
+            # logs it once per distinct error and ends the run on a storm of them).
+            raise RewardError(f"{len(failed)}/{len(rewards)} rewards of the group failed; the first: {failed[0]}")
         end = time.time()
         return [
             r.to_trajectory(
