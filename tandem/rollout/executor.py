@@ -342,9 +342,12 @@ class WorkflowExecutor:
                     ep.future.set_exception(self._error)
 
     async def _aclose(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel and await every task on this loop: the episodes and anything a workflow started
+        (reward calls, sub-requests), so the loop closes with nothing pending and no coroutine is
+        destroyed unfinished at exit."""
+        me = asyncio.current_task()
+        while tasks := [t for t in asyncio.all_tasks() if t is not me and not t.done()]:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.aclose()
-

@@ -49,6 +49,10 @@ class RewardResult:
         return self.value is not None
 
 
+class RewardRunnerClosed(RuntimeError):
+    """The runner was closed: no more rewards are scored (the run is ending)."""
+
+
 class _AlarmTimeout(Exception):
     pass
 
@@ -87,6 +91,7 @@ class RewardRunner:
             weakref.WeakKeyDictionary()
         )
         self.num_recycled = 0  # pools retired because a worker was stuck (for tests and stats)
+        self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickles as its settings (a workflow sent to a rollout worker): the copy starts its own pool."""
@@ -98,6 +103,8 @@ class RewardRunner:
 
     def _get_pool(self) -> ProcessPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise RewardRunnerClosed("the reward runner is closed")
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx)
             return self._pool
@@ -141,7 +148,9 @@ class RewardRunner:
             pool = self._get_pool()
             try:
                 cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields)
-            except RuntimeError:  # the pool was shut down (recycled) between get and submit
+            except RuntimeError:  # the pool was shut down (recycled or closed) between get and submit
+                if self._closed:
+                    raise RewardRunnerClosed("the reward runner is closed") from None
                 continue
             started = time.monotonic()
             try:
@@ -156,6 +165,8 @@ class RewardRunner:
             except BrokenProcessPool:
                 # The pool was retired because of another call. A victim that had not yet used its
                 # time is retried once; one that ran past its timeout was stuck too: no retry.
+                if self._closed:
+                    raise RewardRunnerClosed("the reward runner was closed during the call") from None
                 if attempt == 0 and time.monotonic() - started < self.timeout_s:
                     continue
                 return RewardResult(None, f"{name}: worker killed along with a stuck one")
@@ -166,15 +177,21 @@ class RewardRunner:
             return RewardResult(float(value))
         return RewardResult(None, f"{name}: reward worker pool unavailable")
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop the pool for good: idle workers exit at once, busy or stuck ones are killed after
+        `grace_s` in total (not per worker), so closing never takes much longer than that. Calls
+        after this raise `RewardRunnerClosed`. Idempotent."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is None:
             return
         procs = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in procs:  # idle workers exit at once; a stuck one is killed
-            proc.join(timeout=2.0)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -70,3 +70,28 @@ def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
     procs = list(pool._processes.values()) if pool._processes else []
     assert all(not p.is_alive() for p in procs)  # no stuck worker left behind
     assert score(runner, rewards.parity_reward).value == 1.0  # fresh pool works
+
+
+def test_close_while_scoring_is_final_and_quick():
+    """Closing the runner while a reward runs (the end of a run): the call ends within the close's
+    grace, later calls are refused, and no new worker pool is started behind the closed one."""
+    from tandem.rollout.reward import RewardRunnerClosed
+
+    runner = RewardRunner(max_workers=1, timeout_s=30)
+
+    async def main():
+        call = asyncio.ensure_future(runner.ascore(rewards.slow_reward, "p", "c", [1], [2]))
+        await asyncio.sleep(1.0)  # the worker is inside the 3 s reward now
+        start = time.monotonic()
+        await asyncio.to_thread(runner.close)
+        closed_in = time.monotonic() - start
+        with pytest.raises(RewardRunnerClosed):
+            await asyncio.wait_for(call, 10)
+        with pytest.raises(RewardRunnerClosed):
+            await runner.ascore(rewards.parity_reward, "p", "c", [1], [2])
+        return closed_in
+
+    closed_in = run(main())
+    print(f"closed with a reward running in {closed_in:.2f}s")
+    assert closed_in < 2.0
+    assert runner._pool is None  # nothing resurrected after close

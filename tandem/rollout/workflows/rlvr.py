@@ -18,6 +18,11 @@ from tandem.rollout.workflow import RolloutWorkflow
 _RESERVED = ("input_ids", "messages", "prompt", "id")
 
 
+def reward_fields(item: dict[str, Any]) -> dict[str, Any]:
+    """The item's fields that reach the reward function as keywords (all but the reserved ones)."""
+    return {k: v for k, v in item.items() if k not in _RESERVED}
+
+
 def prompt_ids_of(item: dict[str, Any], tokenizer: Any) -> list[int]:
     """Prompt token ids: given (`input_ids`), or rendered from `messages` / `prompt` with the chat template."""
     if "input_ids" in item:
@@ -63,16 +68,15 @@ class RLVRWorkflow(RolloutWorkflow):
             ]
         responses = [t.result() for t in tasks]
         prompt_text = item.get("prompt") or self._decode(prompt_ids)
-        fields = {k: v for k, v in item.items() if k not in _RESERVED}
+        fields = reward_fields(item)
         t_reward = time.time()
-        rewards = await asyncio.gather(
-            *(
-                self.reward_runner.ascore(
-                    self.reward_fn, prompt_text, self._decode(r.output_ids), prompt_ids, r.output_ids, **fields
-                )
+        async with asyncio.TaskGroup() as tg:  # cancelled together: no reward task outlives the episode
+            scoring = [
+                tg.create_task(self.reward_runner.ascore(
+                    self.reward_fn, prompt_text, self._decode(r.output_ids), prompt_ids, r.output_ids, **fields))
                 for r in responses
-            )
-        )
+            ]
+        rewards = [t.result() for t in scoring]
         failed = [r.error for r in rewards if not r.ok]
         if failed:
             # One missing reward breaks the group's baseline: the whole episode fails (the executor
