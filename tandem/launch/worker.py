@@ -154,13 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     name = args.name or f"worker-rank{rank}"
 
-    import torch.distributed as dist
-
-    from tandem.train.dist import default_backend, resolve_device
+    from tandem.train.dist import default_backend, init_from_env, resolve_device
 
     device = resolve_device(args.device)
     backend = args.backend or default_backend(device)
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=args.pg_timeout))
+    init_from_env(backend, timedelta(seconds=args.pg_timeout))
     worker = TrainWorker(rank, world, device, backend, name)
 
     from multiprocessing.connection import Listener

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tandem.net import bound_tcp_store
+
 
 def default_backend(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else "nccl"
@@ -35,10 +37,23 @@ def init_distributed(device: torch.device, backend: str | None = None, timeout_s
     backend = backend or default_backend(device)
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        init_from_env(backend, timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
+
+
+def init_from_env(backend: str, timeout: timedelta) -> None:
+    """The default process group from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), like `init_method="env://"`, except that rank 0's rendezvous store listens on
+    MASTER_ADDR only (torch's own listens on every interface)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        store = bound_tcp_store(addr, port, world_size=world, timeout=timeout)
+    else:
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def all_reduce_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:

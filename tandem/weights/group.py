@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.errors import TandemError
+from tandem.net import bound_tcp_store
 
 DEFAULT_TIMEOUT_S = 60.0
 BACKENDS = ("gloo", "nccl")
@@ -37,9 +38,9 @@ class WeightGroupError(TandemError, RuntimeError):
 
 
 def host_store(master_address: str, master_port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """The store a trainer's rank 0 hosts for the group (port 0 picks a free one: `store.port`)."""
-    return dist.TCPStore(master_address, master_port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+    """The store a trainer's rank 0 hosts for the group, listening on `master_address` only (port
+    0 picks a free one: `store.port`)."""
+    return bound_tcp_store(master_address, master_port, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def connect_store(master_address: str, master_port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:

@@ -64,3 +64,43 @@ def can_listen(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except (FileNotFoundError, PermissionError):
+        pass
+    return inodes
+
+
+def _decode_address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # /proc prints each 32-bit word in host order
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, local address, port) of every TCP socket in LISTEN state that one of `pids` holds,
+    from /proc/net/tcp and tcp6."""
+    owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in owner:  # 0A: LISTEN
+                    addr, port = local.rsplit(":", 1)
+                    found.append((owner[inode], _decode_address(addr), int(port, 16)))
+    return found

@@ -1,0 +1,55 @@
+"""Addresses and listeners: which hosts are loopback, and a `TCPStore` that listens on one address.
+
+torch's `TCPStore` server listens on every interface whatever host it is given, so a trainer's
+rendezvous store would be reachable from the network even when the run is meant to stay on this
+machine. `bound_tcp_store` binds the listening socket itself, on the given address only, and hands
+torch its file descriptor (`master_listen_fd`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+
+import torch.distributed as dist
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and 'localhost' (names are not resolved)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_tcp_store(host: str, port: int, *, world_size: int | None = None,
+                    timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> dist.TCPStore:
+    """The server side of a `TCPStore`, listening on `host` only; `store.port` is the port (useful
+    with port 0). The store owns the socket from here on."""
+    sock = listen_socket(host, port)
+    try:
+        store = dist.TCPStore(host.strip("[]"), sock.getsockname()[1], world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False, master_listen_fd=sock.fileno(),
+                              use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor; the Python object must not
+    return store
