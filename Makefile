@@ -26,12 +26,13 @@ test: $(STAMP) lint
 
 # The default RL job: a small model made locally, warm-started with SFT, then asynchronous GRPO
 # with two servers and two trainer ranks; eval accuracy before and after RL is printed at the end.
+# Each `make demo` starts the demo anew (train.overwrite=true replaces the previous demo's outputs).
 DEMO_DIR ?= runs/demo
 demo: $(STAMP)
 	$(VENV)/bin/tandem init-model $(DEMO_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
 	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(DEMO_DIR)/base sft.output=$(DEMO_DIR)/sft \
 		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
-	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft
+	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft train.overwrite=true
 	@echo "plot: runs/demo/run/plot.png  TensorBoard: .venv/bin/tensorboard --logdir runs"
 
 clean:

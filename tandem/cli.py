@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 from tandem.errors import ConfigError, TandemError
 
 EXIT_USAGE = 2
+ENV_SERVE_API_KEY = "TANDEM_SERVE_API_KEY"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 TRAIN_USAGE = """usage: tandem train CONFIG.yaml [key=value ...]
 
@@ -48,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TandemError as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        # The interpreter's last garbage collection walks every object torch and transformers
+        # made (~3 s on 2 busy cores after a run): nothing is left to collect, so skip it.
+        import gc
+
+        gc.freeze()
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -162,25 +171,26 @@ def _cmd_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setup_logging() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("httpx", "urllib3", "aiohttp.access", "uvicorn.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     if not args.config:
         print(TRAIN_USAGE, end="", file=sys.stderr)
         return EXIT_USAGE
     cfg = config_from_args(args)
     require_model_path(cfg)
-    from tandem.rl.trainer import run_rl  # torch, transformers: seconds, paid once the config is good
+    from tandem.rl.console import CONTROLLER_LOG, setup_console
+    from tandem.rl.trial import plan_trial
 
-    _setup_logging()
-    summary = run_rl(cfg)
+    plan = plan_trial(cfg)  # refuses at once a launch that would mix or discard runs
+    setup_console()
+    print(f"tandem train: run directory {plan.run_dir} ({plan.describe()}); controller log "
+          f"{plan.run_dir / 'logs' / CONTROLLER_LOG}", file=sys.stderr, flush=True)
+    from tandem.rl.trainer import RunInterrupted, run_rl  # torch, transformers: seconds
+
+    try:
+        summary = run_rl(cfg, plan)
+    except RunInterrupted as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(summary.describe())
     return 0
 
@@ -188,9 +198,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     require_model_path(cfg)
+    from tandem.rl.console import setup_console
+
+    setup_console()
     from tandem.rl.sft import run_sft
 
-    _setup_logging()
     out, result = run_sft(cfg)
     print(f"SFT model written to {out}; eval accuracy {result.get('eval/accuracy', float('nan')):.3f}")
     return 0
@@ -222,7 +234,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (printed on startup)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", default=os.environ.get(ENV_SERVE_API_KEY) or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        f"${ENV_SERVE_API_KEY}, which keeps the key off the command line other users can read)")
     p.add_argument("--served-model-name", default=None, help="model name of the OpenAI routes (default: the path)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one prefill step")

@@ -88,9 +88,18 @@ class TaskConfig:
     train_size: int = _f(20000, "Training items generated (cycled in order).", min=1)
     eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
     system_prompt: str | None = _f(None, "System message prepended to every prompt.")
+    reward_fn: str | None = _f(
+        None, "Import path 'package.module:function' of a reward used instead of the task's, in training and "
+              "evaluation: fn(prompt_text, completion_text, prompt_ids, completion_ids, **item_fields) -> float.")
+    reward_timeout_s: float = _f(15.0, "Seconds one reward call may take before it fails (training and evaluation).",
+                                 gt=0.0)
+    reward_workers: int = _f(2, "Processes that compute rewards, off the controller's event loop.", min=1)
 
     def check(self, prefix: str) -> None:
         from tandem.data.tasks import TaskError, available_tasks, get_task
+
+        if self.reward_fn:
+            check_reward_fn(self.reward_fn, f"{prefix}reward_fn")
 
         if self.name not in available_tasks():
             raise ConfigError(f"{prefix}name: unknown task {self.name!r}; available: {', '.join(available_tasks())}")
@@ -171,6 +180,20 @@ def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
     if algo.ppo.kl_ctl > 0:
         raise ConfigError(f"{prefix}ppo.kl_ctl={algo.ppo.kl_ctl:g} needs a reference model, which `tandem train` "
                           f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
+
+
+def check_reward_fn(path: str, key: str) -> None:
+    """`path` ('package.module:function') imports and names a callable."""
+    from tandem.launch.specs import import_object
+
+    if ":" not in path:
+        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
+    try:
+        fn = import_object(path)
+    except Exception as exc:  # ImportError, or whatever importing the user's module raised
+        raise ConfigError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
 
 
 def check_model_dir(path: str, key: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -43,10 +44,12 @@ from tandem.config.alloc import Component
 from tandem.launch.rpc import WorkerGroup
 from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle, server_layout, worker_layout
 
+logger = logging.getLogger(__name__)
 LISTENING = re.compile(r"tandem serve: listening on http://(\[[^\]]+\]|[^:\s]+):(\d+)")
 ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"
 ENV_READY_FD = "TANDEM_RPC_READY_FD"
 ENV_PARENT_PID = "TANDEM_PARENT_PID"
+INTERRUPT_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay when a signal tears the run down
 _TICK_S = 0.05  # startup only: how often the log and /health are looked at (the wait is on the pidfd)
 
 
@@ -119,6 +122,11 @@ class ManagedProcess:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def describe(self, what: str, lines: int = 40) -> str:
+        """'NAME (pid N) WHAT; log PATH' and the last `lines` lines this launch wrote."""
+        return (f"{self.name} (pid {self.pid}) {what}; log {self.log_path}\n"
+                f"--- last lines of its log ---\n{self.log_tail(lines).rstrip()}")
+
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
@@ -187,8 +195,12 @@ class LocalScheduler(Scheduler):
                     if device == "cuda":
                         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
                 procs.append(self._spawn(f"{name}-{i}", cmd, child_env, guard=True))
+                logger.info("%s: starting (log %s)", procs[-1].name, procs[-1].log_path)
             deadline = time.monotonic() + timeout_s
-            handles = [self._await_server(p, deadline, timeout_s) for p in procs]
+            handles = []
+            for p in procs:
+                handles.append(self._await_server(p, deadline, timeout_s))
+                logger.info("%s: ready at %s after %.1f s", p.name, handles[-1].url, time.monotonic() - p.started)
         except BaseException:
             self._stop(procs, grace_s=min(self.grace_s, 5.0))
             raise
@@ -228,9 +240,7 @@ class LocalScheduler(Scheduler):
             raise self._startup_error(proc, f"{what} within {timeout_s:.0f}s")
 
     def _startup_error(self, proc: ManagedProcess, what: str) -> LaunchError:
-        tail = proc.log_tail(self.log_tail_lines).rstrip()
-        return LaunchError(f"{proc.name} (pid {proc.pid}) {what}; log {proc.log_path}\n"
-                           f"--- last lines of its log ---\n{tail}")
+        return LaunchError(proc.describe(what, self.log_tail_lines))
 
     # ------------------------------------------------------------------------------ workers
 
@@ -261,6 +271,8 @@ class LocalScheduler(Scheduler):
                     procs.append(self._spawn(f"{name}-rank{rank}", cmd, child_env, pass_fds=(w_fd,)))
                 finally:
                     os.close(w_fd)
+            logger.info("%s: starting %d rank(s) (logs %s)", name, world,
+                        ", ".join(str(p.log_path) for p in procs))
             ports = self._await_ready(procs, ready, time.monotonic() + timeout_s, timeout_s)
             for rank, port in enumerate(ports):
                 try:
@@ -271,6 +283,7 @@ class LocalScheduler(Scheduler):
             group = WorkerGroup(name, conns, procs, default_timeout_s=self.call_timeout_s,
                                 log_tail_lines=self.log_tail_lines)
             group.master_port = master_port
+            logger.info("%s: %d rank(s) connected after %.1f s", name, world, time.monotonic() - procs[0].started)
         except BaseException:
             for c in conns:
                 c.close()
@@ -330,18 +343,31 @@ class LocalScheduler(Scheduler):
                 return
             self._closing = True
         start = time.monotonic()
+        if not graceful:
+            logger.warning("interrupted: stopping %d process(es)", len(self.processes))
         try:
             for group in self.groups:
                 with contextlib.suppress(Exception):
                     if graceful:
                         group.shutdown(timeout_s=min(self.grace_s, 3.0))
                     group.close()
-            self._stop(self.processes, self.grace_s)
+            # Interrupted (Ctrl-C, SIGTERM): a short grace, so the run ends within seconds even
+            # when a server is still finishing requests.
+            self._stop(self.processes, self.grace_s if graceful else min(self.grace_s, INTERRUPT_GRACE_S))
         finally:
             self._closed = True
             self.teardown_s = time.monotonic() - start
+            logger.info("stopped %d process(es) in %.1f s", len(self.processes), self.teardown_s)
             self._restore_signal_handlers()
             atexit.unregister(self._atexit)
+
+    def log_exits(self) -> list[ManagedProcess]:
+        """Log every started process that has exited (name, exit status, log and its last lines)
+        and return them: what a failure report says about which role died."""
+        dead = [p for p in self.processes if p.sentinel >= 0 and p.poll() is not None]
+        for p in dead:
+            logger.error("%s", p.describe(f"exited ({p.exit_status()})", self.log_tail_lines))
+        return dead
 
     def _kill_now(self) -> None:
         for p in self.processes:
@@ -409,6 +435,9 @@ class LocalScheduler(Scheduler):
     def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
         env = {**os.environ, **self.env, **(extra or {})}
         env["PYTHONUNBUFFERED"] = "1"
+        # Everything here talks over 127.0.0.1: gloo's listeners (trainer group, weight group) bind
+        # the loopback interface, never the address the host name resolves to.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
     def _spawn(self, name: str, cmd: Sequence[str], env: Mapping[str, str], *, guard: bool = False,

@@ -7,9 +7,13 @@ Shared by `tandem train` and `tandem sft`. Servers come from `rollout.backend` (
 
 from __future__ import annotations
 
+import logging
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.cli import ENV_SERVE_API_KEY
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
@@ -17,9 +21,7 @@ from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.rpc import WorkerGroup
 from tandem.train import MicroBatchConfig, TrainEngineConfig
 
-
-def run_dir_of(cfg: TandemConfig) -> Path:
-    return Path(cfg.experiment.fileroot) / cfg.experiment.name / cfg.experiment.trial
+logger = logging.getLogger("tandem.run")
 
 
 def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> TrainEngineConfig:
@@ -48,7 +50,10 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
     if cfg.actor.cpus:
         env[ENV_CPUS] = cfg.actor.cpus
     workers = scheduler.start_workers(comp, name="actor", device=cfg.experiment.device, env=env)
-    workers.call("initialize", engine_config(cfg, model_path, total_steps))
+    began = time.monotonic()
+    ranks = workers.call("initialize", engine_config(cfg, model_path, total_steps))
+    logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),
+                cfg.actor.dtype, f"{ranks[0]['local_params']:,}", time.monotonic() - began)
     return workers
 
 
@@ -56,13 +61,24 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
 class Fleet:
     servers: list[str]  # URLs
     launched: bool
+    api_key: str | None  # what every request to the servers carries
 
 
-def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str) -> Fleet:
+def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, *,
+                  weights_dir: Path | None = None) -> Fleet:
+    """The run's inference servers: launched for `tandem:dN` (each requiring the run's API key,
+    `rollout.api_key` or a fresh per-run key, handed over in the environment where other users
+    cannot read it; disk updates allowed from `weights_dir`), else the listed addresses."""
     if not cfg.rollout.launched_by_tandem:
-        return Fleet(list(cfg.rollout.servers), launched=False)
+        return Fleet(list(cfg.rollout.servers), launched=False, api_key=cfg.rollout.api_key)
     comp = cfg.rollout.allocation.components[0]
-    env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
-    handles = scheduler.start_servers(comp, model_path, server_args=cfg.rollout.server_args,
-                                      device=cfg.experiment.device, env=env)
-    return Fleet([f"http://{h.address}" for h in handles], launched=True)
+    api_key = cfg.rollout.api_key or secrets.token_urlsafe(32)
+    env = {ENV_SERVE_API_KEY: api_key}
+    if cfg.rollout.cpus:
+        env[ENV_CPUS] = cfg.rollout.cpus
+    server_args = list(cfg.rollout.server_args)
+    if weights_dir is not None:
+        server_args += ["--weights-dir", str(weights_dir)]
+    handles = scheduler.start_servers(comp, model_path, server_args=server_args, device=cfg.experiment.device,
+                                      env=env)
+    return Fleet([h.url for h in handles], launched=True, api_key=api_key)

@@ -1,41 +1,79 @@
-"""Evaluation: greedy answers to the eval items, scored by the task's reward, over the fleet."""
+"""Evaluation: greedy answers to the eval items over the fleet, scored by the run's reward function
+in the run's reward pool, like training rewards (worker processes, a timeout each).
+
+An item whose generation or reward fails counts as wrong: the accuracy is over every item asked
+for, and `eval/failed` says how many failed. Each distinct error is logged once, then counted.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from tandem import aio
+from tandem.config.schema import TandemConfig
 from tandem.data.tasks import Task
+from tandem.log_repeats import RepeatCounter
 from tandem.rollout.client import ClientConfig, InferenceClient
+from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.workflows.rlvr import reward_fields
+
+logger = logging.getLogger(__name__)
 
 
-async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], task: Task, tokenizer: Any,
-                    max_new_tokens: int, concurrency: int) -> dict[str, float]:
+async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], reward_fn: RewardFn,
+                    runner: RewardRunner, tokenizer: Any, max_new_tokens: int, concurrency: int) -> dict[str, float]:
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0)
     gate = asyncio.Semaphore(concurrency)
+    errors = RepeatCounter(logger)
 
-    async def one(item: dict[str, Any]) -> tuple[float, int]:
-        async with gate:
-            resp = await client.agenerate(ModelRequest(list(item["input_ids"]), params))
-        text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        return task.reward(text, item), len(resp.output_ids)
+    async def one(item: dict[str, Any]) -> tuple[float, int, bool]:
+        try:
+            async with gate:
+                resp = await client.agenerate(ModelRequest(list(item["input_ids"]), params))
+            text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+            result = await runner.ascore(reward_fn, item.get("prompt", ""), text, item["input_ids"], resp.output_ids,
+                                         **reward_fields(item))
+            error = result.error
+        except Exception as exc:  # generation failed (deadline, a server refusing): the item is wrong
+            resp, error = None, f"{type(exc).__name__}: {exc}"
+        if error is not None:
+            errors.log(error, f"eval item {item.get('id', '?')} counts as wrong: {error}")
+            return 0.0, 0 if resp is None else len(resp.output_ids), True
+        return float(result.value), len(resp.output_ids), False
 
     try:
-        results = await asyncio.gather(*(one(item) for item in items))
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(item)) for item in items]
     finally:
         await client.aclose()
+    results = [t.result() for t in tasks]
+    failed = sum(f for _, _, f in results)
+    if failed:
+        errors.flush()
+        logger.warning("eval: %d of %d items failed and count as wrong (errors above)", failed, len(results))
     n = max(1, len(results))
-    return {"eval/accuracy": sum(r for r, _ in results) / n, "eval/response_len": sum(L for _, L in results) / n,
-            "eval/n": float(len(results))}
+    return {"eval/accuracy": sum(r for r, _, _ in results) / n, "eval/response_len": sum(L for _, L, _ in results) / n,
+            "eval/n": float(len(results)), "eval/failed": float(failed)}
 
 
-def evaluate(servers: list[str], items: list[dict[str, Any]], task: Task, tokenizer: Any, *,
-             max_new_tokens: int, client_config: ClientConfig, concurrency: int = 64) -> dict[str, float]:
-    """Accuracy (mean task reward) of greedy completions; runs on its own event loop and client,
-    next to the rollout executor (the servers batch both)."""
+def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:
+    """The run's reward: `task.reward_fn` when set (an import path), else the task's own."""
+    if cfg.task.reward_fn:
+        from tandem.launch.specs import import_object
+
+        return import_object(cfg.task.reward_fn)
+    return task.reward_fn()
+
+
+def evaluate(servers: list[str], items: list[dict[str, Any]], reward_fn: RewardFn, runner: RewardRunner,
+             tokenizer: Any, *, max_new_tokens: int, client_config: ClientConfig,
+             concurrency: int = 64) -> dict[str, float]:
+    """Mean reward of greedy completions (the accuracy, for 0/1 task rewards); runs on its own event
+    loop and client, next to the rollout executor (the servers batch both)."""
     if not items:
         return {}
     client = InferenceClient(list(servers), client_config)
-    return aio.run(_evaluate(client, items, task, tokenizer, max_new_tokens, concurrency))
+    return aio.run(_evaluate(client, items, reward_fn, runner, tokenizer, max_new_tokens, concurrency))

@@ -22,3 +22,9 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -12,11 +12,13 @@ from tandem.config.loader import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.data.tasks.chat import sft_example
 from tandem.launch import LocalScheduler
-from tandem.rl.cluster import run_dir_of, start_workers
+from tandem.rl.cluster import start_workers
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate
+from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.metrics import MetricsLogger
+from tandem.rl.trial import run_dir_of
+from tandem.rollout.reward import RewardRunner
 from tandem.train.batch import SequenceBatch
 
 
@@ -32,7 +34,9 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
-    metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard)
+    metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
+                            tensorboard_dir="sft-tensorboard")
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
     try:
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
             workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
@@ -48,9 +52,10 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
             workers.call("save_hf", str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
             workers.shutdown()
             server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
-            result = evaluate([f"http://{server.address}"], data.eval, data.task, tokenizer,
+            result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
                               max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())
             metrics.log(cfg.sft.steps, result, phase="sft")
     finally:
+        runner.close()
         metrics.close()
     return out, result

@@ -10,12 +10,15 @@ One step, as data (see docs/architecture.md):
   4. the trainer pushes the new weights to every server (pause -> transfer -> commit -> version ->
      continue), which bumps the version the staleness bound counts from;
   5. stats, evaluation and checkpoints on their timers.
+
+What the trial directory holds and whether this launch resumes is decided by `tandem.rl.trial`
+before anything starts. The run says what it does as it goes (`tandem.rl.console`): each role it
+launches with its log and readiness time, the first evaluation, then the progress bar.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,33 +29,49 @@ from tandem.config.loader import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
 from tandem.rl.batch import build_training_batch
-from tandem.rl.cluster import run_dir_of, start_servers, start_workers
+from tandem.rl.cluster import start_servers, start_workers
+from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate
+from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
+from tandem.rl.trial import TrialPlan, checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
 from tandem.rollout.controller import RolloutController
+from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import GenerationParams
 from tandem.rollout.workflows.rlvr import RLVRWorkflow
 from tandem.weights.meta import WeightUpdateMeta
 
-logger = logging.getLogger(__name__)
-LOOP_STATE = "loop_state.json"
+logger = logging.getLogger("tandem.run")
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C (or SIGTERM) ended the run; the message says how to continue it."""
 
 
 @dataclass
 class RunSummary:
     run_dir: Path
-    steps: int
+    start_step: int  # the step this process started from (> 0 when it resumed)
+    end_step: int  # the last step completed
     eval_before: float | None = None
     eval_after: float | None = None
     seconds: float = 0.0
     time_split: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def steps(self) -> int:
+        """Steps this process trained."""
+        return self.end_step - self.start_step
+
     def describe(self) -> str:
-        lines = [f"run directory: {self.run_dir}", f"steps: {self.steps} in {self.seconds:.0f} s"]
+        trained = f"steps: {self.steps} in {self.seconds:.0f} s"
+        if self.start_step:
+            trained = (f"steps: {self.steps} ({self.start_step + 1}-{self.end_step}, resumed at step "
+                       f"{self.start_step}) in {self.seconds:.0f} s")
+        lines = [f"run directory: {self.run_dir}", trained]
         if self.eval_before is not None and self.eval_after is not None:
             lines.append(
                 f"eval accuracy: {self.eval_before:.3f} -> {self.eval_after:.3f} "
@@ -72,70 +91,41 @@ def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
     )
 
 
-def run_rl(cfg: TandemConfig) -> RunSummary:
+def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
+    """Run (or resume) the trial `plan` describes (default: `plan_trial(cfg)`); raises
+    `RunInterrupted` on Ctrl-C after everything it started is gone."""
     from transformers import AutoTokenizer
 
     start_time = time.monotonic()
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    plan = plan or plan_trial(cfg)
+    plan.prepare()
+    run_dir = plan.run_dir
+    attach_run_log(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
+                cfg.task.train_size, cfg.task.eval_size)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
-    resume = _read_loop_state(cfg.train.resume_from)
-    start_step = resume.get("step", 0)
-    summary = RunSummary(run_dir, steps=cfg.train.total_steps)
-    metrics = MetricsLogger(run_dir, append=bool(cfg.train.resume_from), tensorboard=cfg.stats.tensorboard,
-                            wandb_project=cfg.stats.wandb_project,
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+    summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
+    metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
+                            tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                             run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
     try:
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
-            fleet = start_servers(cfg, scheduler, cfg.actor.path)
-            workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
-            dp = len(workers.call("ping"))
-            rollout_cfg = dataclasses.replace(cfg.rollout, servers=fleet.servers)
-            with RolloutController(rollout_cfg) as controller:
-                workers.call("init_weight_update", weight_update_meta(cfg, run_dir), controller.callback(),
-                             verify=cfg.train.verify_weights)
-                if cfg.train.resume_from:
-                    workers.call("load_state", str(Path(cfg.train.resume_from) / "trainer"))
-                    workers.call("update_weights", start_step)  # the fleet serves the resumed weights
-                    controller.recover_version(start_step)
-                else:
-                    controller.set_version(0)
-                workflow = RLVRWorkflow(
-                    reward_fn=data.task.reward_fn(),
-                    params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
-                                            top_p=cfg.gen.top_p, top_k=cfg.gen.top_k),
-                    n_samples=cfg.gen.n_samples,
-                    tokenizer=tokenizer,
-                )
-                loader = CursorLoader(data.train, cursor=resume.get("cursor", 0))
-
-                def run_eval() -> dict[str, float]:
-                    return evaluate(fleet.servers, data.eval, data.task, tokenizer,
-                                    max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
-
-                first = run_eval()
-                summary.eval_before = first.get("eval/accuracy")
-                metrics.log(start_step, first)
-                progress = Progress(cfg.train.total_steps, start_step, enabled=cfg.stats.progress)
-                last_eval = first
-                for step in range(start_step, cfg.train.total_steps):
-                    stats = _rl_step(cfg, controller, workers, workflow, loader, step, dp, totals)
-                    done = step + 1
-                    if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
-                        last_eval = run_eval()
-                        stats.update(last_eval)
-                    metrics.log(done, stats)
-                    progress.update(stats, last_eval.get("eval/accuracy"))
-                    if cfg.train.save_every and done % cfg.train.save_every == 0:
-                        _save_checkpoint(run_dir / "checkpoints" / f"step{done:06d}", workers, done, loader.cursor)
-                progress.close()
-                summary.eval_after = last_eval.get("eval/accuracy")
-                workflow.close()
-                workers.call("close_weight_update")
+            try:
+                _run(cfg, plan, scheduler, data, tokenizer, reward_function(cfg, data.task), runner, metrics,
+                     summary, totals)
+            except (KeyboardInterrupt, RunInterrupted):
+                raise
+            except BaseException:
+                scheduler.log_exits()  # a role that died says so, with its log
+                raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(_resume_hint(cfg, run_dir, summary.end_step)) from None
     finally:
+        runner.close()
         metrics.close()
     summary.seconds = time.monotonic() - start_time
     summary.time_split = totals
@@ -143,6 +133,62 @@ def run_rl(cfg: TandemConfig) -> RunSummary:
         plot_run(metrics.path, run_dir / "plot.png", title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     (run_dir / "summary.txt").write_text(summary.describe() + "\n")
     return summary
+
+
+def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: Any, tokenizer: Any,
+         reward_fn: RewardFn, runner: RewardRunner, metrics: MetricsLogger, summary: RunSummary,
+         totals: dict[str, float]) -> None:
+    start_step = plan.start_step
+    meta = weight_update_meta(cfg, plan.run_dir)
+    fleet = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
+    workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
+    dp = len(workers.call("ping"))
+    rollout_cfg = dataclasses.replace(cfg.rollout, servers=fleet.servers, api_key=fleet.api_key)
+    workflow = RLVRWorkflow(
+        reward_fn=reward_fn,
+        params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
+                                top_p=cfg.gen.top_p, top_k=cfg.gen.top_k),
+        n_samples=cfg.gen.n_samples, tokenizer=tokenizer, reward_runner=runner,
+    )
+    loader = CursorLoader(data.train, cursor=plan.cursor)
+
+    def run_eval(step: int) -> dict[str, float]:
+        began = time.monotonic()
+        stats = evaluate(fleet.servers, data.eval, reward_fn, runner, tokenizer, max_new_tokens=cfg.gen.max_new_tokens,
+                         client_config=rollout_cfg.client_config())
+        if stats:
+            logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
+                        int(stats["eval/n"]), time.monotonic() - began)
+        return stats
+
+    # Shut down before the reward pool closes: in-flight episodes and their reward calls are
+    # cancelled and awaited first, so the run ends without stray tasks.
+    with RolloutController(rollout_cfg) as controller:
+        workers.call("init_weight_update", meta, controller.callback(), verify=cfg.train.verify_weights)
+        if plan.resume_from is not None:
+            workers.call("load_state", str(plan.resume_from / "trainer"))
+            workers.call("update_weights", start_step)  # the fleet serves the resumed weights
+            controller.recover_version(start_step)
+        else:
+            controller.set_version(0)
+        first = run_eval(start_step)
+        summary.eval_before = first.get("eval/accuracy")
+        if not metrics.has_step(start_step):  # a resumed trial keeps the row it had for this step
+            metrics.log(start_step, first)
+        last_eval = first
+        with Progress(cfg.train.total_steps, start_step, enabled=cfg.stats.progress) as progress:
+            for step in range(start_step, cfg.train.total_steps):
+                stats = _rl_step(cfg, controller, workers, workflow, loader, step, dp, totals)
+                done = summary.end_step = step + 1
+                if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
+                    last_eval = run_eval(done)
+                    stats.update(last_eval)
+                metrics.log(done, stats)
+                progress.update(stats, last_eval.get("eval/accuracy"))
+                if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == cfg.train.total_steps):
+                    _save_checkpoint(checkpoint_dir(plan.run_dir, done), workers, done, loader.cursor)
+        summary.eval_after = last_eval.get("eval/accuracy")
+        workers.call("close_weight_update")
 
 
 def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, workflow: RLVRWorkflow,
@@ -177,21 +223,21 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, wor
 
 
 def _save_checkpoint(path: Path, workers: Any, step: int, cursor: int) -> None:
-    """Trainer state (DCP) plus the loop's own: step (= weight version) and the data cursor."""
+    """Trainer state (DCP), then the loop's own (step = weight version, data cursor), whose file
+    marks the checkpoint complete."""
     workers.call("save_state", str(path / "trainer"))
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{LOOP_STATE}.tmp"
-    tmp.write_text(json.dumps({"step": step, "cursor": cursor}))
-    tmp.replace(path / LOOP_STATE)
+    write_loop_state(path, step, cursor)
+    logger.info("step %d: checkpoint %s", step, path)
 
 
-def _read_loop_state(resume_from: str | None) -> dict[str, int]:
-    if not resume_from:
-        return {}
-    state = Path(resume_from) / LOOP_STATE
-    if not state.is_file():
-        from tandem.errors import ConfigError
+def _resume_hint(cfg: TandemConfig, run_dir: Path, step: int) -> str:
+    latest = latest_checkpoint(run_dir)
+    head = f"interrupted after step {step} of {cfg.train.total_steps}."
+    if latest is not None:
+        return (f"{head} The latest checkpoint is {latest}: run the same command again to resume from it "
+                "(steps after it are redone).")
+    why = ("train.save_every=0; set it to make runs resumable" if not cfg.train.save_every
+           else f"the first comes at step {cfg.train.save_every}")
+    return (f"{head} No checkpoint was saved ({why}). To start again, run the same command with "
+            "train.overwrite=true, or with a new experiment.trial.")
 
-        raise ConfigError(f"train.resume_from: {resume_from!r} has no {LOOP_STATE}; pass a checkpoint directory "
-                          "written by train.save_every (runs/<name>/<trial>/checkpoints/stepNNNNNN)")
-    return json.loads(state.read_text())

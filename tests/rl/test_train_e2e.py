@@ -6,55 +6,18 @@ wrote (metrics, plot, event files), or signals it and checks that nothing of it 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tandem.models.tiny import init_model
 from tests.launch.procs import alive, descendants
+from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 pytestmark = pytest.mark.slow
-TANDEM = str(Path(sys.executable).with_name("tandem"))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
-
-
-def write_config(tmp_path: Path, model: Path, **sections: dict) -> Path:
-    cfg = {
-        "experiment": {"name": "e2e", "trial": "t", "fileroot": str(tmp_path / "runs")},
-        "actor": {"path": str(model), "backend": "archon:d2", "num_threads": 1, "optimizer": {"lr": 1e-3}},
-        "rollout": {"backend": "tandem:d2", "server_args": ["--num-threads", "1"], "consumer_batch_size": 4},
-        "gen": {"n_samples": 2, "max_new_tokens": 6},
-        "task": {"name": "arithmetic", "options": {"difficulty": "add1", "instruction": False},
-                 "train_size": 64, "eval_size": 8},
-        "train": {"total_steps": 2},
-        "stats": {"progress": False},
-    }
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    path = tmp_path / "cfg.yaml"
-    path.write_text(json.dumps(cfg))  # JSON is YAML
-    return path
-
-
-def run_dir(tmp_path: Path) -> Path:
-    return tmp_path / "runs" / "e2e" / "t"
-
-
-def rl_rows(tmp_path: Path) -> list[dict]:
-    path = run_dir(tmp_path) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["phase"] == "rl" and r["step"] > 0]
 
 
 def test_staleness_zero_gives_ratio_one_and_no_mismatch(tmp_path, model_dir):

@@ -46,3 +46,10 @@ def slow_reward(*args, **fields) -> float:
     """Takes 3 s: long enough to end a run while rewards are in flight."""
     time.sleep(3)
     return 1.0
+
+
+def eval_hang_reward(prompt_text, completion_text, prompt_ids, completion_ids, split="train", **fields) -> float:
+    """Hangs (ignoring the soft timer) on evaluation items; training items score by parity."""
+    if split == "eval":
+        stubborn_reward()
+    return parity_reward(prompt_text, completion_text, prompt_ids, completion_ids)

@@ -1,0 +1,254 @@
+"""A run's life as a user meets it: a second launch into the same trial, resuming, what the run
+prints and logs, its listeners and keys, Ctrl-C, error storms and failing evaluation rewards.
+Real `tandem train` processes with a tiny model on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.launch.procs import CHILD_ENV, alive, descendants, listening_sockets
+from tests.rl.common import TANDEM, run_dir, write_config
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, **CHILD_ENV}  # the reward pool imports tests.rollout.rewards
+
+
+def train(cfg: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([TANDEM, "train", str(cfg), *overrides], capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
+
+
+def all_rows(tmp_path: Path) -> list[dict]:
+    path = run_dir(tmp_path) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class Watched:
+    """`tandem train` in its own session, its stderr read line by line with arrival times."""
+
+    def __init__(self, cfg: Path, *overrides: str):
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen([TANDEM, "train", str(cfg), *overrides], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            with self._new:
+                self.lines.append((time.monotonic() - self.start, line.rstrip("\n")))
+                self._new.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> tuple[float, str]:
+        """The first line matching `pattern` (and when it came), waiting for it."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._new:
+            while True:
+                for at, line in self.lines:
+                    if regex.search(line):
+                        return at, line
+                left = deadline - time.monotonic()
+                assert left > 0 and self.proc.poll() is None, f"no line matching {pattern!r}:\n{self.text()[-3000:]}"
+                self._new.wait(min(left, 1.0))
+
+    def text(self) -> str:
+        with self._new:
+            return "\n".join(line for _, line in self.lines)
+
+    def finish(self, timeout: float = 60) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wait_gone(pids: set[int], timeout: float = 15) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def test_second_launch_into_a_trial(tmp_path, model_dir):
+    """Outputs without a checkpoint: refused at once, naming the two ways on. overwrite=true starts
+    again; once the trial has checkpoints the same command resumes from the latest."""
+    cfg = write_config(tmp_path, model_dir, train={"total_steps": 2})
+    assert train(cfg).returncode == 0
+    start = time.monotonic()
+    again = train(cfg)
+    took = time.monotonic() - start
+    print(f"second launch refused in {took:.1f}s: {again.stderr.strip().splitlines()[-1]}")
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert "train.overwrite=true" in again.stderr and "experiment.trial=t-2" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert took < 5
+
+    fresh = train(cfg, "train.overwrite=true", "train.save_every=1")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert [r["step"] for r in all_rows(tmp_path)] == [0, 1, 2]
+    assert sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir()) == ["step000001", "step000002"]
+
+    launched = time.time()
+    resumed = train(cfg, "train.save_every=1", "train.total_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 2 from" in resumed.stderr and "(found in the trial)" in resumed.stderr
+    rows = all_rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    print(f"resumed launch: first step done {rows[-1]['time'] - launched:.1f}s after the command started")
+    assert "steps: 1 (3-3, resumed at step 2)" in resumed.stdout
+
+
+def test_resume_replaces_the_redone_steps(tmp_path, model_dir):
+    """A run that wrote steps 3-4 but whose last checkpoint is step 2 (it died in between) is
+    resumed from step 2: metrics.jsonl then holds each step once, and the summary counts the two
+    steps this run trained."""
+    cfg = write_config(tmp_path, model_dir, train={"total_steps": 4, "save_every": 2})
+    assert train(cfg).returncode == 0
+    shutil.rmtree(run_dir(tmp_path) / "checkpoints" / "step000004")  # as if it died before this checkpoint
+    assert [r["step"] for r in all_rows(tmp_path)] == [0, 1, 2, 3, 4]
+    ckpt = run_dir(tmp_path) / "checkpoints" / "step000002"
+    resumed = train(cfg, f"train.resume_from={ckpt}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [r["step"] for r in all_rows(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4], steps
+    summary = (run_dir(tmp_path) / "summary.txt").read_text()
+    assert "steps: 2 (3-4, resumed at step 2)" in summary, summary
+
+
+def _server_urls(text: str) -> list[str]:
+    return re.findall(r"rollout-\d: ready at (http://127\.0\.0\.1:\d+)", text)
+
+
+def _post(url: str, key: str | None = None) -> int:
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c(tmp_path, model_dir):
+    """From its first second the run says where it writes, then each role with its log and
+    readiness time, the first evaluation and the progress bar, into controller.log too. Every
+    listener of the run is on 127.0.0.1, and launched servers refuse callers without the run's key
+    (which never appears on a command line). Ctrl-C ends it within 5 s with a resume hint and no
+    traceback, leaving no process."""
+    cfg = write_config(tmp_path, model_dir, train={"total_steps": 500, "save_every": 1},
+                       stats={"progress": True})
+    run = Watched(cfg)
+    try:
+        first_at, first = run.wait_for(r".")
+        print(f"first line after {first_at:.2f}s: {first}")
+        assert "run directory" in first and str(run_dir(tmp_path)) in first and first_at < 3
+        for role in ("rollout-0", "rollout-1"):
+            run.wait_for(rf"{role}: starting \(log .*logs/{role}\.log\)")
+            run.wait_for(rf"{role}: ready at http://127\.0\.0\.1:\d+ after \d+\.\d s")
+        run.wait_for(r"actor: starting 2 rank\(s\) \(logs .*actor-rank0\.log, .*actor-rank1\.log\)")
+        run.wait_for(r"actor: engine ready on 2 rank\(s\)")
+        run.wait_for(r"step 0: eval accuracy \d\.\d+ on 8 items")
+        run.wait_for(r"rl: .*\d+/500")  # the progress bar
+        run.wait_for(r"step \d+: checkpoint")
+
+        tree = descendants(run.proc.pid)
+        listeners = listening_sockets(tree | {run.proc.pid})
+        print(f"{len(tree)} processes, listeners: {sorted({(a, p) for _, a, p in listeners})}")
+        assert len(listeners) >= 6 and {addr for _, addr, _ in listeners} == {"127.0.0.1"}, listeners
+        for url in _server_urls(run.text()):
+            assert _post(f"{url}/pause_generation") == 401  # no key: refused (it would stall the run)
+        for pid in tree:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"api-key" not in f.read()
+
+        log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
+        assert "rollout-1: ready at" in log and "step 0: eval accuracy" in log
+
+        os.killpg(run.proc.pid, signal.SIGINT)  # as a terminal sends it: to the whole foreground group
+        sent = time.monotonic()
+        rc = run.finish()
+        took = time.monotonic() - sent
+        text = run.text()
+        print(f"Ctrl-C: exit {rc} after {took:.1f}s: {text.splitlines()[-1]}")
+        assert rc == 130
+        assert took < 5
+        assert "Traceback" not in text and "Exception ignored" not in text
+        assert re.search(r"interrupted after step \d+ of 500\. The latest checkpoint is .*step\d{6}: run the same "
+                         r"command again to resume from it", text)
+        assert not wait_gone(tree), "processes left behind after Ctrl-C"
+    finally:
+        run.kill()
+
+
+def test_error_storm_ends_the_run(tmp_path, model_dir):
+    """A reward that always raises: the evaluation counts every item wrong (logged once with a
+    count) and training stops after max_consecutive_failures episodes, with the first error."""
+    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:raising_reward"},
+                       rollout={"max_consecutive_failures": 8})
+    start = time.monotonic()
+    proc = train(cfg, timeout=180)
+    took = time.monotonic() - start
+    err = proc.stderr
+    print(f"storm: exit {proc.returncode} after {took:.1f}s, {len(err)} bytes of stderr: {err.splitlines()[-1]}")
+    assert proc.returncode == 2
+    assert "8 episodes in a row failed (rollout.max_consecutive_failures); the first error: RewardError:" in err
+    assert "the grader crashed" in err
+    assert "eval: 8 of 8 items failed and count as wrong" in err
+    assert err.count("Traceback") <= 2  # the first failure of each kind, not one per episode
+    assert len(err) < 20_000
+
+
+def test_failing_evaluation_rewards_count_as_wrong(tmp_path, model_dir):
+    """Evaluation rewards run in the reward pool under task.reward_timeout_s: a reward that hangs
+    (ignoring its soft timer) on every eval item makes them count as wrong, and training goes on."""
+    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:eval_hang_reward",
+                                                  "reward_timeout_s": 1.0})
+    proc = train(cfg, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = all_rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval/failed"] == 8 and rows[0]["eval/accuracy"] == 0.0
+    assert rows[-1]["eval/failed"] == 8
+    wrong = [line for line in proc.stderr.splitlines() if "counts as wrong: eval_hang_reward: timed out" in line]
+    assert len([line for line in wrong if "in total]" not in line]) == 2  # once per evaluation, then counted
+    assert proc.stderr.count("eval: 8 of 8 items failed and count as wrong") == 2
+
+
+def test_ctrl_c_during_a_hanging_evaluation(tmp_path, model_dir):
+    """A reward that hangs in the first evaluation no longer blocks Ctrl-C."""
+    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:eval_hang_reward",
+                                                  "reward_timeout_s": 120.0})
+    run = Watched(cfg)
+    try:
+        run.wait_for(r"actor: engine ready")
+        time.sleep(3)  # the evaluation's rewards are hanging in the pool now
+        os.killpg(run.proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        rc = run.finish()
+        took = time.monotonic() - sent
+        print(f"Ctrl-C in a hanging evaluation: exit {rc} after {took:.1f}s")
+        assert rc == 130 and took < 5
+        assert "Traceback" not in run.text()
+        assert "No checkpoint was saved" in run.text()
+    finally:
+        run.kill()

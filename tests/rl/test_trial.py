@@ -1,0 +1,92 @@
+"""What a launch into a trial directory does, decided from the file system alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.config.loader import load_config
+from tandem.errors import ConfigError
+from tandem.rl.trial import checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    def make(*overrides: str):
+        return load_config(None, [f"experiment.fileroot={tmp_path}", "experiment.name=e", "experiment.trial=t",
+                                  "train.total_steps=10", *overrides])
+    return make
+
+
+def trial(tmp_path):
+    return tmp_path / "e" / "t"
+
+
+def test_a_fresh_trial_starts_at_zero(tmp_path, cfg):
+    plan = plan_trial(cfg())
+    assert (plan.run_dir, plan.resume_from, plan.start_step, plan.replace) == (trial(tmp_path), None, 0, ())
+    assert not trial(tmp_path).exists()  # deciding creates nothing
+    plan.prepare()
+    assert trial(tmp_path).is_dir()
+
+
+def test_outputs_without_a_checkpoint_are_refused(tmp_path, cfg):
+    (trial(tmp_path) / "logs").mkdir(parents=True)
+    (trial(tmp_path) / "sft-metrics.jsonl").write_text("{}\n")  # `tandem sft`'s: not an RL output
+    assert plan_trial(cfg()).start_step == 0
+    (trial(tmp_path) / "metrics.jsonl").write_text('{"step": 1}\n')
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        plan_trial(cfg())
+    assert time.monotonic() - start < 1
+    msg = str(info.value)
+    assert "already holds the outputs of an earlier run (metrics.jsonl)" in msg
+    assert "train.overwrite=true" in msg and "experiment.trial=t-2" in msg
+
+
+def test_the_latest_complete_checkpoint_is_resumed(tmp_path, cfg):
+    write_loop_state(checkpoint_dir(trial(tmp_path), 2), step=2, cursor=8)
+    write_loop_state(checkpoint_dir(trial(tmp_path), 4), step=4, cursor=16)
+    (checkpoint_dir(trial(tmp_path), 6) / "trainer").mkdir(parents=True)  # died while saving: no loop state
+    (trial(tmp_path) / "metrics.jsonl").write_text('{"step": 5}\n')
+    assert latest_checkpoint(trial(tmp_path)) == checkpoint_dir(trial(tmp_path), 4)
+    plan = plan_trial(cfg())
+    assert (plan.resume_from, plan.start_step, plan.cursor, plan.automatic) == (
+        checkpoint_dir(trial(tmp_path), 4), 4, 16, True)
+    assert "resuming at step 4" in plan.describe()
+    explicit = plan_trial(cfg(f"train.resume_from={checkpoint_dir(trial(tmp_path), 2)}"))
+    assert (explicit.start_step, explicit.cursor, explicit.automatic) == (2, 8, False)
+
+
+def test_a_complete_trial_is_refused(tmp_path, cfg):
+    write_loop_state(checkpoint_dir(trial(tmp_path), 10), step=10, cursor=40)
+    with pytest.raises(ConfigError, match=r"is complete: its latest checkpoint \(step000010\) is at step 10 and "
+                                          r"train.total_steps=10. Raise train.total_steps"):
+        plan_trial(cfg())
+    assert plan_trial(cfg("train.total_steps=12")).start_step == 10
+
+
+def test_overwrite_replaces_rl_outputs_only(tmp_path, cfg):
+    run = trial(tmp_path)
+    write_loop_state(checkpoint_dir(run, 2), step=2, cursor=8)
+    for name in ("metrics.jsonl", "summary.txt", "sft-metrics.jsonl", "logs/rollout-0.log"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    (run / "tensorboard").mkdir()
+    plan = plan_trial(cfg("train.overwrite=true"))
+    assert plan.start_step == 0 and plan.resume_from is None
+    plan.prepare()
+    assert sorted(p.name for p in run.iterdir()) == ["logs", "sft-metrics.jsonl"]
+    assert (run / "logs" / "rollout-0.log").read_text() == "x"
+
+
+def test_overwrite_cannot_delete_the_checkpoint_it_resumes(tmp_path, cfg):
+    write_loop_state(checkpoint_dir(trial(tmp_path), 2), step=2, cursor=8)
+    with pytest.raises(ConfigError, match=r"train.overwrite=true would delete the checkpoint that train.resume_from"):
+        plan_trial(cfg("train.overwrite=true", f"train.resume_from={checkpoint_dir(trial(tmp_path), 2)}"))
+
+
+def test_resume_from_a_directory_that_is_no_checkpoint(tmp_path, cfg):
+    with pytest.raises(ConfigError, match=r"train.resume_from: .* has no loop_state.json"):
+        plan_trial(cfg(f"train.resume_from={tmp_path}"))
