@@ -32,7 +32,7 @@ def new_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
     srv = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("serve"), "--kv-cache-tokens", "4096",
-                        "--weight-sync-timeout", "20")
+                        "--weight-sync-timeout", "20", env={"TANDEM_FAULT_INJECTION": "1"})
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -225,3 +225,14 @@ def test_group_errors(server):
     assert_failed(status, body, "needs a CUDA server")
     status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x"})
     assert status == 400 and body["object"] == "error"
+
+
+def test_an_unexpected_error_answers_500_in_the_error_format(server):
+    """A bug (stood in for by an injected exception) answers JSON, not starlette's plain text."""
+    server.ok("/_fault", {"route": "update_weights_from_disk", "action": "error"})
+    status, body = server.post("/update_weights_from_disk", {"model_path": "/x"})
+    assert status == 500, body
+    assert body == {"object": "error", "code": 500, "type": "Internal Server Error",
+                    "message": "internal error on POST /update_weights_from_disk (RuntimeError: injected bug on "
+                               "/update_weights_from_disk); see the server log"}
+    assert server.get("/health") == (200, {"status": "ok"})

@@ -72,6 +72,12 @@ def build_app(args: ServerArgs) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(str(exc))
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: answered in the error format (not starlette's plain text); uvicorn logs the traceback.
+        return error_response(f"internal error on {request.method} {request.url.path} ({type(exc).__name__}: "
+                              f"{exc}); see the server log", 500)
+
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(f"no route {request.method} {request.url.path}", 404)

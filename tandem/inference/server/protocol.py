@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse
 
 from tandem.inference.outputs import RequestOutput
 
-ERROR_TYPES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}
+ERROR_TYPES = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+               500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class ApiError(Exception):
