@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
 from tests.inference.conftest import make_model_dir, prompts
-from tests.inference.server_utils import ServerProcess
+from tests.inference.server_utils import ServerProcess, wait_for
 
 BATCH = prompts([9, 21, 3], seed=7)
 NEW = 12
@@ -51,6 +52,27 @@ def served(server) -> tuple[list[list[int]], str]:
     return [o["output_ids"] for o in outs], versions.pop()
 
 
+def rewritten_copy(src, dst, edit):
+    """A copy of the model directory `src` whose tensors (a dict) went through `edit`."""
+    shutil.copytree(src, dst)
+    tensors = dict(iter_hf_tensors(src))
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def poisoned_copy(src, dst, name=Q, value=float("nan")):
+    """A copy of the model directory `src` whose tensor `name` holds `value` at one element."""
+
+    def poison(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[3] = value
+
+    return rewritten_copy(src, dst, poison)
+
+
 def assert_failed(status, body, needle):
     assert status == 400 and body["success"] is False, body
     assert needle in body["message"], body["message"]
@@ -62,13 +84,7 @@ def test_update_from_disk(server, qwen3_dir, new_dir, tmp_path):
     assert served(server) == (old_out, "default")
     # Failed updates: nothing changes (outputs and version).
     wrong = init_model(tmp_path / "small", arch="qwen3", preset="small", seed=0)
-    missing = tmp_path / "missing"
-    shutil.copytree(new_dir, missing)
-    from safetensors.torch import save_file
-
-    for f in missing.glob("*.safetensors"):
-        f.unlink()
-    save_file({k: v.contiguous() for k, v in iter_hf_tensors(new_dir) if k != Q}, str(missing / "model.safetensors"))
+    missing = rewritten_copy(new_dir, tmp_path / "missing", lambda tensors: tensors.pop(Q))
     for path, needle in [("/does/not/exist", "cannot read a checkpoint"), (str(wrong), "has shape"),
                          (str(missing), f"missing tensor(s): {Q}")]:
         status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
@@ -236,3 +252,16 @@ def test_an_unexpected_error_answers_500_in_the_error_format(server):
                     "message": "internal error on POST /update_weights_from_disk (RuntimeError: injected bug on "
                                "/update_weights_from_disk); see the server log"}
     assert server.get("/health") == (200, {"status": "ok"})
+
+
+def test_a_checkpoint_with_nan_never_becomes_healthy(qwen3_dir, tmp_path):
+    bad = poisoned_copy(qwen3_dir, tmp_path / "nan")
+    srv = ServerProcess(bad, tmp_path, wait_healthy=False)
+    try:
+        status, body = wait_for(lambda: (r := srv.get("/health"))[1]["status"] != "starting" and r)
+        message = f"tensor '{Q}' in '{bad / 'model.safetensors'}' holds NaN values"
+        assert status == 503 and body["status"] == "broken" and message in body["message"], body
+        assert srv.post("/generate", {"input_ids": [11, 12]})[0] == 503
+        assert message in srv.log.read_text()
+    finally:
+        srv.stop()
