@@ -206,8 +206,14 @@ class LLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
                      strict_dtype: bool = True) -> None:
-        """Replace all weights atomically (HF names); flushes the prefix cache, which is now stale."""
-        staged = stage_weights(self.model, weights, strict_dtype)
+        """Replace all weights atomically (HF names): `stage_weights` checks the whole set first
+        (names, shapes, dtypes, finite values) and raises WeightUpdateError naming the first bad
+        tensor, with nothing changed; then `swap_staged`."""
+        self.swap_staged(stage_weights(self.model, weights, strict_dtype), weight_version)
+
+    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+        """Swap in a set `stage_weights` returned (native names; a caller may validate it on
+        another thread) and flush the prefix cache, which is now stale."""
         swap_weights(self.model, staged)
         self.block_manager.flush()
         if weight_version is not None:

@@ -17,6 +17,7 @@ from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
+from tandem.weights.shm import ShmWriter
 from tests.inference.conftest import make_model_dir, prompts
 from tests.inference.server_utils import ServerProcess, wait_for
 
@@ -265,3 +266,58 @@ def test_a_checkpoint_with_nan_never_becomes_healthy(qwen3_dir, tmp_path):
         assert message in srv.log.read_text()
     finally:
         srv.stop()
+
+
+def _shm_update(server, buckets, version):
+    """Stage `buckets` (lists of (name, tensor)) from one shared-memory segment, then commit."""
+    writer = ShmWriter()
+    try:
+        for k, bucket in enumerate(buckets):
+            segment, offsets, nbytes, _ = writer.write([t for _, t in bucket])
+            meta = {key: v for key, v in _meta(bucket).items() if key != "group_name"}
+            server.ok("/update_weights_from_shm", {**meta, "segment": segment, "offsets": offsets, "nbytes": nbytes,
+                                                   "commit": False, "bucket_index": k})
+        return server.post("/commit_staged_weights", {"weight_version": version})
+    finally:
+        writer.close()
+
+
+def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server, qwen3_dir, new_dir, tmp_path):
+    old_out = expected(qwen3_dir)
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (old_out, "default")
+    # Disk, one shot and staged.
+    bad = poisoned_copy(new_dir, tmp_path / "nan")
+    for commit in (True, False):
+        status, body = server.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "bad",
+                                                                 "commit": commit})
+        assert_failed(status, body, f"tensor '{Q}' in '{bad / 'model.safetensors'}' holds NaN values")
+        assert served(server) == (old_out, "default")
+    # Distributed, one shot: received whole, refused before the swap.
+    tensors = list(iter_hf_tensors(new_dir))
+    inf = [(n, t.clone().index_fill_(1, torch.tensor([5]), float("inf")) if n == Q else t) for n, t in tensors]
+    trainer = Trainer()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            _join(server, trainer, pool)
+            trainer.do("send", inf)
+            status, body = server.post("/update_weights_from_distributed", _meta(inf, weight_version="bad"))
+            assert trainer.result()[0] == "ok"
+            assert_failed(status, body, f"weight update tensor {Q!r} holds inf values; the previous weights keep")
+            assert served(server) == (old_out, "default")
+            server.ok("/destroy_weights_update_group", {})
+    finally:
+        trainer.close()
+    # Shared memory, two staged buckets (a NaN in the second): the commit refuses the set.
+    half, last = len(tensors) // 2, tensors[-1][0]
+    nan = [(n, t.clone().fill_(float("nan")) if n == last else t) for n, t in tensors]
+    status, body = _shm_update(server, [nan[:half], nan[half:]], "bad")
+    assert_failed(status, body, f"weight update tensor {last!r} holds NaN values")
+    assert served(server) == (old_out, "default")
+    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "default"}
+    # The refused set left nothing behind: a good staged update then serves exactly the new weights.
+    status, body = _shm_update(server, [tensors[:half], tensors[half:]], "good")
+    assert status == 200 and body["success"], body
+    assert served(server) == (expected(new_dir), "good")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (old_out, "default")
