@@ -18,8 +18,8 @@ from tandem.inference.sampling_params import SamplingParams
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
 from tandem.weights.shm import ShmWriter
-from tests.inference.conftest import make_model_dir, prompts
-from tests.inference.server_utils import ServerProcess, wait_for
+from tests.inference.conftest import OVERFLOW_TOKEN, make_model_dir, prompts
+from tests.inference.server_utils import ServerProcess, sse_events, wait_for
 
 BATCH = prompts([9, 21, 3], seed=7)
 NEW = 12
@@ -321,3 +321,27 @@ def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server
     assert served(server) == (expected(new_dir), "good")
     server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
     assert served(server) == (old_out, "default")
+
+
+def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overflow_dir):
+    """Finite weights whose activations overflow for one token: requests holding it answer 500 in
+    the error format (before: "Out of range float values are not JSON compliant" as plain text),
+    every other request keeps its exact outputs."""
+    server.ok("/update_weights_from_disk", {"model_path": str(overflow_dir), "weight_version": "overflow"})
+    want = expected(overflow_dir)
+    assert served(server) == (want, "overflow")
+    poison = [OVERFLOW_TOKEN, 20, 30]
+    needle = "the model's logits were not finite (NaN or inf) at output token 1"
+    for path, body in [("/generate", {"input_ids": poison, "return_logprob": True}),
+                       ("/generate", {"input_ids": poison, "sampling_params": {"n": 2}}),
+                       ("/v1/completions", {"prompt": poison, "max_tokens": 4, "logprobs": 1})]:
+        status, answer = server.post(path, body)
+        assert status == 500, answer
+        assert answer["object"] == "error" and answer["code"] == 500 and answer["type"] == "Internal Server Error"
+        assert needle in answer["message"], answer
+        assert served(server) == (want, "overflow")
+    events = sse_events(server.url, "/generate", {"input_ids": poison, "stream": True})
+    assert events[-1] == "[DONE]" and events[-2]["code"] == 500 and needle in events[-2]["message"], events
+    assert server.get("/health") == (200, {"status": "ok"})
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (expected(qwen3_dir), "default")

@@ -114,7 +114,8 @@ class ServerState:
 
     async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
                           return_logprob: bool) -> list[RequestOutput]:
-        """Run one (non-streaming) request to completion; abort it if the client disconnects."""
+        """Run one (non-streaming) request to completion; abort it if the client disconnects. A
+        request the engine failed (its logits were not finite) raises ApiError 500."""
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False))
@@ -130,7 +131,10 @@ class ServerState:
             if not pending.future.done():
                 self.engine_loop.abort(rid, exact=True)
                 raise ClientGone(rid)
-            return pending.future.result()
+            outs = pending.future.result()
+            if (failed := failure(outs)) is not None:
+                raise ApiError(failed, 500)
+            return outs
         finally:
             watcher.cancel()
 
@@ -148,6 +152,11 @@ class ServerState:
         finally:
             if finals < pending.n:
                 self.engine_loop.abort(pending.rid, exact=True)
+
+
+def failure(outputs: list[RequestOutput]) -> str | None:
+    """The engine's message when it failed this request (finish reason "error"), else None."""
+    return next((o.finish_reason["message"] for o in outputs if o.finish_reason.get("type") == "error"), None)
 
 
 async def wait_disconnect(request: Request) -> None:
