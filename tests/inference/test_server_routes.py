@@ -288,7 +288,7 @@ def test_weight_version_and_weights_by_name(server, qwen3_dir):
     server.ok("/update_weight_version", {"new_version": "default"})
 
 
-def test_release_and_resume_memory(server, pool):
+def test_release_and_resume_memory(server, pool, qwen3_dir):
     ids = [60, 61, 62, 63]
     before = server.ok("/generate", greedy(ids, 10))["output_ids"]
     inflight = pool.submit(server.ok, "/generate", long_request("mem-a"))
@@ -303,8 +303,8 @@ def test_release_and_resume_memory(server, pool):
     waiting = pool.submit(server.ok, "/generate", greedy(ids, 10))
     time.sleep(0.5)
     assert not waiting.done()
-    status, _ = server.post("/update_weights_from_disk", {"model_path": "/nonexistent"})
-    assert status == 400
+    status, body = server.post("/update_weights_from_disk", {"model_path": str(qwen3_dir)})
+    assert status == 400 and "weights are released" in body["message"], body
     assert server.ok("/resume_memory_occupation", {})["success"] is True
     assert waiting.result(30)["output_ids"] == before
     status, body = server.post("/release_memory_occupation", {"tags": ["gpu"]})

@@ -27,14 +27,21 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def new_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("new"), "qwen3", seed=1)
+def weights_root(tmp_path_factory):
+    """Where this module's disk updates come from: a directory the server is told it may read."""
+    return tmp_path_factory.mktemp("weights")
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
+def new_dir(weights_root):
+    return make_model_dir(weights_root, "qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, weights_root, overflow_dir, tmp_path_factory):
     srv = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("serve"), "--kv-cache-tokens", "4096",
-                        "--weight-sync-timeout", "20", env={"TANDEM_FAULT_INJECTION": "1"})
+                        "--weight-sync-timeout", "20", "--weights-dir", str(weights_root),
+                        "--weights-dir", str(overflow_dir), env={"TANDEM_FAULT_INJECTION": "1"})
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -79,14 +86,14 @@ def assert_failed(status, body, needle):
     assert needle in body["message"], body["message"]
 
 
-def test_update_from_disk(server, qwen3_dir, new_dir, tmp_path):
+def test_update_from_disk(server, qwen3_dir, new_dir, weights_root):
     old_out, new_out = expected(qwen3_dir), expected(new_dir)
     assert old_out != new_out
     assert served(server) == (old_out, "default")
     # Failed updates: nothing changes (outputs and version).
-    wrong = init_model(tmp_path / "small", arch="qwen3", preset="small", seed=0)
-    missing = rewritten_copy(new_dir, tmp_path / "missing", lambda tensors: tensors.pop(Q))
-    for path, needle in [("/does/not/exist", "cannot read a checkpoint"), (str(wrong), "has shape"),
+    wrong = init_model(weights_root / "small", arch="qwen3", preset="small", seed=0)
+    missing = rewritten_copy(new_dir, weights_root / "missing", lambda tensors: tensors.pop(Q))
+    for path, needle in [(str(weights_root / "does-not-exist"), "cannot read a checkpoint"), (str(wrong), "has shape"),
                          (str(missing), f"missing tensor(s): {Q}")]:
         status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
         assert_failed(status, body, needle)
@@ -282,12 +289,12 @@ def _shm_update(server, buckets, version):
         writer.close()
 
 
-def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server, qwen3_dir, new_dir, tmp_path):
+def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server, qwen3_dir, new_dir, weights_root):
     old_out = expected(qwen3_dir)
     server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
     assert served(server) == (old_out, "default")
     # Disk, one shot and staged.
-    bad = poisoned_copy(new_dir, tmp_path / "nan")
+    bad = poisoned_copy(new_dir, weights_root / "nan")
     for commit in (True, False):
         status, body = server.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "bad",
                                                                  "commit": commit})
@@ -345,3 +352,42 @@ def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overf
     assert server.get("/health") == (200, {"status": "ok"})
     server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
     assert served(server) == (expected(qwen3_dir), "default")
+
+
+def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new_dir, weights_root, overflow_dir,
+                                                          tmp_path):
+    """Allowed: the model's directory and each --weights-dir, compared as real paths. Anything else
+    is 403 with one answer whether or not it exists (so the route cannot probe the file system)."""
+    info = server.ok("/get_server_info", method="GET")
+    assert info["weights_dir"] == [str(weights_root), str(overflow_dir)]
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    old = served(server)
+    outside = shutil.copytree(new_dir, tmp_path / "outside")  # a good checkpoint, outside every allowed directory
+    (weights_root / "escape").symlink_to(outside)
+    attempts = {
+        "existing": str(outside),
+        "missing": str(tmp_path / "missing"),
+        "symlink out of an allowed directory": str(weights_root / "escape"),
+        "dot-dot out of an allowed directory": f"{weights_root}/../{tmp_path.name}/outside",
+        "relative": os.path.relpath(outside),  # the server runs in this process's directory
+        "a sibling sharing the prefix": f"{weights_root}-not/x",
+    }
+    answers = set()
+    for kind, path in attempts.items():
+        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
+        assert status == 403 and body["object"] == "error" and body["type"] == "Forbidden", (kind, body)
+        answers.add(body["message"].replace(repr(path), "PATH"))
+        assert served(server) == old, kind
+    assert len(answers) == 1, answers
+    message = answers.pop()
+    assert "--weights-dir" in message and os.path.realpath(weights_root) in message, message
+    # Allowed but missing: the answer does not change.
+    status, body = server.post("/update_weights_from_disk", {"model_path": str(weights_root / "not-there")})
+    assert_failed(status, body, "cannot read a checkpoint")
+    # A path that leaves and re-enters an allowed directory, or a symlink inside it, is allowed.
+    (weights_root / "alias").symlink_to(new_dir)
+    for path in (f"{weights_root}/{new_dir.name}/../{new_dir.name}", str(weights_root / "alias")):
+        assert server.ok("/update_weights_from_disk", {"model_path": path, "weight_version": "v9"})["success"]
+        assert served(server) == (expected(new_dir), "v9")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == old

@@ -18,6 +18,7 @@ from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
 from tandem.inference.server.protocol import ApiError
+from tandem.inference.server.weight_paths import allowed_weight_dirs
 
 
 class ClientGone(Exception):
@@ -36,6 +37,7 @@ class ServerState:
         self.groups: dict[str, Any] = {}  # group name -> tandem.weights.WeightGroup
         self.staged: Any = None  # weight_staging.Staging: buckets of an update not committed yet
         self.update_lock = asyncio.Lock()  # one weight update / memory change at a time
+        self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
         self.started = time.time()
 
     # ------------------------------------------------------------------ status

@@ -49,6 +49,7 @@ from tandem.inference.server.protocol import (
 )
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
+from tandem.inference.server.weight_paths import check_weights_path
 from tandem.inference.server.weight_staging import (
     Staging,
     check_bucket,
@@ -128,6 +129,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "commit"})
     path = get_field(body, "model_path", str, required=True)
+    check_weights_path(path, state.weight_dirs)  # 403 before anything looks at the path
     load_format = get_field(body, "load_format", str, "auto")
     if load_format not in ("auto", "safetensors"):
         raise ApiError(f"load_format {load_format!r} is not supported; use 'auto' or 'safetensors'")
