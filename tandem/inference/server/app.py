@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import signal
 import socket
@@ -87,6 +88,27 @@ def build_app(args: ServerArgs) -> FastAPI:
     return app
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches this machine only: 127.0.0.0/8, ::1 or `localhost`. Any other name
+    counts as not loopback (it may resolve to any interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The startup warning for a server other machines may reach without a key, else None."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"tandem serve: warning: listening on {host} (not a loopback address) without --api-key: anyone who "
+            "can reach this port can generate, pause or abort generation, release memory and swap the served "
+            "weights. Pass --api-key KEY (clients then send 'Authorization: Bearer KEY'), or --host 127.0.0.1 to "
+            "accept this machine only.")
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: accepted sockets inherit it, and asyncio sets TCP_NODELAY on a
@@ -106,6 +128,8 @@ def serve(args: ServerArgs) -> int:
     """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown: stop accepting, finish in-flight
     responses for up to 10 s, then stop the engine thread)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (warning := exposure_warning(args.host, args.api_key)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     args.port = port
