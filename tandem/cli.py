@@ -248,6 +248,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-sync-timeout", type=float, default=120.0,
                    help="seconds to form a weight-update group or receive one tensor over it")
+    p.add_argument("--weights-dir", action="append", default=[], metavar="DIR",
+                   help="/update_weights_from_disk may load from DIR and below (repeatable); the --model "
+                        "directory always; any other path is refused (403)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -61,10 +61,9 @@ class BlockManager:
     # ------------------------------------------------------------------------------ internals
     def _take_free(self) -> Block:
         block_id, _ = self.free_ids.popitem(last=False)
+        self.forget([block_id])  # evict: its content is about to be overwritten
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]  # evict: its content is about to be overwritten
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.ref_count = 1
         return block
 
     def _register(self, block: Block, h: int, tokens: Tokens[int]) -> None:
@@ -161,6 +160,14 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop these blocks from the prefix cache (their content no longer matches their key)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
 
     def flush(self) -> None:
         """Forget the prefix cache (e.g. after a weight update, when cached KV is stale)."""

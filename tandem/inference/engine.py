@@ -7,6 +7,7 @@ from one thread (or under one lock). Aborted requests are answered by the next `
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -97,13 +98,8 @@ class LLMEngine:
             rids = [rid_prefix] if rid_prefix in self._live else []
         else:
             rids = [r for r in self._live if abort_all or (rid_prefix is not None and r.startswith(rid_prefix))]
-        reason = {"type": "abort", "message": "aborted by request"}
         for rid in rids:
-            for seq in [s for s in self._live[rid] if not s.is_finished]:
-                # A request with n samples still queued is one sequence: answer for each sample.
-                for i, seed in enumerate(seq.sibling_seeds):
-                    self._done.append(self._output(seq.fork(i + 1, self._generator(seed)), reason))
-                self._finish(seq, reason)
+            self._end(rid, {"type": "abort", "message": "aborted by request"})
         return rids
 
     def has_unfinished(self) -> bool:
@@ -125,7 +121,17 @@ class LLMEngine:
                     rows.append(row)
                     batch.append(s)
             tokens, logprobs = sample(logits[rows], batch, self.eos_ids)
+            failed: set[str] = set()
             for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
+                if seq.rid in failed:
+                    continue
+                if not math.isfinite(logprob):  # NaN or +inf among its logits: no distribution to sample
+                    failed.add(seq.rid)
+                    self._fail(seq.rid, f"the model's logits were not finite (NaN or inf) at output token "
+                                        f"{seq.num_output_tokens + 1} (weight version {self.weight_version!r}): "
+                                        "its activations overflowed or the weights are broken; the request "
+                                        "was stopped, other requests go on")
+                    continue
                 seq.append(token, logprob)
                 seq.num_computed_tokens = len(seq) - 1
                 self.num_generated_tokens += 1
@@ -179,6 +185,24 @@ class LLMEngine:
             return {"type": "stop", "matched": matched}
         return None
 
+    def _end(self, rid: str, reason: dict[str, Any]) -> None:
+        """Finish every unfinished sample of request `rid` with `reason` (outputs from the next step)."""
+        for seq in [s for s in self._live[rid] if not s.is_finished]:
+            # A request with n samples still queued is one sequence: answer for each sample.
+            for i, seed in enumerate(seq.sibling_seeds):
+                self._done.append(self._output(seq.fork(i + 1, self._generator(seed)), reason))
+            self._finish(seq, reason)
+
+    def _fail(self, rid: str, message: str) -> None:
+        """End request `rid` with `{"type": "error", "message": ...}` (every sample; the failing
+        token is not kept). The blocks only it held are zeroed and leave the prefix cache: their KV
+        may hold NaN or inf, which the masked slots of their next owner would feed into attention."""
+        blocks = {b for s in self._live[rid] for b in s.block_table}
+        self._end(rid, {"type": "error", "message": message})
+        freed = sorted(b for b in blocks if self.block_manager.blocks[b].ref_count == 0)
+        self.block_manager.forget(freed)
+        self.runner.zero_blocks(freed)
+
     def _output(self, seq: Sequence, reason: dict[str, Any]) -> RequestOutput:
         seq.finish_reason = reason
         return make_output(seq, self.weight_version, self.detokenizer.final_text(seq))
@@ -206,8 +230,14 @@ class LLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
                      strict_dtype: bool = True) -> None:
-        """Replace all weights atomically (HF names); flushes the prefix cache, which is now stale."""
-        staged = stage_weights(self.model, weights, strict_dtype)
+        """Replace all weights atomically (HF names): `stage_weights` checks the whole set first
+        (names, shapes, dtypes, finite values) and raises WeightUpdateError naming the first bad
+        tensor, with nothing changed; then `swap_staged`."""
+        self.swap_staged(stage_weights(self.model, weights, strict_dtype), weight_version)
+
+    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+        """Swap in a set `stage_weights` returned (native names; a caller may validate it on
+        another thread) and flush the prefix cache, which is now stale."""
         swap_weights(self.model, staged)
         self.block_manager.flush()
         if weight_version is not None:

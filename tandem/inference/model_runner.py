@@ -1,9 +1,14 @@
 """Runs the trainer's native model over a step's sequences with a paged KV cache.
 
-Owns the KV tensors (one `[n_kv_heads, num_blocks, block_size, head_dim]` k and v per layer, all in
-one `[n_layers, 2, n_kv_heads, num_blocks, block_size, head_dim]` tensor), turns a scheduled batch
-into packed inputs + attention metadata (built once per step, shared by every layer), and returns
-float32 logits of each sequence's last position (the only ones sampling needs).
+Owns the KV tensors (one `[n_kv_heads, num_blocks + 1, block_size, head_dim]` k and v per layer, all
+in one `[n_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim]` tensor), turns a scheduled
+batch into packed inputs + attention metadata (built once per step, shared by every layer), and
+returns float32 logits of each sequence's last position (the only ones sampling needs).
+
+The extra block (`pad_block`, id `num_blocks`, outside the block manager's range) is what block
+tables and key chunks are padded with. Nothing writes it, so it stays zero: padded keys are masked
+out of attention but still read (a masked weight of 0 times an inf value is NaN), and padding with
+a live block would let one sequence's non-finite KV reach another's output.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         args = model.args
-        shape = (args.n_layers, 2, args.n_kv_heads, num_blocks, block_size, args.head_dim)
+        self.pad_block = num_blocks
+        shape = (args.n_layers, 2, args.n_kv_heads, num_blocks + 1, block_size, args.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.attn = PagedAttentionBackend(
             [self.kv_cache[i, 0] for i in range(args.n_layers)],
@@ -38,6 +44,12 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero the KV of `block_ids` (all layers, k and v): blocks freed by a request whose KV may
+        hold NaN or inf, which masked slots of their next owner would still feed into attention."""
+        if block_ids:
+            self.kv_cache[:, :, :, torch.tensor(block_ids, device=self.device)] = 0
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -60,7 +72,7 @@ class ModelRunner:
             slots += self._slots(seq, start, len(seq))
             cu_q.append(len(input_ids))
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        tables = [seq.block_table + [self.pad_block] * (max_blocks - len(seq.block_table)) for seq in seqs]
         dev = self.device
         self.attn.meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -88,7 +100,7 @@ class ModelRunner:
             max_query_len=1,
             max_context_len=max(lens),
             no_cached_prefix=False,
-            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev),
+            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev, pad_block=self.pad_block),
         )
         return (torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

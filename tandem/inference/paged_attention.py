@@ -36,7 +36,8 @@ class ChunkPass:
     """One batch of attention work: tasks (a set of R query rows, the same keys) over key chunks.
 
     A task's keys are cut into chunks of C blocks; chunk u belongs to task `chunk_task[u]`, reads
-    blocks `blocks[u*C:(u+1)*C]` (padding with block 0) and masks padded keys with `key_bias`.
+    blocks `blocks[u*C:(u+1)*C]` (padding with the padding block) and masks padded keys with
+    `key_bias`.
     """
 
     q_rows: torch.Tensor  # [U, R] the sequence whose query fills each row of each chunk's task
@@ -59,7 +60,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
     cu_seqlens_q: torch.Tensor  # [B+1] new tokens per sequence, cumulative
     context_lens: torch.Tensor  # [B] keys per sequence: cached + new
-    block_tables: torch.Tensor | None  # [B, max_blocks], padded with 0 (masked out); prefill only
+    block_tables: torch.Tensor | None  # [B, max_blocks], padded with the padding block (masked out); prefill only
     max_query_len: int
     max_context_len: int
     no_cached_prefix: bool  # every sequence attends only to its new tokens (plain prefill)
@@ -120,9 +121,9 @@ def _choose_chunk(task_blocks: list[int], max_padding: float = 0.15) -> int:
 
 
 def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs: int, block_size: int,
-                device: torch.device, identity: bool = False) -> ChunkPass:
+                device: torch.device, identity: bool = False, pad_block: int = 0) -> ChunkPass:
     """tasks: (query sequences, key blocks, key count) -> the pass's tensors. `identity`: task i is
-    sequence i alone (the suffix pass), so results need no remapping."""
+    sequence i alone (the suffix pass), so results need no remapping. `pad_block` fills chunks."""
     c = _choose_chunk([len(b) for _, b, _ in tasks])
     q_rows: list[list[int]] = []
     blocks: list[int] = []
@@ -133,7 +134,7 @@ def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_se
         padded_members = members + [members[0]] * (rows - len(members))
         for start in range(0, len(task_blocks), c):
             chunk = task_blocks[start : start + c]
-            blocks += chunk + [0] * (c - len(chunk))
+            blocks += chunk + [pad_block] * (c - len(chunk))
             valid.append(min(span, num_keys - start * block_size))
             q_rows.append(padded_members)
             chunk_task.append(t)
@@ -159,11 +160,13 @@ def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_se
 
 
 def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int], shared_blocks: list[int],
-                          block_size: int, device: torch.device) -> DecodeMetadata:
+                          block_size: int, device: torch.device, pad_block: int = 0) -> DecodeMetadata:
     """Per step, for all layers. `shared_blocks[i]`: how many leading (full) blocks of sequence i
     other sequences may share. Sequences whose leading `shared_blocks` block ids are identical form
     a group whose prefix is attended once; groups are batched by their size rounded up to a power
-    of two (the rows of one prefix task)."""
+    of two (the rows of one prefix task). `pad_block`: the block chunks are padded with (its keys
+    are masked, but read: it must hold finite values; the model runner keeps one that nothing
+    writes)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (table, k) in enumerate(zip(block_tables, shared_blocks, strict=True)):
         k = min(k, len(table) - 1)  # the last block is the sequence's own (it writes there)
@@ -182,8 +185,9 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
                     for i, (table, n) in enumerate(zip(block_tables, context_lens, strict=True))]
     num_seqs = len(block_tables)
     return DecodeMetadata(
-        suffix=_chunk_pass(suffix_tasks, 1, num_seqs, block_size, device, identity=True),
-        prefix=[_chunk_pass(tasks, rows, num_seqs, block_size, device) for rows, tasks in sorted(by_rows.items())],
+        suffix=_chunk_pass(suffix_tasks, 1, num_seqs, block_size, device, identity=True, pad_block=pad_block),
+        prefix=[_chunk_pass(tasks, rows, num_seqs, block_size, device, pad_block=pad_block)
+                for rows, tasks in sorted(by_rows.items())],
     )
 
 

@@ -105,7 +105,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
         tokens = processed.argmax(dim=-1)
     else:
         scaled = raw if processed is logits else processed / torch.tensor(temps, device=device)[:, None]
-        top_k = [p.vocab_top_k or vocab for p in params]
+        top_k = [min(p.vocab_top_k or vocab, vocab) for p in params]  # more than the vocabulary: all of it
         top_p = [p.top_p for p in params]
         filtered = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p)
         if filtered:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.inference.errors import RequestError
 
 GREEDY_TEMPERATURE = 1e-6  # below this, sampling is argmax
+# Sample i of a request uses seed + i for its torch.Generator, which takes seeds below 2**64: a
+# signed 64-bit seed leaves room for any n.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -63,7 +67,8 @@ class SamplingParams:
                 f"sampling_params.min_new_tokens={self.min_new_tokens} must be <= max_new_tokens "
                 f"({self.max_new_tokens})"
             )
-        _check_float("temperature", self.temperature, "must be >= 0", lambda x: x >= 0)
+        _check_float("temperature", self.temperature, "must be a finite number >= 0",
+                     lambda x: math.isfinite(x) and x >= 0)
         _check_float("top_p", self.top_p, "must be in (0, 1]", lambda x: 0 < x <= 1)
         if self.top_k is not None and self.top_k != -1:
             _check_int("top_k", self.top_k, low=1, extra="(or -1 / null for the whole vocabulary)")
@@ -71,7 +76,7 @@ class SamplingParams:
             _check_float(name, getattr(self, name), "must be in [-2, 2]", lambda x: -2 <= x <= 2)
         _check_int("n", self.n, low=1)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
@@ -92,9 +97,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: Any, low: int, extra: str = "") -> None:
-    if not _is_int(value) or value < low:
-        raise RequestError(f"sampling_params.{name} must be an integer >= {low}{' ' + extra if extra else ''}, got {value!r}")
+def _check_int(name: str, value: Any, low: int, extra: str = "", high: int | None = None) -> None:
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        valid = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"sampling_params.{name} must be an integer {valid}{' ' + extra if extra else ''}, "
+                           f"got {value!r}")
 
 
 def _check_float(name: str, value: Any, rule: str, ok: Any) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.errors import CheckpointError
 from tandem.inference.errors import WeightUpdateError
+from tandem.models.finite import non_finite
 from tandem.weights.verify import tensor_checksum
 
 _NATIVE: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
@@ -31,9 +32,10 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     """Check a full set of HF-named tensors against `model`; -> native name -> tensor.
 
     Every parameter must be present exactly once with its shape; with `strict_dtype` its dtype too
-    (else any floating dtype, cast when copied). `partial` checks one bucket of a staged update:
-    the same rules except that parameters may be missing. Raises WeightUpdateError naming the first
-    bad tensor.
+    (else any floating dtype, cast when copied); every value finite (meta tensors, which carry no
+    values, pass). `partial` checks one bucket of a staged update: the same rules except that
+    parameters may be missing. Raises WeightUpdateError naming the first bad tensor. Every weight
+    update goes through here before its swap, so this is the one finiteness check of updates.
     """
     adapter, params = _native_params(model)
     staged: dict[str, torch.Tensor] = {}
@@ -57,6 +59,8 @@ def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             raise WeightUpdateError(
                 f"weight update tensor {hf_name!r} has dtype {tensor.dtype}, expected {param.dtype}"
             )
+        if (what := non_finite(tensor)) is not None:
+            raise WeightUpdateError(f"weight update tensor {hf_name!r} holds {what} values")
         staged[native] = tensor
     absent = () if partial else params.keys() - staged.keys()
     if absent:

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tandem.errors import CheckpointError
+from tandem.models.finite import non_finite
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -125,12 +126,21 @@ def read_tensor_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[in
 def iter_hf_tensors(
     path: str | os.PathLike[str], names: Collection[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` one tensor at a time, file by file; only `names` when given."""
+    """Yield `(name, tensor)` one tensor at a time, file by file; only `names` when given.
+
+    A floating-point tensor holding NaN or infinite values raises `CheckpointError` naming it and
+    its file (a diverged run or a damaged save; loading it would serve or train on garbage)."""
     for file in safetensors_files(path):
         with open_safetensors(file) as handle:
             for name in handle.keys():  # noqa: SIM118
                 if names is None or name in names:
-                    yield name, handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
+                    if (what := non_finite(tensor)) is not None:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {str(file)!r} holds {what} values; the checkpoint is broken "
+                            "(a diverged run or a damaged save): restore or re-save a good one"
+                        )
+                    yield name, tensor
 
 
 # ---------------------------------------------------------------------------------------- writing

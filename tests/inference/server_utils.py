@@ -18,10 +18,11 @@ LISTENING = re.compile(r"tandem serve: listening on (http://\S+)")
 
 
 class ServerProcess:
-    """`tandem serve --port 0 ...` in a subprocess; `url` once /health answers 200."""
+    """`tandem serve --port 0 ...` in a subprocess; `url` once /health answers 200 (with
+    `wait_healthy=False`: once the listening line is printed)."""
 
     def __init__(self, model: Path, log_dir: Path, *extra: str, api_key: str | None = None, timeout: float = 60,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, wait_healthy: bool = True):
         self.log = log_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0",
                "--num-threads", "1", *extra]
@@ -33,7 +34,8 @@ class ServerProcess:
         self.pid = self.proc.pid
         self.api_key = api_key
         self.url = self._wait_url(timeout)
-        self._wait_healthy(timeout)
+        if wait_healthy:
+            self._wait_healthy(timeout)
 
     def _wait_url(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ import torch
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.sampling_params import SamplingParams
-from tests.inference.conftest import prompts
+from tests.inference.conftest import OVERFLOW_TOKEN, prompts
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -199,3 +199,33 @@ def test_request_checks(engine):
     run(engine)
     engine.flush_cache()
     assert engine.stats()["cached_blocks"] == 0
+
+
+def test_non_finite_logits_fail_that_request_only(overflow_dir):
+    """A request whose logits turn NaN ends with an "error" finish reason and nothing non-finite in
+    its output; requests in the same step, and later ones given its freed blocks, get exactly the
+    outputs they get alone (attention reads masked slots too, and 0 * inf is NaN)."""
+    healthy = [[20, 30, 40], list(range(11, 20)), list(range(200, 213))]
+    cached = list(range(300, 316))  # two full blocks a failing request computes (finite) before its bad token
+    alone = [o.output_ids for o in LLMEngine(overflow_dir, kv_cache_tokens=512, block_size=8).generate(
+        [*healthy, [*cached, 40, 41]], GREEDY)]
+    alone, alone_cached = alone[:-1], alone[-1]
+    poison = [OVERFLOW_TOKEN, *range(100, 132)]  # 33 tokens: 5 blocks of 8
+    # Same step: the poisoned request comes first, so it holds block 0 (once the prefill padding).
+    engine = LLMEngine(overflow_dir, kv_cache_tokens=512, block_size=8)
+    outs = engine.generate([poison, *healthy], GREEDY)
+    error = outs[0].finish_reason
+    assert error["type"] == "error" and "logits were not finite (NaN or inf) at output token 1" in error["message"]
+    assert outs[0].output_ids == [] and outs[0].output_logprobs == []
+    assert [o.output_ids for o in outs[1:]] == alone
+    grouped = engine.generate([poison], SamplingParams(max_new_tokens=4, n=3))
+    assert [o.finish_reason["type"] for o in grouped] == ["error"] * 3
+    # Its zeroed blocks left the prefix cache: a prompt sharing its first blocks computes them again.
+    assert engine.generate([[*cached, OVERFLOW_TOKEN]], GREEDY)[0].finish_reason["type"] == "error"
+    assert engine.generate([[*cached, 40, 41]], GREEDY)[0].output_ids == alone_cached
+    assert_idle(engine)
+    # Later: a cache of 5 blocks, all of them the poisoned request's, then given to each request.
+    small = LLMEngine(overflow_dir, kv_cache_tokens=40, block_size=8)
+    assert small.generate([poison], SamplingParams(max_new_tokens=1))[0].finish_reason["type"] == "error"
+    assert [small.generate([ids], GREEDY)[0].output_ids for ids in healthy] == alone
+    assert_idle(small)

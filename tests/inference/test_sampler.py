@@ -45,3 +45,12 @@ def test_greedy_and_sampled_rows_mix_and_draws_do_not_depend_on_the_batch():
     assert abs(logprobs[1] - float(torch.log_softmax(logits[1], -1).max())) < 1e-6
     alone, _ = sample(logits[2:3], [Sequence("c", [1], sampled, torch.Generator().manual_seed(7))], frozenset())
     assert alone[0] == tokens[2]
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    logits = torch.randn(2, 100)
+    params = SamplingParams(temperature=1.0, top_k=10**30, top_p=0.5)
+    seqs = [Sequence(f"r{i}", [1], params, torch.Generator().manual_seed(i)) for i in range(2)]
+    same = [Sequence(f"r{i}", [1], SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(i))
+            for i in range(2)]
+    assert sample(logits, seqs, frozenset()) == sample(logits, same, frozenset())

@@ -157,6 +157,11 @@ def test_stream_events(server):
     (json.dumps({"input_ids": [5] * 4090, "sampling_params": {"max_new_tokens": 16}}).encode(), "exceeds the context"),
     (json.dumps({"input_ids": [10**6]}).encode(), "token ids in"),
     (json.dumps({"sampling_params": {}}).encode(), "send 'input_ids'"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"seed": 10**23}}).encode(),
+     "sampling_params.seed must be an integer in [0, 9223372036854775807]"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"seed": 2**64 - 1, "n": 2}}).encode(),
+     "sampling_params.seed must be an integer in [0, 9223372036854775807]"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": 1e400}}', "temperature must be a finite number"),
 ])
 def test_bad_requests_answer_400_and_server_keeps_serving(server, raw, needle):
     status, body = server.post("/generate", raw=raw)
@@ -164,6 +169,26 @@ def test_bad_requests_answer_400_and_server_keeps_serving(server, raw, needle):
     assert body["object"] == "error" and body["type"] == "Bad Request" and body["code"] == 400
     assert needle in body["message"], body["message"]
     assert server.ok("/generate", greedy([11, 12], 2))["meta_info"]["completion_tokens"] == 2
+
+
+def test_top_k_beyond_the_vocabulary_samples_from_all_of_it(server):
+    # Once crashed the engine thread (int64 overflow in the sampler): every later request got 503.
+    body = {"input_ids": [11, 12], "sampling_params": {"max_new_tokens": 3, "top_k": 10**30, "top_p": 0.5}}
+    assert server.ok("/generate", body)["meta_info"]["completion_tokens"] == 3
+    assert server.get("/health") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"seed": 10**23}, "sampling_params.seed must be an integer in [0, 9223372036854775807]"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"best_of": "x"}, "'best_of' must be an integer"),
+])
+def test_openai_bad_numbers_answer_400(server, extra, needle):
+    body = {"model": "m", "prompt": [11, 12], "max_tokens": 2, **extra}
+    status, answer = server.post("/v1/completions", raw=json.dumps(body).encode())
+    assert status == 400, answer
+    assert answer["object"] == "error" and answer["code"] == 400 and needle in answer["message"], answer
+    assert server.get("/health") == (200, {"status": "ok"})
 
 
 def test_unknown_route_and_control_errors(server):
@@ -263,7 +288,7 @@ def test_weight_version_and_weights_by_name(server, qwen3_dir):
     server.ok("/update_weight_version", {"new_version": "default"})
 
 
-def test_release_and_resume_memory(server, pool):
+def test_release_and_resume_memory(server, pool, qwen3_dir):
     ids = [60, 61, 62, 63]
     before = server.ok("/generate", greedy(ids, 10))["output_ids"]
     inflight = pool.submit(server.ok, "/generate", long_request("mem-a"))
@@ -278,8 +303,8 @@ def test_release_and_resume_memory(server, pool):
     waiting = pool.submit(server.ok, "/generate", greedy(ids, 10))
     time.sleep(0.5)
     assert not waiting.done()
-    status, _ = server.post("/update_weights_from_disk", {"model_path": "/nonexistent"})
-    assert status == 400
+    status, body = server.post("/update_weights_from_disk", {"model_path": str(qwen3_dir)})
+    assert status == 400 and "weights are released" in body["message"], body
     assert server.ok("/resume_memory_occupation", {})["success"] is True
     assert waiting.result(30)["output_ids"] == before
     status, body = server.post("/release_memory_occupation", {"tags": ["gpu"]})

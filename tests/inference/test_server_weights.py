@@ -11,13 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
-from tests.inference.conftest import make_model_dir, prompts
-from tests.inference.server_utils import ServerProcess
+from tandem.weights.shm import ShmWriter
+from tests.inference.conftest import OVERFLOW_TOKEN, make_model_dir, prompts
+from tests.inference.server_utils import ServerProcess, sse_events, wait_for
 
 BATCH = prompts([9, 21, 3], seed=7)
 NEW = 12
@@ -25,14 +27,21 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def new_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("new"), "qwen3", seed=1)
+def weights_root(tmp_path_factory):
+    """Where this module's disk updates come from: a directory the server is told it may read."""
+    return tmp_path_factory.mktemp("weights")
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
+def new_dir(weights_root):
+    return make_model_dir(weights_root, "qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, weights_root, overflow_dir, tmp_path_factory):
     srv = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("serve"), "--kv-cache-tokens", "4096",
-                        "--weight-sync-timeout", "20")
+                        "--weight-sync-timeout", "20", "--weights-dir", str(weights_root),
+                        "--weights-dir", str(overflow_dir), env={"TANDEM_FAULT_INJECTION": "1"})
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -51,25 +60,40 @@ def served(server) -> tuple[list[list[int]], str]:
     return [o["output_ids"] for o in outs], versions.pop()
 
 
+def rewritten_copy(src, dst, edit):
+    """A copy of the model directory `src` whose tensors (a dict) went through `edit`."""
+    shutil.copytree(src, dst)
+    tensors = dict(iter_hf_tensors(src))
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def poisoned_copy(src, dst, name=Q, value=float("nan")):
+    """A copy of the model directory `src` whose tensor `name` holds `value` at one element."""
+
+    def poison(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[3] = value
+
+    return rewritten_copy(src, dst, poison)
+
+
 def assert_failed(status, body, needle):
     assert status == 400 and body["success"] is False, body
     assert needle in body["message"], body["message"]
 
 
-def test_update_from_disk(server, qwen3_dir, new_dir, tmp_path):
+def test_update_from_disk(server, qwen3_dir, new_dir, weights_root):
     old_out, new_out = expected(qwen3_dir), expected(new_dir)
     assert old_out != new_out
     assert served(server) == (old_out, "default")
     # Failed updates: nothing changes (outputs and version).
-    wrong = init_model(tmp_path / "small", arch="qwen3", preset="small", seed=0)
-    missing = tmp_path / "missing"
-    shutil.copytree(new_dir, missing)
-    from safetensors.torch import save_file
-
-    for f in missing.glob("*.safetensors"):
-        f.unlink()
-    save_file({k: v.contiguous() for k, v in iter_hf_tensors(new_dir) if k != Q}, str(missing / "model.safetensors"))
-    for path, needle in [("/does/not/exist", "cannot read a checkpoint"), (str(wrong), "has shape"),
+    wrong = init_model(weights_root / "small", arch="qwen3", preset="small", seed=0)
+    missing = rewritten_copy(new_dir, weights_root / "missing", lambda tensors: tensors.pop(Q))
+    for path, needle in [(str(weights_root / "does-not-exist"), "cannot read a checkpoint"), (str(wrong), "has shape"),
                          (str(missing), f"missing tensor(s): {Q}")]:
         status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
         assert_failed(status, body, needle)
@@ -225,3 +249,145 @@ def test_group_errors(server):
     assert_failed(status, body, "needs a CUDA server")
     status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x"})
     assert status == 400 and body["object"] == "error"
+
+
+def test_an_unexpected_error_answers_500_in_the_error_format(server):
+    """A bug (stood in for by an injected exception) answers JSON, not starlette's plain text."""
+    server.ok("/_fault", {"route": "update_weights_from_disk", "action": "error"})
+    status, body = server.post("/update_weights_from_disk", {"model_path": "/x"})
+    assert status == 500, body
+    assert body == {"object": "error", "code": 500, "type": "Internal Server Error",
+                    "message": "internal error on POST /update_weights_from_disk (RuntimeError: injected bug on "
+                               "/update_weights_from_disk); see the server log"}
+    assert server.get("/health") == (200, {"status": "ok"})
+
+
+def test_a_checkpoint_with_nan_never_becomes_healthy(qwen3_dir, tmp_path):
+    bad = poisoned_copy(qwen3_dir, tmp_path / "nan")
+    srv = ServerProcess(bad, tmp_path, wait_healthy=False)
+    try:
+        status, body = wait_for(lambda: (r := srv.get("/health"))[1]["status"] != "starting" and r)
+        message = f"tensor '{Q}' in '{bad / 'model.safetensors'}' holds NaN values"
+        assert status == 503 and body["status"] == "broken" and message in body["message"], body
+        assert srv.post("/generate", {"input_ids": [11, 12]})[0] == 503
+        assert message in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def _shm_update(server, buckets, version):
+    """Stage `buckets` (lists of (name, tensor)) from one shared-memory segment, then commit."""
+    writer = ShmWriter()
+    try:
+        for k, bucket in enumerate(buckets):
+            segment, offsets, nbytes, _ = writer.write([t for _, t in bucket])
+            meta = {key: v for key, v in _meta(bucket).items() if key != "group_name"}
+            server.ok("/update_weights_from_shm", {**meta, "segment": segment, "offsets": offsets, "nbytes": nbytes,
+                                                   "commit": False, "bucket_index": k})
+        return server.post("/commit_staged_weights", {"weight_version": version})
+    finally:
+        writer.close()
+
+
+def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server, qwen3_dir, new_dir, weights_root):
+    old_out = expected(qwen3_dir)
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (old_out, "default")
+    # Disk, one shot and staged.
+    bad = poisoned_copy(new_dir, weights_root / "nan")
+    for commit in (True, False):
+        status, body = server.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "bad",
+                                                                 "commit": commit})
+        assert_failed(status, body, f"tensor '{Q}' in '{bad / 'model.safetensors'}' holds NaN values")
+        assert served(server) == (old_out, "default")
+    # Distributed, one shot: received whole, refused before the swap.
+    tensors = list(iter_hf_tensors(new_dir))
+    inf = [(n, t.clone().index_fill_(1, torch.tensor([5]), float("inf")) if n == Q else t) for n, t in tensors]
+    trainer = Trainer()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            _join(server, trainer, pool)
+            trainer.do("send", inf)
+            status, body = server.post("/update_weights_from_distributed", _meta(inf, weight_version="bad"))
+            assert trainer.result()[0] == "ok"
+            assert_failed(status, body, f"weight update tensor {Q!r} holds inf values; the previous weights keep")
+            assert served(server) == (old_out, "default")
+            server.ok("/destroy_weights_update_group", {})
+    finally:
+        trainer.close()
+    # Shared memory, two staged buckets (a NaN in the second): the commit refuses the set.
+    half, last = len(tensors) // 2, tensors[-1][0]
+    nan = [(n, t.clone().fill_(float("nan")) if n == last else t) for n, t in tensors]
+    status, body = _shm_update(server, [nan[:half], nan[half:]], "bad")
+    assert_failed(status, body, f"weight update tensor {last!r} holds NaN values")
+    assert served(server) == (old_out, "default")
+    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "default"}
+    # The refused set left nothing behind: a good staged update then serves exactly the new weights.
+    status, body = _shm_update(server, [tensors[:half], tensors[half:]], "good")
+    assert status == 200 and body["success"], body
+    assert served(server) == (expected(new_dir), "good")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (old_out, "default")
+
+
+def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overflow_dir):
+    """Finite weights whose activations overflow for one token: requests holding it answer 500 in
+    the error format (before: "Out of range float values are not JSON compliant" as plain text),
+    every other request keeps its exact outputs."""
+    server.ok("/update_weights_from_disk", {"model_path": str(overflow_dir), "weight_version": "overflow"})
+    want = expected(overflow_dir)
+    assert served(server) == (want, "overflow")
+    poison = [OVERFLOW_TOKEN, 20, 30]
+    needle = "the model's logits were not finite (NaN or inf) at output token 1"
+    for path, body in [("/generate", {"input_ids": poison, "return_logprob": True}),
+                       ("/generate", {"input_ids": poison, "sampling_params": {"n": 2}}),
+                       ("/v1/completions", {"prompt": poison, "max_tokens": 4, "logprobs": 1})]:
+        status, answer = server.post(path, body)
+        assert status == 500, answer
+        assert answer["object"] == "error" and answer["code"] == 500 and answer["type"] == "Internal Server Error"
+        assert needle in answer["message"], answer
+        assert served(server) == (want, "overflow")
+    events = sse_events(server.url, "/generate", {"input_ids": poison, "stream": True})
+    assert events[-1] == "[DONE]" and events[-2]["code"] == 500 and needle in events[-2]["message"], events
+    assert server.get("/health") == (200, {"status": "ok"})
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == (expected(qwen3_dir), "default")
+
+
+def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new_dir, weights_root, overflow_dir,
+                                                          tmp_path):
+    """Allowed: the model's directory and each --weights-dir, compared as real paths. Anything else
+    is 403 with one answer whether or not it exists (so the route cannot probe the file system)."""
+    info = server.ok("/get_server_info", method="GET")
+    assert info["weights_dir"] == [str(weights_root), str(overflow_dir)]
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    old = served(server)
+    outside = shutil.copytree(new_dir, tmp_path / "outside")  # a good checkpoint, outside every allowed directory
+    (weights_root / "escape").symlink_to(outside)
+    attempts = {
+        "existing": str(outside),
+        "missing": str(tmp_path / "missing"),
+        "symlink out of an allowed directory": str(weights_root / "escape"),
+        "dot-dot out of an allowed directory": f"{weights_root}/../{tmp_path.name}/outside",
+        "relative": os.path.relpath(outside),  # the server runs in this process's directory
+        "a sibling sharing the prefix": f"{weights_root}-not/x",
+    }
+    answers = set()
+    for kind, path in attempts.items():
+        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
+        assert status == 403 and body["object"] == "error" and body["type"] == "Forbidden", (kind, body)
+        answers.add(body["message"].replace(repr(path), "PATH"))
+        assert served(server) == old, kind
+    assert len(answers) == 1, answers
+    message = answers.pop()
+    assert "--weights-dir" in message and os.path.realpath(weights_root) in message, message
+    # Allowed but missing: the answer does not change.
+    status, body = server.post("/update_weights_from_disk", {"model_path": str(weights_root / "not-there")})
+    assert_failed(status, body, "cannot read a checkpoint")
+    # A path that leaves and re-enters an allowed directory, or a symlink inside it, is allowed.
+    (weights_root / "alias").symlink_to(new_dir)
+    for path in (f"{weights_root}/{new_dir.name}/../{new_dir.name}", str(weights_root / "alias")):
+        assert server.ok("/update_weights_from_disk", {"model_path": path, "weight_version": "v9"})["success"]
+        assert served(server) == (expected(new_dir), "v9")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    assert served(server) == old

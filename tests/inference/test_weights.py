@@ -34,6 +34,9 @@ def test_update_changes_outputs_to_the_new_weights_and_bad_updates_change_nothin
         "missing": ({k: v for k, v in good.items() if k != name}, f"missing tensor(s): {name}"),
         "unknown": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "unknown tensor 'model.layers.9"),
         "dtype": ({**good, name: good[name].to(torch.bfloat16)}, f"{name!r} has dtype torch.bfloat16"),
+        "nan": ({**good, name: good[name].clone().fill_(float("nan"))}, f"tensor {name!r} holds NaN values"),
+        "inf": ({**good, name: good[name].clone().index_fill_(1, torch.tensor([2]), float("-inf"))},
+                f"tensor {name!r} holds inf values"),
     }
     for kind, (update, needle) in bad_updates.items():
         with pytest.raises(WeightUpdateError) as err:

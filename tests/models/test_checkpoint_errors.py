@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.errors import CheckpointError, ModelConfigError
-from tandem.models import load_model, read_hf_config
+from tandem.models import build_model, load_model, read_hf_config
+from tandem.train.sharded_load import load_hf_weights_sharded
 from tests.models.hf_oracle import Case, make_hf_model
 
 CASE = Case("qwen3-tied", "qwen3", 64, 32, 2, 4, 2, tie=True)
@@ -96,6 +98,25 @@ def test_wrong_shape_is_named(copy):
     _rewrite(copy, lambda t: t.update({"model.norm.weight": torch.ones(31)}))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight \(expected \(32,\), got \(31,\)"):
         load_model(copy)
+
+
+@pytest.mark.parametrize("value, what", [(float("nan"), "NaN"), (float("-inf"), "inf"), (float("inf"), "inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_weights_are_refused_naming_tensor_and_file(copy, value, what, dtype):
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t):
+        t[name] = t[name].to(dtype)
+        t[name].view(-1)[7] = value
+
+    _rewrite(copy, poison)
+    needle = re.escape(f"tensor '{name}' in '{copy / 'model.safetensors'}' holds {what} values")
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(copy)  # what `tandem serve` and `tandem model-info` load with
+    model = build_model(read_hf_config(copy), device="meta").to_empty(device="cpu")
+    model.tie_weights()
+    with pytest.raises(CheckpointError, match=needle):
+        load_hf_weights_sharded(model, copy)  # what the trainer loads with
 
 
 def test_harmless_extras_are_accepted(copy, hf_dir):

@@ -80,7 +80,7 @@ def weights(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def servers(weights, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
-    args = ("--kv-cache-tokens", "8192", "--weight-sync-timeout", "30")
+    args = ("--kv-cache-tokens", "8192", "--weight-sync-timeout", "30", "--weights-dir", str(weights))
     with ThreadPoolExecutor(2) as pool:
         started = list(pool.map(lambda _: ServerProcess(weights / "v00000000", logs, *args), range(2)))
     yield started

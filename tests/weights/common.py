@@ -20,12 +20,14 @@ NEW = 10
 FAST = Deadlines(init_group_s=4.0, bucket_s=4.0, update_s=40.0, http_s=10.0)
 
 
-def start_server(model_dir: Path, log_dir: Path) -> ServerProcess:
-    """`tandem serve` with fault injection enabled (the hidden /_fault route) and short timeouts."""
+def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None) -> ServerProcess:
+    """`tandem serve` with fault injection enabled (the hidden /_fault route) and short timeouts;
+    `weights_dir`: where disk updates may come from (beside the model's directory)."""
     old = os.environ.get("TANDEM_FAULT_INJECTION")
     os.environ["TANDEM_FAULT_INJECTION"] = "1"
+    extra = ("--weights-dir", str(weights_dir)) if weights_dir is not None else ()
     try:
-        return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10")
+        return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10", *extra)
     finally:
         if old is None:
             os.environ.pop("TANDEM_FAULT_INJECTION", None)

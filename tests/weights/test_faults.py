@@ -47,8 +47,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("serve")
-    pool = [start_server(model_dir, log_dir), start_server(model_dir, log_dir)]
-    pool_info = {"servers": pool, "log_dir": log_dir}
+    weights_dir = tmp_path_factory.getbasetemp()  # disk updates write below each test's tmp_path
+    pool = [start_server(model_dir, log_dir, weights_dir), start_server(model_dir, log_dir, weights_dir)]
+    pool_info = {"servers": pool, "log_dir": log_dir, "weights_dir": weights_dir}
     yield pool_info
     for s in pool_info["servers"]:
         s.stop()
@@ -272,7 +273,7 @@ def test_server_killed_mid_broadcast(servers, fleet, model_dir):
         assert b.proc.returncode is not None
         assert_unchanged([a], old, old_src)
     # The dead server is replaced; the retry reaches the whole fleet again.
-    b2 = start_server(model_dir, servers["log_dir"])
+    b2 = start_server(model_dir, servers["log_dir"], servers["weights_dir"])
     servers["servers"][1] = b2
     with HttpFleet([a.url, b2.url], deadlines=FAST) as fleet2, \
             WeightUpdater(src, fleet2, meta("distributed"), verify=True) as u:

@@ -94,7 +94,8 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
 def setup(tmp_path_factory):
     model_dir = make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=5)
     log_dir = tmp_path_factory.mktemp("serve")
-    servers = [start_server(model_dir, log_dir), start_server(model_dir, log_dir)]
+    weights_dir = tmp_path_factory.getbasetemp()  # disk updates write below each test's tmp_path
+    servers = [start_server(model_dir, log_dir, weights_dir), start_server(model_dir, log_dir, weights_dir)]
     yield model_dir, servers
     for s in servers:
         assert s.stop() == 0, s.log.read_text()

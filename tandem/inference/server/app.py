@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import signal
 import socket
@@ -72,6 +73,12 @@ def build_app(args: ServerArgs) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(str(exc))
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: answered in the error format (not starlette's plain text); uvicorn logs the traceback.
+        return error_response(f"internal error on {request.method} {request.url.path} ({type(exc).__name__}: "
+                              f"{exc}); see the server log", 500)
+
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(f"no route {request.method} {request.url.path}", 404)
@@ -79,6 +86,27 @@ def build_app(args: ServerArgs) -> FastAPI:
     if args.api_key:
         app.add_middleware(BearerAuth, api_key=args.api_key)
     return app
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches this machine only: 127.0.0.0/8, ::1 or `localhost`. Any other name
+    counts as not loopback (it may resolve to any interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The startup warning for a server other machines may reach without a key, else None."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"tandem serve: warning: listening on {host} (not a loopback address) without --api-key: anyone who "
+            "can reach this port can generate, pause or abort generation, release memory and swap the served "
+            "weights. Pass --api-key KEY (clients then send 'Authorization: Bearer KEY'), or --host 127.0.0.1 to "
+            "accept this machine only.")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -100,6 +128,8 @@ def serve(args: ServerArgs) -> int:
     """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown: stop accepting, finish in-flight
     responses for up to 10 s, then stop the engine thread)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (warning := exposure_warning(args.host, args.api_key)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     args.port = port

@@ -4,7 +4,7 @@ tandem/cli.py so that other commands do not import torch)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -25,6 +25,7 @@ class ServerArgs:
     seed: int = 0
     num_threads: int | None = None
     weight_sync_timeout: float = 120.0
+    weights_dir: list[str] = field(default_factory=list)  # beside the model's: where disk updates may load from
     log_level: str = "warning"
 
     @property

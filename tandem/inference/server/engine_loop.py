@@ -104,8 +104,8 @@ class EngineLoop:
                                     max_num_batched_tokens=a.max_num_batched_tokens,
                                     kv_cache_tokens=a.kv_cache_tokens, block_size=a.block_size,
                                     device=a.device, dtype=a.torch_dtype, seed=a.seed)
-        except Exception:
-            self.error = "engine failed to load:\n" + traceback.format_exc()
+        except Exception as exc:  # the first line (what /health reports) says why
+            self.error = f"engine failed to load: {exc}\n" + traceback.format_exc()
             log.error(self.error)
             self.ready.set()
             return

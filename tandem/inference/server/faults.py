@@ -1,7 +1,7 @@
 """Fault injection for the weight routes, a testing aid: only with `TANDEM_FAULT_INJECTION=1` in
 the server's environment does the hidden `POST /_fault` route exist (404 otherwise). A fault set
 on a route makes its `nth` call (counted from when it was set) and the `times - 1` after it answer
-500, hang `seconds` and answer 503, or SIGKILL the server (on /update_weights_from_distributed
+500, raise an unexpected exception (a bug's stand-in), hang `seconds` and answer 503, or SIGKILL the server (on /update_weights_from_distributed
 optionally after receiving `after_tensors` tensors: the receive applies it). `{"clear": true}`
 removes all faults.
 """
@@ -24,11 +24,12 @@ FAULT_ENV = "TANDEM_FAULT_INJECTION"
 FAULT_ROUTES = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
                 "update_weights_from_shm", "commit_staged_weights", "discard_staged_weights",
                 "destroy_weights_update_group")
+FAULT_ACTIONS = ("500", "error", "hang", "kill")
 
 
 @dataclass
 class Fault:
-    action: str  # "500": answer 500; "hang": wait `seconds`, then 503; "kill": SIGKILL this server
+    action: str  # "500": answer 500; "error": raise RuntimeError; "hang": wait `seconds`, then 503; "kill": SIGKILL
     nth: int = 1  # first call (1-based, counted from when the fault was set) that fails
     times: int = 1  # how many calls fail from there on
     seconds: float = 30.0
@@ -55,6 +56,8 @@ async def fault_point(request: Request, route: str) -> Fault | None:
         return None
     if fault.action == "500":
         raise ApiError(f"injected fault on /{route}", 500)
+    if fault.action == "error":
+        raise RuntimeError(f"injected bug on /{route}")
     if fault.action == "hang":
         await asyncio.sleep(fault.seconds)
         raise ApiError(f"injected fault on /{route}: hung for {fault.seconds}s", 503)
@@ -66,7 +69,7 @@ async def fault_point(request: Request, route: str) -> Fault | None:
 @router.post("/_fault")
 async def set_fault(request: Request) -> Response:
     """Testing aid, only when the server runs with TANDEM_FAULT_INJECTION=1 (404 otherwise):
-    `{"route": "update_weights_from_distributed", "action": "500"|"hang"|"kill", "nth"?, "times"?,
+    `{"route": "update_weights_from_distributed", "action": "500"|"error"|"hang"|"kill", "nth"?, "times"?,
     "seconds"?, "after_tensors"?}` makes that route fail; `{"clear": true}` removes all faults."""
     if os.environ.get(FAULT_ENV) != "1":
         raise ApiError(f"no route POST {request.url.path}", 404)
@@ -78,8 +81,8 @@ async def set_fault(request: Request) -> Response:
         return control_response(True, "faults cleared")
     route = get_field(body, "route", str, required=True)
     action = get_field(body, "action", str, required=True)
-    if route not in FAULT_ROUTES or action not in ("500", "hang", "kill"):
-        raise ApiError(f"route must be one of {list(FAULT_ROUTES)} and action one of 500, hang, kill")
+    if route not in FAULT_ROUTES or action not in FAULT_ACTIONS:
+        raise ApiError(f"route must be one of {list(FAULT_ROUTES)} and action one of {', '.join(FAULT_ACTIONS)}")
     faults[route] = Fault(action, nth=get_field(body, "nth", int, 1), times=get_field(body, "times", int, 1),
                           seconds=float(get_field(body, "seconds", float, 30.0)),
                           after_tensors=get_field(body, "after_tensors", int))

@@ -94,7 +94,7 @@ async def completions(request: Request) -> Response:
     body = await read_json(request, allow_empty=False)
     check_fields(body, COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix", "logit_bias"})
     _check_common(body)
-    if body.get("echo") or body.get("suffix") or body.get("logit_bias") or (body.get("best_of") or 1) > 1:
+    if body.get("echo") or body.get("suffix") or body.get("logit_bias") or get_field(body, "best_of", int, 1) > 1:
         raise ApiError("echo, suffix, logit_bias and best_of are not supported")
     if "prompt" not in body:
         raise ApiError("field 'prompt' is required")

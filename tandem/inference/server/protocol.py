@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse
 
 from tandem.inference.outputs import RequestOutput
 
-ERROR_TYPES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}
+ERROR_TYPES = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+               500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 class ApiError(Exception):
@@ -30,9 +31,12 @@ class ControlError(Exception):
     """A control route failed: `{"success": false, "message": ...}`, status 400."""
 
 
+def error_body(message: str, code: int = 400) -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": ERROR_TYPES.get(code, "Error"), "code": code}
+
+
 def error_response(message: str, code: int = 400) -> JSONResponse:
-    body = {"object": "error", "message": message, "type": ERROR_TYPES.get(code, "Error"), "code": code}
-    return JSONResponse(body, status_code=code)
+    return JSONResponse(error_body(message, code), status_code=code)
 
 
 def control_response(success: bool, message: str, **extra: Any) -> JSONResponse:

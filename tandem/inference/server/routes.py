@@ -16,12 +16,13 @@ from tandem.inference.server.protocol import (
     ControlError,
     check_fields,
     control_response,
+    error_body,
     generate_response,
     get_field,
     read_json,
     token_ids,
 )
-from tandem.inference.server.state import ClientGone, ServerState
+from tandem.inference.server.state import ClientGone, ServerState, failure
 
 router = APIRouter()
 
@@ -89,6 +90,9 @@ async def _stream(state: ServerState, rid: str, input_ids: list[int], params: Sa
     async def events():
         so_far: dict[int, tuple[list[int], list[float]]] = {}
         async for kind, item in state.stream_request(submitted):
+            if kind == "final" and (failed := failure([item])) is not None:
+                yield _sse(error_body(failed, 500))  # the status (200) went out with the first byte
+                break
             if kind == "final":
                 yield _sse(generate_response(item, rid, return_logprob, params.n))
                 continue

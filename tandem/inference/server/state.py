@@ -18,6 +18,7 @@ from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
 from tandem.inference.server.protocol import ApiError
+from tandem.inference.server.weight_paths import allowed_weight_dirs
 
 
 class ClientGone(Exception):
@@ -36,6 +37,7 @@ class ServerState:
         self.groups: dict[str, Any] = {}  # group name -> tandem.weights.WeightGroup
         self.staged: Any = None  # weight_staging.Staging: buckets of an update not committed yet
         self.update_lock = asyncio.Lock()  # one weight update / memory change at a time
+        self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
         self.started = time.time()
 
     # ------------------------------------------------------------------ status
@@ -114,7 +116,8 @@ class ServerState:
 
     async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
                           return_logprob: bool) -> list[RequestOutput]:
-        """Run one (non-streaming) request to completion; abort it if the client disconnects."""
+        """Run one (non-streaming) request to completion; abort it if the client disconnects. A
+        request the engine failed (its logits were not finite) raises ApiError 500."""
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False))
@@ -130,7 +133,10 @@ class ServerState:
             if not pending.future.done():
                 self.engine_loop.abort(rid, exact=True)
                 raise ClientGone(rid)
-            return pending.future.result()
+            outs = pending.future.result()
+            if (failed := failure(outs)) is not None:
+                raise ApiError(failed, 500)
+            return outs
         finally:
             watcher.cancel()
 
@@ -148,6 +154,11 @@ class ServerState:
         finally:
             if finals < pending.n:
                 self.engine_loop.abort(pending.rid, exact=True)
+
+
+def failure(outputs: list[RequestOutput]) -> str | None:
+    """The engine's message when it failed this request (finish reason "error"), else None."""
+    return next((o.finish_reason["message"] for o in outputs if o.finish_reason.get("type") == "error"), None)
 
 
 async def wait_disconnect(request: Request) -> None:

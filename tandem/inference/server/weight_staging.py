@@ -15,6 +15,7 @@ untouched.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from dataclasses import dataclass, field
@@ -121,12 +122,16 @@ async def swap_in(state: ServerState, staging: Staging, version: str | None, abo
 
 async def load_tensors(state: ServerState, tensors: list[tuple[str, torch.Tensor]], version: str | None,
                 abort_all: bool) -> None:
-    if abort_all:
-        await state.engine_loop.abort(abort_all=True)
+    """Validate the full set (`stage_weights`: names, shapes, finite values) on a worker thread,
+    so generation goes on meanwhile and a refused set aborts nothing; then abort in-flight requests
+    if asked and swap it in between two engine steps. Refused: ControlError, nothing changed."""
     try:
-        await state.engine_loop.call(lambda e: e.load_weights(tensors, weight_version=version, strict_dtype=False))
+        staged = await asyncio.to_thread(stage_weights, state.engine.model, tensors, strict_dtype=False)
     except WeightUpdateError as exc:
         raise ControlError(f"{exc}; the previous weights keep serving") from exc
+    if abort_all:
+        await state.engine_loop.abort(abort_all=True)
+    await state.engine_loop.call(lambda e: e.swap_staged(staged, weight_version=version))
 
 
 def check_weights_present(state: ServerState) -> None:

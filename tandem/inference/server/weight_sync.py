@@ -4,8 +4,9 @@ training. The control plane: request parsing, validation, answers; the tensors a
 `weight_staging.py` (staged sets, receives, the swap) and `memory.py` (release/resume), fault
 injection for tests by `faults.py` (its route is part of this module's `router`).
 
-Every update is staged and validated before anything is swapped (`LLMEngine.load_weights`); a
-failure answers `success: false` and the previous weights and version keep serving. Tensors are
+Every update is staged and validated before anything is swapped (`weight_staging.load_tensors`:
+names, shapes, finite values); a failure answers `success: false` and the previous weights and
+version keep serving. Tensors are
 read (disk), received (group) or mapped (shared memory) off the engine thread, so generation goes
 on meanwhile; only the swap itself runs between two engine steps.
 
@@ -48,6 +49,7 @@ from tandem.inference.server.protocol import (
 )
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
+from tandem.inference.server.weight_paths import check_weights_path
 from tandem.inference.server.weight_staging import (
     Staging,
     check_bucket,
@@ -127,6 +129,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     body = await read_json(request, allow_empty=False)
     check_fields(body, {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "commit"})
     path = get_field(body, "model_path", str, required=True)
+    check_weights_path(path, state.weight_dirs)  # 403 before anything looks at the path
     load_format = get_field(body, "load_format", str, "auto")
     if load_format not in ("auto", "safetensors"):
         raise ApiError(f"load_format {load_format!r} is not supported; use 'auto' or 'safetensors'")
@@ -142,7 +145,7 @@ async def update_weights_from_disk(request: Request) -> Response:
             return control_response(True, f"loaded weights from {path}", weight_version=state.engine.weight_version)
         discard(state)
         try:  # a checkpoint is a full set: check it all now, so the commit cannot fail on it
-            stage_weights(state.engine.model, tensors, strict_dtype=False)
+            await asyncio.to_thread(stage_weights, state.engine.model, tensors, strict_dtype=False)
         except WeightUpdateError as exc:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         staging = Staging(f"disk:{path}")
