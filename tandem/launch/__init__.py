@@ -10,17 +10,26 @@ The worker entry point and its `TrainWorker` live in `tandem.launch.worker` (not
 so `python -m tandem.launch.worker` runs it cleanly). See docs/launch.md.
 """
 
-from tandem.launch.local import LocalScheduler, ManagedProcess
-from tandem.launch.rpc import (
-    GroupBrokenError,
-    RemoteError,
-    RPCError,
-    RPCTimeoutError,
-    WorkerCrashedError,
-    WorkerGroup,
-)
-from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle
-from tandem.launch.specs import LossSpec, import_object
+# Everything loads on first use: the RPC layer pulls in torch, and processes that only need
+# `tandem.launch.guard` (the exec wrapper of each server) must not pay for it.
+_LAZY = {
+    "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.local",
+    "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",
+    "RPCTimeoutError": "tandem.launch.rpc", "WorkerCrashedError": "tandem.launch.rpc",
+    "WorkerGroup": "tandem.launch.rpc",
+    "LaunchError": "tandem.launch.scheduler", "Scheduler": "tandem.launch.scheduler",
+    "ServerHandle": "tandem.launch.scheduler",
+    "LossSpec": "tandem.launch.specs", "import_object": "tandem.launch.specs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tandem.launch' has no attribute {name!r}")
+
 
 __all__ = [
     "GroupBrokenError",
