@@ -11,7 +11,8 @@ so `python -m tandem.launch.worker` runs it cleanly). See docs/launch.md.
 """
 
 # Everything loads on first use: the RPC layer pulls in torch, and processes that only need
-# `tandem.launch.guard` (the exec wrapper of each server) must not pay for it.
+# `tandem.launch.guard` (the exec wrapper of each server, every reward pool worker) must not pay
+# for it.
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.local",
     "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from tandem.rollout import RewardRunner
+from tests.launch.pool_owner import kill_owner_and_check, start_owner
+from tests.launch.procs import Marked
 from tests.rollout import rewards
 from tests.rollout.conftest import run
 
@@ -70,3 +72,14 @@ def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
     procs = list(pool._processes.values()) if pool._processes else []
     assert all(not p.is_alive() for p in procs)  # no stuck worker left behind
     assert score(runner, rewards.parity_reward).value == 1.0  # fresh pool works
+
+
+def test_pool_dies_with_its_owner():
+    """SIGKILL of the process that owns a RewardRunner leaves none of the pool's processes (its
+    workers, the fork server, the resource tracker) and none of its semaphores."""
+    marked = Marked()
+    try:
+        proc, workers = start_owner(marked, "tests.launch.pool_owner", "runner")
+        kill_owner_and_check(marked, proc, workers, "RewardRunner")
+    finally:
+        marked.clean_up()
