@@ -42,6 +42,7 @@ from typing import Any
 from tandem.config.alloc import Component
 from tandem.launch.rpc import WorkerGroup
 from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle, server_layout, worker_layout
+from tandem.weights.shm import remove_stale_segments
 
 LISTENING = re.compile(r"tandem serve: listening on http://(\[[^\]]+\]|[^:\s]+):(\d+)")
 ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"
@@ -331,6 +332,10 @@ class LocalScheduler(Scheduler):
                         group.shutdown(timeout_s=min(self.grace_s, 3.0))
                     group.close()
             self._stop(self.processes, self.grace_s)
+            # A trainer killed here may leave weight segments that its resource tracker, killed
+            # with its process group, did not get to unlink (tandem.weights.shm).
+            with contextlib.suppress(OSError):
+                remove_stale_segments(creators={p.pid for p in self.processes})
         finally:
             self._closed = True
             self.teardown_s = time.monotonic() - start

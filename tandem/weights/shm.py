@@ -17,7 +17,7 @@ last mapping does). A trainer that dies without closing (SIGKILL included) leave
 either: each one is registered with the trainer's multiprocessing resource tracker before it is
 created, a helper process that outlives the trainer and unlinks what is still registered. Should
 both go at once, the segment's name carries the creator's pid, so `remove_stale_segments` can
-delete what they left behind (the next updater does at its start).
+delete what they left behind (the scheduler does at teardown, the next updater at its start).
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
 (`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file; the server reads a handle with an
@@ -36,7 +36,7 @@ import pickle
 import re
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -269,12 +269,13 @@ def tensor_views(buf: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Seq
     return [_view(buf, o, s, d) for o, s, d in zip(offsets, shapes, dtypes, strict=True)]
 
 
-def remove_stale_segments() -> list[str]:
-    """Delete segments whose creating process is gone (a trainer that was killed mid-update)."""
+def remove_stale_segments(creators: Collection[int] | None = None) -> list[str]:
+    """Delete segments whose creating process is gone (a trainer that was killed mid-update);
+    only those created by one of `creators` (pids) when given."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and (creators is None or int(pid) in creators) and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path.name)
