@@ -10,9 +10,10 @@ The worker entry point and its `TrainWorker` live in `tandem.launch.worker` (not
 so `python -m tandem.launch.worker` runs it cleanly). See docs/launch.md.
 """
 
-# Loaded on first use: the config room reads `tandem.launch.affinity` and `tandem.launch.scheduler`'s
-# rules without paying for torch (which the RPC wire format imports), so `show-config` and the
-# checks before a run stay fast.
+# Everything loads on first use: the RPC layer pulls in torch, which neither the config room (it
+# reads `tandem.launch.affinity` and the scheduler's rules, so `show-config` and the checks before a
+# run stay fast) nor the processes that only need `tandem.launch.guard` (each server's exec
+# wrapper, every reward pool worker) should pay for.
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.local",
     "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",

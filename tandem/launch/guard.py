@@ -4,7 +4,8 @@
 
 asks Linux to send SIGKILL to this process when its parent dies (`PR_SET_PDEATHSIG`, which
 survives `exec`), checks that the parent is still `PARENT_PID` (it may have died already), then
-replaces itself with CMD. Workers call `die_with_parent` directly instead.
+replaces itself with CMD. Workers call `die_with_parent` directly instead, and processes started
+by `multiprocessing` (reward pool workers, rollout workers) call `die_with_creator`.
 
 Caveat (Linux semantics): the signal fires when the *thread* that started the child ends, so a
 scheduler should start children from a long-lived thread (normally the main thread).
@@ -33,6 +34,30 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
         return False
     if os.getppid() != parent_pid:
         os._exit(1)  # the parent died before the request took effect
+    return True
+
+
+def die_with_creator(creator_pid: int) -> bool:
+    """In a process started by `multiprocessing` with the spawn or forkserver method (first thing,
+    e.g. as a pool's initializer): die when `creator_pid`, the process that started it, dies; exit
+    at once if it is gone already. Returns False where the platform has no parent-death signal.
+
+    spawn: the creator is the parent (`die_with_parent`). forkserver: the parent is the fork
+    server, which exits by itself once its "alive" pipe reports EOF, i.e. once every holder of the
+    pipe's write end is gone: the creator, and every process the server forked (each inherits
+    it). This process arms the signal against the server, which cannot have exited yet since this
+    process still holds the pipe, then drops its copy; from then on the server lives as long as
+    the creator, and this process as long as the server."""
+    from multiprocessing import forkserver
+
+    if forkserver.get_inherited_fds() is None:  # not started by a fork server
+        return die_with_parent(creator_pid)
+    if not die_with_parent(os.getppid()):
+        return False
+    server = forkserver._forkserver  # the module's singleton: the pipe's end this process holds
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None  # a fork server this process asks for is its own, new one
     return True
 
 

@@ -43,6 +43,7 @@ from typing import Any
 from tandem.config.alloc import Component
 from tandem.launch.rpc import WorkerGroup
 from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle, server_layout, worker_layout
+from tandem.weights.shm import remove_stale_segments
 
 logger = logging.getLogger(__name__)
 LISTENING = re.compile(r"tandem serve: listening on http://(\[[^\]]+\]|[^:\s]+):(\d+)")
@@ -354,6 +355,10 @@ class LocalScheduler(Scheduler):
             # Interrupted (Ctrl-C, SIGTERM): a short grace, so the run ends within seconds even
             # when a server is still finishing requests.
             self._stop(self.processes, self.grace_s if graceful else min(self.grace_s, INTERRUPT_GRACE_S))
+            # A trainer killed here may leave weight segments that its resource tracker, killed
+            # with its process group, did not get to unlink (tandem.weights.shm).
+            with contextlib.suppress(OSError):
+                remove_stale_segments(creators={p.pid for p in self.processes})
         finally:
             self._closed = True
             self.teardown_s = time.monotonic() - start

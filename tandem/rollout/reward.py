@@ -15,6 +15,11 @@ the workflow turns that into a rejected sample with the reason logged.
 
 The timeout measures execution, not queueing: at most `max_workers` calls per event loop are in
 the pool at once (an asyncio semaphore), so a stuck worker cannot make queued calls time out.
+
+The pool's processes die with the process that owns the runner, even when it is SIGKILLed: each
+worker starts with `tandem.launch.guard.die_with_creator` (see docs/launch.md), and the
+multiprocessing resource tracker then unlinks the pool's semaphores. (With the spawn method the
+workers are children of the thread that submits first, and die when it ends: see the guard.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -33,6 +39,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
+
+from tandem.launch.guard import die_with_creator
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +114,8 @@ class RewardRunner:
             if self._closed:
                 raise RewardRunnerClosed("the reward runner is closed")
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx)
+                self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx,
+                                                 initializer=die_with_creator, initargs=(os.getpid(),))
             return self._pool
 
     def _slot(self) -> asyncio.Semaphore:

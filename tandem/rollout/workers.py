@@ -8,7 +8,9 @@ real workflow and POSTs the outcome (trajectories as JSON, a rejection, or the e
 traceback) to the controller's callback route `/rollout/episode`; that request resolves the future.
 Nothing polls: the controller -> worker direction is a pipe a reader thread blocks on, the worker ->
 controller direction is one HTTP request per finished episode, and worker deaths are noticed by a
-thread blocked on the processes' sentinels (their episodes fail at once and are rejected).
+thread blocked on the processes' sentinels (their episodes fail at once and are rejected). A
+worker leaves when its command pipe reports EOF, and gets SIGKILL from the kernel if the controller
+dies (`tandem.launch.guard.die_with_creator`; start the pool from a long-lived thread, see there).
 
 A workflow used with workers must be picklable; it is sent to each worker once (RewardRunner
 pickles as its settings, and each worker starts its own reward pool).
@@ -34,6 +36,7 @@ from typing import Any
 
 from tandem import aio
 from tandem.data.trajectory import Trajectory
+from tandem.launch.guard import die_with_creator
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import RolloutError
 from tandem.rollout.workflow import EpisodeResult, RolloutWorkflow, as_trajectories
@@ -103,7 +106,8 @@ class WorkerPool:
         ctx = multiprocessing.get_context("spawn")
         for i in range(self.num_workers):
             ours, theirs = ctx.Pipe(duplex=False)  # (reader, writer): the worker reads
-            proc = ctx.Process(target=worker_main, args=(i, ours, *self._args), name=f"tandem-rollout-worker-{i}")
+            proc = ctx.Process(target=worker_main, args=(i, ours, os.getpid(), *self._args),
+                               name=f"tandem-rollout-worker-{i}")
             proc.start()
             ours.close()
             self._workers.append(_Worker(i, proc, theirs))
@@ -238,8 +242,9 @@ class WorkerPool:
 # -- the worker process -----------------------------------------------------------------------------
 
 
-def worker_main(index: int, conn: Any, addresses: list[str], client_config: dict[str, Any],
+def worker_main(index: int, conn: Any, creator_pid: int, addresses: list[str], client_config: dict[str, Any],
                 callback_address: str, secret: str) -> None:
+    die_with_creator(creator_pid)  # SIGKILLed with the controller: nothing of the run outlives it
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rollout-worker-{index} %(name)s %(levelname)s %(message)s")
     aio.run(_WorkerProcess(index, conn, addresses, client_config, callback_address, secret).main())
 

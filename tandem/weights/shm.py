@@ -13,8 +13,11 @@ server maps the window read-only, copies it into its own staging buffer and unma
 answering the request. The trainer keeps its segments between updates (their pages stay
 allocated) or unlinks them after each one; either way they are unlinked at close and after a
 failure (a server keeps serving from an unlinked segment it has mapped; the memory goes when its
-last mapping does). The segment's name carries the creator's pid, so `remove_stale_segments` can
-delete what a killed trainer left behind.
+last mapping does). A trainer that dies without closing (SIGKILL included) leaves no segment
+either: each one is registered with the trainer's multiprocessing resource tracker before it is
+created, a helper process that outlives the trainer and unlinks what is still registered. Should
+both go at once, the segment's name carries the creator's pid, so `remove_stale_segments` can
+delete what they left behind (the scheduler does at teardown, the next updater at its start).
 
 On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
 (`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file; the server reads a handle with an
@@ -33,7 +36,8 @@ import pickle
 import re
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +164,18 @@ class ShmWriter:
     def _create(self, nbytes: int) -> tuple[Path, mmap.mmap]:
         name = f"{PREFIX}{self.token}-{len(self.paths)}-{uuid.uuid4().hex[:6]}"
         path = segment_path(name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _track(path)  # before the file exists: there is no moment at which it could be left untracked
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except BaseException:
+            _untrack(path)
+            raise
         try:
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except BaseException:
+            _remove(path)
+            raise
         finally:
             os.close(fd)
         return path, mm
@@ -176,7 +188,7 @@ class ShmWriter:
     def _replace(self, k: int, nbytes: int) -> None:
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
             self._maps[k].close()
-        self.paths[k].unlink(missing_ok=True)
+        _remove(self.paths[k])
         self.paths[k], self._maps[k] = self._create(nbytes)
 
     def close(self) -> None:
@@ -186,10 +198,26 @@ class ShmWriter:
                 mm.close()
         self._maps.clear()
         for path in self.paths:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            _remove(path)
         self.paths.clear()
         self._seg = self._cursor = self._done = 0
+
+
+def _track(path: Path) -> None:
+    """Register a segment with this process's multiprocessing resource tracker: a helper process
+    that outlives its creator by design and unlinks what is still registered once this process is
+    gone, however it went (SIGKILL included)."""
+    resource_tracker.register(f"/{path.name}", "shared_memory")
+
+
+def _untrack(path: Path) -> None:
+    resource_tracker.unregister(f"/{path.name}", "shared_memory")
+
+
+def _remove(path: Path) -> None:
+    """Unlink a segment this process created (if it still has its name) and untrack it."""
+    path.unlink(missing_ok=True)
+    _untrack(path)
 
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault every page in for reading (no copy-on-write break)
@@ -241,12 +269,13 @@ def tensor_views(buf: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Seq
     return [_view(buf, o, s, d) for o, s, d in zip(offsets, shapes, dtypes, strict=True)]
 
 
-def remove_stale_segments() -> list[str]:
-    """Delete segments whose creating process is gone (a trainer that was killed mid-update)."""
+def remove_stale_segments(creators: Collection[int] | None = None) -> list[str]:
+    """Delete segments whose creating process is gone (a trainer that was killed mid-update);
+    only those created by one of `creators` (pids) when given."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and (creators is None or int(pid) in creators) and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path.name)

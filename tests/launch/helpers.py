@@ -43,3 +43,22 @@ def fail_on_rank(worker, rank: int) -> int:
     if worker.rank == rank:
         raise ValueError(f"deliberate failure on rank {rank}")
     return worker.rank
+
+
+def make_segments(worker, count: int) -> list[str]:
+    """Rank 0 writes `count` weight segments the way `WeightUpdater` does, and keeps them (the
+    writer lives in `worker.state`); -> their names."""
+    from tandem.weights.shm import ShmWriter
+
+    names = []
+    for _ in range(count):
+        writer = ShmWriter()
+        names.append(writer.write([torch.ones(1000)])[0])
+        worker.state.setdefault("writers", []).append(writer)
+    return names
+
+
+def resource_tracker_pid(worker) -> int | None:
+    from multiprocessing import resource_tracker
+
+    return resource_tracker._resource_tracker._pid

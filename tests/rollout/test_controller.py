@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,8 @@ from tandem.rollout.fleet_wire import FLEET_OPS, decode_call, encode_call
 from tandem.weights.fleet import Fleet, FleetError, FleetResult, ServerResult
 from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
+from tests.launch.pool_owner import kill_owner_and_check, start_owner
+from tests.launch.procs import Marked
 from tests.rollout.conftest import REPO
 from tests.rollout.fake_server import chain
 
@@ -52,6 +55,9 @@ class Echo(RolloutWorkflow):
             return None
         if item == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if isinstance(item, tuple) and item[0] == "block":  # blocks the event loop (as CPU work done in place would), once it says so
+            Path(item[1]).touch()
+            time.sleep(120)
         resp = await client.agenerate(ModelRequest(list(item), self.params))
         return resp.to_trajectory(prompt_id=str(item[0]), info={"pid": os.getpid()})
 
@@ -244,3 +250,16 @@ def test_a_waiting_controller_uses_no_cpu(spawn_server, workers):
     assert m["wall_s"] >= 3.0
     assert m["controller_cpu_s"] < 0.1
     assert m["workers_cpu_s"] < 0.1
+
+
+def test_rollout_workers_die_with_the_controller(spawn_server, tmp_path):
+    """SIGKILL of the controller while a rollout worker's event loop is blocked: the worker cannot
+    act on its command pipe closing; the parent-death signal ends it at once."""
+    address, _ = spawn_server()
+    marked = Marked()
+    try:
+        proc, workers = start_owner(marked, "tests.rollout.worker_owner", address, str(tmp_path / "blocking"))
+        assert (tmp_path / "blocking").exists()
+        kill_owner_and_check(marked, proc, workers, "controller with a blocked rollout worker", pool=False)
+    finally:
+        marked.clean_up()

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from tandem.rollout import RewardRunner
+from tests.launch.pool_owner import kill_owner_and_check, start_owner
+from tests.launch.procs import Marked
 from tests.rollout import rewards
 from tests.rollout.conftest import run
 
@@ -95,3 +97,14 @@ def test_close_while_scoring_is_final_and_quick():
     print(f"closed with a reward running in {closed_in:.2f}s")
     assert closed_in < 2.0
     assert runner._pool is None  # nothing resurrected after close
+
+
+def test_pool_dies_with_its_owner():
+    """SIGKILL of the process that owns a RewardRunner leaves none of the pool's processes (its
+    workers, the fork server, the resource tracker) and none of its semaphores."""
+    marked = Marked()
+    try:
+        proc, workers = start_owner(marked, "tests.launch.pool_owner", "runner")
+        kill_owner_and_check(marked, proc, workers, "RewardRunner")
+    finally:
+        marked.clean_up()

@@ -5,7 +5,10 @@ trainer's packing, and kept-alive HTTP connections to `tandem serve` (TCP_NODELA
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -21,6 +24,7 @@ from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.shm import ShmError, ShmWriter, layout, map_segment, pack, tensor_views
 from tandem.weights.update import WeightSyncError, WeightUpdater, _plan_buckets
 from tests.inference.conftest import make_model_dir
+from tests.launch.procs import CHILD_ENV, REPO, SHM, Marked
 from tests.weights.common import (
     FAST,
     CheckpointSource,
@@ -100,6 +104,45 @@ def test_shm_writer_puts_an_update_in_one_segment_announced_in_windows():
     finally:
         writer.close()
     assert not first_path.exists()
+
+
+_KEEP_A_SEGMENT = """
+import time, torch
+from tandem.weights.shm import ShmWriter
+writer = ShmWriter()
+writer.write([torch.ones(1000)])
+first = writer.paths[0].name
+writer.rewind(expected=1)
+writer.write([torch.ones(10**6)])  # too big for the kept segment: it is replaced (unlinked, untracked)
+print(first, writer.paths[0].name, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_segments_of_a_killed_writer_are_unlinked(tmp_path):
+    """A trainer SIGKILLed with its segments open (e.g. by the parent-death signal when its
+    controller dies) leaves none behind: each segment is registered with the trainer's resource
+    tracker before it is created, and the tracker unlinks it once the trainer is gone. A segment
+    the writer removed itself is no longer registered (the tracker does not try it again)."""
+    marked = Marked()
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _KEEP_A_SEGMENT], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, **CHILD_ENV, **marked.env}, start_new_session=True)
+    try:
+        replaced, name = proc.stdout.readline().decode().split()
+        assert not (SHM / replaced).exists() and (SHM / name).exists()
+        marked.scan()
+        proc.kill()
+        proc.wait()
+        left, objects, took = marked.wait_gone(5.0)
+        print(f"SIGKILL of a writer: {len(objects)} segments left {took:.2f}s later")
+        assert not left and not (SHM / name).exists(), marked.describe(left, objects)
+        assert replaced not in (tmp_path / "stderr").read_text()  # what the tracker says: only the kept one
+    finally:
+        proc.kill()
+        proc.wait()
+        marked.clean_up()
 
 
 def test_plan_buckets_match_the_engine_export(tmp_path):
