@@ -82,6 +82,14 @@ def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[st
         signal.signal(signal.SIGALRM, previous)
 
 
+def _init_worker(creator_pid: int) -> None:
+    """A pool worker dies with the process that owns the runner, and leaves Ctrl-C to it: a
+    terminal sends SIGINT to the whole foreground process group, workers included, and the owner
+    stops the pool itself (a worker interrupted mid-call would print a KeyboardInterrupt traceback)."""
+    die_with_creator(creator_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _default_context() -> str:
     # forkserver: cheap workers that do not inherit the controller's threads; spawn elsewhere.
     return "forkserver" if sys.platform.startswith("linux") else "spawn"
@@ -115,7 +123,7 @@ class RewardRunner:
                 raise RewardRunnerClosed("the reward runner is closed")
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx,
-                                                 initializer=die_with_creator, initargs=(os.getpid(),))
+                                                 initializer=_init_worker, initargs=(os.getpid(),))
             return self._pool
 
     def _slot(self) -> asyncio.Semaphore:
