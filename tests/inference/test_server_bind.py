@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from tandem.inference.server.app import is_loopback
+from tandem.net import is_loopback
 from tests.inference.server_utils import LISTENING, request, wait_for
 
 WARNING = "tandem serve: warning: listening on 0.0.0.0 (not a loopback address) without --api-key"
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
-                                            ("localhost", True), ("0.0.0.0", False), ("::", False),
+                                            ("[::1]", True), ("localhost", True), ("0.0.0.0", False), ("::", False),
                                             ("192.168.1.7", False), ("fe80::1", False), ("myhost.example", False)])
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback

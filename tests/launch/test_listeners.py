@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tandem.net import bound_tcp_store, is_loopback
+from tandem.net import bound_tcp_store
 from tandem.weights.group import host_store
 from tests.launch.procs import CHILD_ENV, listening_sockets
 
@@ -48,9 +48,3 @@ def test_trainer_rendezvous_store_listens_on_master_addr_only():
     listeners = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"listeners of a 1-rank group: {listeners}")
     assert listeners and all(addr == "127.0.0.1" for _, addr, _ in listeners), listeners
-
-
-def test_is_loopback():
-    assert is_loopback("127.0.0.1") and is_loopback("127.8.0.2") and is_loopback("::1") and is_loopback("[::1]")
-    assert is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.org")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import signal
 import socket
@@ -22,6 +21,7 @@ from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
 from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
+from tandem.net import is_loopback
 
 log = logging.getLogger("tandem.serve")
 OPEN_PATHS = {"/health"}
@@ -86,17 +86,6 @@ def build_app(args: ServerArgs) -> FastAPI:
     if args.api_key:
         app.add_middleware(BearerAuth, api_key=args.api_key)
     return app
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` reaches this machine only: 127.0.0.0/8, ::1 or `localhost`. Any other name
-    counts as not loopback (it may resolve to any interface)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
