@@ -74,3 +74,19 @@ def test_alloc_json():
     assert proc.returncode == 0, proc.stderr
     comps = json.loads(proc.stdout)["components"]
     assert [(c["name"], c["world_size"]) for c in comps] == [("rollout", 2), ("actor", 4)]
+
+
+def test_version():
+    from tandem import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"tandem {__version__}"
+
+
+def test_train_without_arguments_prints_usage():
+    proc = run("train")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "usage: tandem train CONFIG.yaml [key=value ...]" in proc.stderr
+    assert "tandem show-config --keys" in proc.stderr and "docs/rl.md" in proc.stderr

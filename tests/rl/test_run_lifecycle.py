@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.procs import CHILD_ENV, alive, descendants, listening_sockets
-from tests.rl.common import TANDEM, run_dir, write_config
+from tests.launch.procs import CHILD_ENV, descendants, listening_sockets
+from tests.rl.common import TANDEM, run_dir, wait_gone, write_config
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, **CHILD_ENV}  # the reward pool imports tests.rollout.rewards
@@ -78,13 +78,6 @@ class Watched:
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def wait_gone(pids: set[int], timeout: float = 15) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
 
 
 def test_second_launch_into_a_trial(tmp_path, model_dir):

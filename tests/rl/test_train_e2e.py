@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.procs import alive, descendants
-from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
+from tests.launch.procs import descendants
+from tests.rl.common import TANDEM, rl_rows, run_dir, wait_gone, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -56,23 +56,6 @@ def _wait_for_steps(tmp_path: Path, proc: subprocess.Popen, steps: int, timeout:
         time.sleep(0.5)
 
 
-def test_ctrl_c_leaves_no_process(tmp_path, model_dir):
-    proc = _start(tmp_path, model_dir)
-    try:
-        _wait_for_steps(tmp_path, proc, 1)
-        tree = descendants(proc.pid)
-        assert len(tree) >= 4  # two servers and two trainer ranks at least
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-        deadline = time.monotonic() + 15
-        while any(alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in tree if alive(p)], "processes left behind after Ctrl-C"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _trainer_rank(pids: set[int], rank: int) -> int:
     for pid in pids:
         try:
@@ -97,10 +80,7 @@ def test_trainer_crash_ends_the_run_naming_the_rank(tmp_path, model_dir):
         assert proc.returncode != 0
         assert "rank 1" in err and "SIGKILL" in err, err[-3000:]
         assert took < 30, f"the run noticed the crash after {took:.1f}s"
-        deadline = time.monotonic() + 15
-        while any(alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in tree if alive(p)], "processes left behind after the crash"
+        assert not wait_gone(tree), "processes left behind after the crash"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -114,3 +94,42 @@ def test_disk_sync_reaches_launched_servers(tmp_path, model_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["version"] for r in rl_rows(tmp_path)] == [1.0, 2.0]
     assert (run_dir(tmp_path) / "weights").is_dir()
+
+
+def _server(pids: set[int], index: int) -> int:
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and b"tandem.cli" in cmd and f"rollout-{index}.log" in _log_of(pid):
+            return pid
+    raise AssertionError(f"no server {index} among {sorted(pids)}")
+
+
+def _log_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
+
+
+def test_a_server_that_dies_is_named_with_its_log(tmp_path, model_dir):
+    """A launched server killed mid-run: the run ends with an error, and the output names the
+    role that died, how it died, its log file and the log's last lines."""
+    proc = _start(tmp_path, model_dir)
+    try:
+        _wait_for_steps(tmp_path, proc, 1)
+        tree = descendants(proc.pid)
+        os.kill(_server(tree, 1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        log = run_dir(tmp_path) / "logs" / "rollout-1.log"
+        assert "rollout-1 (pid " in err and f"exited (killed by SIGKILL); log {log}" in err, err[-3000:]
+        assert "--- last lines of its log ---" in err and "tandem serve: listening on" in err
+        assert "Traceback" not in err.split("--- remote traceback")[0]
+        assert not wait_gone(tree), "processes left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
