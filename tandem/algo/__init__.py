@@ -11,6 +11,8 @@
 See docs/algorithms.md.
 """
 
+from tandem.lazy import lazy_attributes
+
 # Loaded on first use: `tandem.algo.config` (the config schema) must not pull in torch, which the
 # advantage and loss modules need; configs then load in a fraction of a second.
 _LAZY = {
@@ -48,13 +50,7 @@ _LAZY = {
     "shape_rewards": "tandem.algo.rewards",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tandem.algo' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

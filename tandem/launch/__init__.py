@@ -10,6 +10,8 @@ The worker entry point and its `TrainWorker` live in `tandem.launch.worker` (not
 so `python -m tandem.launch.worker` runs it cleanly). See docs/launch.md.
 """
 
+from tandem.lazy import lazy_attributes
+
 # Everything loads on first use: the RPC layer pulls in torch, which neither the config room (it
 # reads `tandem.launch.affinity` and the scheduler's rules, so `show-config` and the checks before a
 # run stay fast) nor the processes that only need `tandem.launch.guard` (each server's exec
@@ -24,13 +26,7 @@ _LAZY = {
     "LossSpec": "tandem.launch.specs", "import_object": "tandem.launch.specs",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tandem.launch' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

@@ -1,6 +1,7 @@
 """Rollouts: inference client over a server pool, workflows, rewards, staleness bound, executor."""
 
 from tandem.data.trajectory import Trajectory, stack_group
+from tandem.lazy import lazy_attributes
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import (
     GenerationDeadlineError,
@@ -25,13 +26,7 @@ _LAZY = {
     "RolloutController": "tandem.rollout.controller",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tandem.rollout' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
