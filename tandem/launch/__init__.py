@@ -17,7 +17,7 @@ from tandem.lazy import lazy_attributes
 # run stay fast) nor the processes that only need `tandem.launch.guard` (each server's exec
 # wrapper, every reward pool worker) should pay for.
 _LAZY = {
-    "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.local",
+    "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.process",
     "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",
     "RPCTimeoutError": "tandem.launch.rpc", "WorkerCrashedError": "tandem.launch.rpc",
     "WorkerGroup": "tandem.launch.rpc",

@@ -39,7 +39,7 @@ def test_trainer_rendezvous_store_listens_on_master_addr_only():
         "print(json.dumps(listening_sockets({os.getpid()})))\n"
         "dist.destroy_process_group()\n"
     )
-    from tandem.launch.local import free_port
+    from tandem.launch.process import free_port
 
     env = {**os.environ, **CHILD_ENV, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo"}

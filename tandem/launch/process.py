@@ -1,0 +1,125 @@
+"""One child process of a launcher: its own session, its output in a log file, a pidfd to wait on.
+
+`ManagedProcess` is what `LocalScheduler` (and the RPC layer, through `WorkerProcess`) sees of a
+child: exit status, the lines this launch wrote to its log (a role's log is appended to by every
+launch into the same run directory), process-group signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def describe_returncode(rc: int | None) -> str:
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+class ManagedProcess:
+    """A child in its own session with its output in a log file, and a pidfd as its sentinel."""
+
+    def __init__(self, name: str, cmd: Sequence[str], log_path: Path, env: Mapping[str, str], *,
+                 cwd: str | Path | None = None, pass_fds: Sequence[int] = (), log_start: int | None = None):
+        """`log_start`: where this launch's lines begin in `log_path`, which earlier launches of the
+        same role may have filled (default: its current end). Log reads never look before it."""
+        self.name, self.cmd, self.log_path = name, list(cmd), log_path
+        if log_start is None:
+            log_start = log_path.stat().st_size if log_path.exists() else 0
+        self.log_start = log_start
+        self._life_r: int | None = None
+        fds = list(pass_fds)
+        if not hasattr(os, "pidfd_open"):  # fallback sentinel: a pipe whose write end only the child holds
+            self._life_r, life_w = os.pipe()
+            fds.append(life_w)
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+        self.pid: int | None = self.popen.pid
+        if self._life_r is not None:
+            os.close(fds[-1])
+            self._sentinel = self._life_r
+        else:
+            self._sentinel = os.pidfd_open(self.popen.pid)
+        self.started = time.monotonic()
+
+    @property
+    def sentinel(self) -> int:
+        return self._sentinel
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def exit_status(self, wait_s: float = 0.0) -> str:
+        try:
+            rc = self.popen.wait(timeout=wait_s) if wait_s > 0 else self.popen.poll()
+        except subprocess.TimeoutExpired:
+            rc = None
+        return describe_returncode(rc)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines this launch wrote (never an earlier launch's)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(self.log_start, f.tell() - 64 * 1024))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def describe(self, what: str, lines: int = 40) -> str:
+        """'NAME (pid N) WHAT; log PATH' and the last `lines` lines this launch wrote."""
+        return (f"{self.name} (pid {self.pid}) {what}; log {self.log_path}\n"
+                f"--- last lines of its log ---\n{self.log_tail(lines).rstrip()}")
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.popen.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._sentinel)
+        self._sentinel = -1
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, {describe_returncode(self.poll())})"
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): .*")
+
+
+def last_error_line(proc: ManagedProcess) -> str | None:
+    """The last 'SomeError: message' line of a log (the exception a traceback ended with)."""
+    for line in reversed(proc.log_tail(200).splitlines()):
+        if _ERROR_LINE.match(line.strip()):
+            return line.strip()
+    return None
