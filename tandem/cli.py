@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from tandem.errors import ConfigError, TandemError
 
 EXIT_USAGE = 2
-ENV_SERVE_API_KEY = "TANDEM_SERVE_API_KEY"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 TRAIN_USAGE = """usage: tandem train CONFIG.yaml [key=value ...]
@@ -231,6 +230,8 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from tandem.launch.scheduler import ENV_SERVE_API_KEY
+
     p.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (printed on startup)")

@@ -42,7 +42,14 @@ from typing import Any
 from tandem.config.alloc import Component
 from tandem.launch.process import ManagedProcess, free_port, last_error_line
 from tandem.launch.rpc import WorkerGroup
-from tandem.launch.scheduler import LaunchError, Scheduler, ServerHandle, server_layout, worker_layout
+from tandem.launch.scheduler import (
+    ENV_SERVE_API_KEY,
+    LaunchError,
+    Scheduler,
+    ServerHandle,
+    server_layout,
+    worker_layout,
+)
 from tandem.weights.shm import remove_stale_segments
 
 logger = logging.getLogger(__name__)
@@ -87,8 +94,11 @@ class LocalScheduler(Scheduler):
 
     def start_servers(self, alloc: Component | str | int, model_path: str | Path, *,
                       server_args: Sequence[str] = (), name: str = "rollout", device: str = "cpu",
-                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> list[ServerHandle]:
+                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None,
+                      api_key: str | None = None) -> list[ServerHandle]:
         layout = server_layout(alloc)
+        if api_key:
+            env = {**(env or {}), ENV_SERVE_API_KEY: api_key}
         procs: list[ManagedProcess] = []
         try:
             for i, devices in enumerate(layout):

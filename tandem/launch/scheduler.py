@@ -27,6 +27,9 @@ from tandem.errors import TandemError
 if TYPE_CHECKING:
     from tandem.launch.rpc import WorkerGroup
 
+# How a launcher hands `tandem serve` its API key: in the environment, which other local users
+# cannot read (a command line they can, in /proc).
+ENV_SERVE_API_KEY = "TANDEM_SERVE_API_KEY"
 # Inference backends a scheduler starts itself; others (sglang, vllm) are used by address.
 LAUNCHABLE_SERVERS = ("tandem",)
 
@@ -110,9 +113,11 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def start_servers(self, alloc: Component | str | int, model_path: str | Path, *,
                       server_args: Sequence[str] = (), name: str = "rollout", device: str = "cpu",
-                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> list[ServerHandle]:
+                      timeout_s: float = 180.0, env: Mapping[str, str] | None = None,
+                      api_key: str | None = None) -> list[ServerHandle]:
         """Start one `tandem serve` per data-parallel replica of `alloc` and return once every
-        one answers `GET /health` with 200. `server_args` are extra `tandem serve` flags."""
+        one answers `GET /health` with 200. `server_args` are extra `tandem serve` flags; with
+        `api_key` every server requires it (handed over as `ENV_SERVE_API_KEY`)."""
 
     @abc.abstractmethod
     def start_workers(self, alloc: Component | str | int, *, name: str = "actor", device: str = "cpu",

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.cli import ENV_SERVE_API_KEY
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
@@ -73,12 +72,10 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         return Fleet(list(cfg.rollout.servers), launched=False, api_key=cfg.rollout.api_key)
     comp = cfg.rollout.allocation.components[0]
     api_key = cfg.rollout.api_key or secrets.token_urlsafe(32)
-    env = {ENV_SERVE_API_KEY: api_key}
-    if cfg.rollout.cpus:
-        env[ENV_CPUS] = cfg.rollout.cpus
+    env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
     server_args = list(cfg.rollout.server_args)
     if weights_dir is not None:
         server_args += ["--weights-dir", str(weights_dir)]
     handles = scheduler.start_servers(comp, model_path, server_args=server_args, device=cfg.experiment.device,
-                                      env=env)
+                                      env=env, api_key=api_key)
     return Fleet([h.url for h in handles], launched=True, api_key=api_key)
