@@ -117,9 +117,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
             try:
                 _run(cfg, plan, scheduler, data, tokenizer, reward_function(cfg, data.task), runner, metrics,
                      summary, totals)
-            except (KeyboardInterrupt, RunInterrupted):
-                raise
-            except BaseException:
+            except Exception:
                 scheduler.log_exits()  # a role that died says so, with its log
                 raise
     except KeyboardInterrupt:
