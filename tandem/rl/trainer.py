@@ -28,6 +28,7 @@ from typing import Any
 from tandem.config.loader import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
+from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.cluster import start_servers, start_workers
 from tandem.rl.console import attach_run_log
@@ -45,6 +46,7 @@ from tandem.rollout.workflows.rlvr import RLVRWorkflow
 from tandem.weights.meta import WeightUpdateMeta
 
 logger = logging.getLogger("tandem.run")
+_SKIPS = RepeatCounter(logger)  # a filter that empties every batch would warn at every step
 
 
 class RunInterrupted(Exception):
@@ -199,8 +201,8 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, wor
     if batch is None or len(batch) < dp:
         # Everything was filtered out (e.g. every group solved): no gradient this step, but the
         # version still advances so the staleness accounting stays exact.
-        logger.warning("step %d: %s sequences left after filtering; skipping the update",
-                       step + 1, 0 if batch is None else len(batch))
+        _SKIPS.log("skip", f"step {step + 1}: {0 if batch is None else len(batch)} sequences left after filtering "
+                           f"(fewer than the {dp} trainer rank(s)); skipping the update")
         stats["train/skipped"] = 1.0
     else:
         shards, dispatch_stats = split_for_ranks(batch, dp)
