@@ -181,7 +181,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     plan = plan_trial(cfg)  # refuses at once a launch that would mix or discard runs
     setup_console()
-    print(f"tandem train: run directory {plan.run_dir} ({plan.describe()}); controller log "
+    print(f"tandem train: run directory {plan.run_dir}: {plan.describe()}; controller log "
           f"{plan.run_dir / 'logs' / CONTROLLER_LOG}", file=sys.stderr, flush=True)
     from tandem.rl.trainer import RunInterrupted, run_rl  # torch, transformers: seconds
 
