@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TandemError as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before a command set up its own handling: nothing to resume
+        print(f"\ntandem {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         # The interpreter's last garbage collection walks every object torch and transformers
         # made (~3 s on 2 busy cores after a run): nothing is left to collect, so skip it.

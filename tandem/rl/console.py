@@ -1,8 +1,8 @@
 """What a run prints, and its controller log.
 
 `setup_console()` (the first thing `tandem train` / `tandem sft` do once the config is good) sends
-records of level INFO and above to stderr: Tandem's own progress lines plain with a timestamp,
-warnings and errors with their level and logger. Lines go through `tqdm.write`, so they never tear
+Tandem's records of level INFO and above, and other libraries' warnings and errors, to stderr:
+Tandem's progress lines plain with a timestamp, warnings and errors with their level and logger. Lines go through `tqdm.write`, so they never tear
 the progress bar. `attach_run_log(run_dir)` adds `RUN_DIR/logs/controller.log`, which gets every
 record the console gets (and the library's DEBUG lines are left out of both).
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 CONTROLLER_LOG = "controller.log"
-_NOISY = ("httpx", "urllib3", "aiohttp.access", "uvicorn.access", "uvicorn.error", "matplotlib", "PIL")
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -46,9 +45,8 @@ def setup_console() -> None:
     handler = _TqdmHandler()
     handler.setFormatter(_ConsoleFormatter("%(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    for name in _NOISY:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    root.setLevel(logging.WARNING)  # other libraries' INFO (torch logs cache statistics at exit) stays out
+    logging.getLogger("tandem").setLevel(logging.INFO)
 
 
 def attach_run_log(run_dir: Path) -> Path:

@@ -104,17 +104,18 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     run_dir = plan.run_dir
     attach_run_log(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
-                cfg.task.train_size, cfg.task.eval_size)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
-    data = load_task_data(cfg, tokenizer)
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
-    metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
-                            tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
-                            run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+    metrics: MetricsLogger | None = None
     try:
+        logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
+                    cfg.task.train_size, cfg.task.eval_size)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+        data = load_task_data(cfg, tokenizer)
+        metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
+                                tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
+                                run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
             try:
                 _run(cfg, plan, scheduler, data, tokenizer, reward_function(cfg, data.task), runner, metrics,
@@ -126,7 +127,8 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         raise RunInterrupted(_resume_hint(cfg, run_dir, summary.end_step)) from None
     finally:
         runner.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     summary.seconds = time.monotonic() - start_time
     summary.time_split = totals
     if cfg.stats.plot:

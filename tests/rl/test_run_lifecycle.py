@@ -245,3 +245,21 @@ def test_ctrl_c_during_a_hanging_evaluation(tmp_path, model_dir):
         assert "No checkpoint was saved" in run.text()
     finally:
         run.kill()
+
+
+def test_ctrl_c_while_starting(tmp_path, model_dir):
+    """Ctrl-C right after the first line, while torch and the run are still loading: exit 130
+    without a traceback, whatever the moment."""
+    cfg = write_config(tmp_path, model_dir)
+    for delay in (0.0, 1.5):
+        run = Watched(cfg, "train.overwrite=true")
+        try:
+            run.wait_for(r"run directory")
+            time.sleep(delay)
+            os.killpg(run.proc.pid, signal.SIGINT)
+            rc = run.finish()
+            print(f"Ctrl-C {delay}s after the first line: exit {rc}: {run.text().splitlines()[-1]}")
+            assert rc == 130 and "Traceback" not in run.text()
+            assert "interrupted" in run.text().splitlines()[-1]
+        finally:
+            run.kill()
