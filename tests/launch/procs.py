@@ -30,6 +30,14 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")
 
 
+def wait_gone(pids: set[int], timeout: float = 15) -> list[int]:
+    """The processes of `pids` still alive after up to `timeout` seconds (a bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
 def all_pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
-
-from tests.launch.procs import alive
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -40,10 +37,3 @@ def rl_rows(tmp_path: Path) -> list[dict]:
         return []
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["phase"] == "rl" and r["step"] > 0]
 
-
-def wait_gone(pids: set[int], timeout: float = 15) -> list[int]:
-    """The processes of `pids` still alive after up to `timeout` seconds (bounded wait)."""
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.procs import CHILD_ENV, descendants, listening_sockets
-from tests.rl.common import TANDEM, run_dir, wait_gone, write_config
+from tests.launch.procs import CHILD_ENV, descendants, listening_sockets, wait_gone
+from tests.rl.common import TANDEM, run_dir, write_config
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, **CHILD_ENV}  # the reward pool imports tests.rollout.rewards

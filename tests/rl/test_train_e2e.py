@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.procs import descendants
-from tests.rl.common import TANDEM, rl_rows, run_dir, wait_gone, write_config
+from tests.launch.procs import cmdline, descendants, wait_gone
+from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -98,11 +98,7 @@ def test_disk_sync_reaches_launched_servers(tmp_path, model_dir):
 
 def _server(pids: set[int], index: int) -> int:
     for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmd and b"tandem.cli" in cmd and f"rollout-{index}.log" in _log_of(pid):
+        if "-m tandem.cli serve" in cmdline(pid) and f"rollout-{index}.log" in _log_of(pid):
             return pid
     raise AssertionError(f"no server {index} among {sorted(pids)}")
 
