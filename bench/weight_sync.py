@@ -46,14 +46,15 @@ from _report import append_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.inference.server_utils
 
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.ops import Deadlines
 from tandem.models import build_model, save_model
 from tandem.train import TrainEngine, TrainEngineConfig
 from tandem.weights import host_store, init_weight_group
-from tandem.weights.http_fleet import HttpFleet
-from tandem.weights.meta import Deadlines, WeightUpdateMeta
-from tandem.weights.packing import plain_parameters, plan_buckets
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.packing import plan_buckets
 from tandem.weights.shm import layout, pack
-from tandem.weights.update import WeightUpdater
+from tandem.weights.updater import WeightUpdater
 from tests.distributed import run_distributed
 from tests.inference.server_utils import ServerProcess
 
@@ -300,7 +301,7 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     reps = reps or REPS[size]
     out = {"size": size, "params": n_params, "bytes": payload, "bucket": bucket, "reps": reps}
     buckets = [[t.clone() for _, t in b] for b in engine.export_weights(bucket)]
-    sources = [[t.clone() for _, t in b] for b in plan_buckets(plain_parameters(engine), bucket, torch.bfloat16)]
+    sources = [[t.clone() for _, t in b] for b in plan_buckets(engine.local_weights(), bucket, torch.bfloat16)]
     engine.close()
     del engine
     tensors = [t for b in buckets for t in b]

@@ -101,7 +101,7 @@ class TrainWorker:
     def init_weight_update(self, meta: Any, callback: Any = None, **updater_kwargs: Any) -> None:
         """Prepare weight updates to the fleet (`WeightUpdateMeta`). Rank 0 reaches the fleet
         through `callback` (a `RolloutCallback`), else one built from its environment. Collective."""
-        from tandem.weights.update import WeightUpdater
+        from tandem.weights.updater import WeightUpdater
 
         self.close_weight_update()
         fleet = None

@@ -14,10 +14,11 @@ from typing import Any
 from tandem import aio
 from tandem.config.schema import TandemConfig
 from tandem.data.tasks import Task
+from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflows.rlvr import reward_fields
 
 logger = logging.getLogger(__name__)

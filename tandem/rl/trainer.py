@@ -27,6 +27,9 @@ from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.config.schema import TandemConfig
+from tandem.fleet import ops
+from tandem.fleet.generation import GenerationParams
+from tandem.fleet.protocol import call
 from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
@@ -41,7 +44,6 @@ from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.types import GenerationParams
 from tandem.rollout.workflows.rlvr import RLVRWorkflow
 from tandem.weights.meta import WeightUpdateMeta
 
@@ -172,7 +174,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
             workers.call("update_weights", start_step)  # the fleet serves the resumed weights
             controller.recover_version(start_step)
         else:
-            controller.set_version(0)
+            call(controller, ops.SET_VERSION, ops.SetVersion(0))
         first = run_eval(start_step)
         summary.eval_before = first.get("eval/accuracy")
         if not metrics.has_step(start_step):  # a resumed trial keeps the row it had for this step

@@ -1,6 +1,7 @@
 """Rollouts: inference client over a server pool, workflows, rewards, staleness bound, executor."""
 
 from tandem.data.trajectory import Trajectory, stack_group
+from tandem.fleet.generation import GenerationParams
 from tandem.lazy import lazy_attributes
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import (
@@ -14,7 +15,7 @@ from tandem.rollout.executor import ExecutorConfig, WorkflowExecutor
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardResult, RewardRunner
 from tandem.rollout.staleness import StalenessManager
-from tandem.rollout.types import GenerationParams, ModelRequest, ModelResponse
+from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.workflow import RolloutWorkflow
 from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow
 

@@ -1,52 +1,34 @@
-"""`RolloutCallback`: the trainer workers' handle on the fleet, through the rollout controller.
+"""`RolloutCallback`: the trainer workers' `Fleet`, reached through the rollout controller.
 
-It implements `tandem.weights.fleet.Fleet` by POSTing each call to the controller's callback server
-(`RolloutController.callback_address()`, authenticated with the run's secret); the controller runs
-it on its `HttpFleet` (every server it knows) and answers with the per-server results. Trainer code
-cannot tell it from a direct `HttpFleet`.
-
-Calls the trainer overlaps with its own collectives (forming the group, a bucket's transfer, a disk
-load) return a `concurrent.futures.Future` right away; the others block. Every call succeeds as a
-whole or raises `FleetError` naming the phase and each failing server (or the controller, when the
-controller itself could not be reached or refused the secret).
+`send(op, request)` POSTs the request (`tandem.fleet.wire`) to the controller's
+`/fleet/{op.name}` with the run's secret; the controller runs it on its own fleet (every server it
+knows) and answers with the per-server results. Deadlines and capabilities come from the
+controller (`GET /fleet/info`, fetched once), so this side never gives up before the controller's
+per-server timeouts, which name the server. Failures raise `FleetError` naming the phase and each
+failing server, or the controller when it could not be reached or refused the secret.
 
 A callback is two strings: pickle it into a worker process, or pass `callback.env()` and rebuild it
-there with `RolloutCallback.from_env()`. The request bodies are `tandem.rollout.fleet_wire`'s, the
-same module the controller decodes them with.
+there with `RolloutCallback.from_env()`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
-from tandem.rollout.fleet_wire import (  # noqa: F401  (re-exported: the wire forms' old home)
-    bucket_from_json,
-    bucket_to_json,
-    checksums_from_json,
-    encode_call,
-    meta_from_json,
-    meta_to_json,
-    result_from_json,
-    result_to_json,
-    spec_from_json,
-    spec_to_json,
-)
-from tandem.weights.fleet import FleetError, FleetResult, ServerChecksums, ServerResult
-from tandem.weights.meta import FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
+from tandem.fleet.adapters import Capabilities
+from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.protocol import MARGIN_S
+from tandem.fleet.results import FleetError, FleetResult, ServerResult
+from tandem.fleet.wire import WireError, from_json, to_json
 
 ENV_ADDRESS = "TANDEM_ROLLOUT_CALLBACK_ADDRESS"
 ENV_SECRET = "TANDEM_ROLLOUT_CALLBACK_SECRET"
-# Extra seconds the callback gives the controller beyond the fleet's own deadline, so that the
-# controller's per-server timeout (which names the server) fires first.
-MARGIN_S = 10.0
 
 
 class RolloutCallback:
@@ -56,7 +38,7 @@ class RolloutCallback:
         self.control_timeout_s = control_timeout_s
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._deadlines: dict[str, float] | None = None
+        self._info: dict[str, Any] | None = None
 
     # -- construction in another process ------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -80,68 +62,42 @@ class RolloutCallback:
         return f"RolloutCallback({self.address!r})"  # never the secret
 
     # -- Fleet ------------------------------------------------------------------------------------
-    # The controller forwards to `HttpFleet`, which sends each flat bucket as one broadcast.
-    supports_flat_buckets = True
-
-    def pause_generation(self) -> FleetResult:
-        return self._call("pause_generation", {}, self._deadline("http_s"))
-
-    def continue_generation(self) -> FleetResult:
-        return self._call("continue_generation", {}, self._deadline("http_s"))
-
-    def set_version(self, version: int) -> FleetResult:
-        return self._call("set_version", encode_call("set_version", version=version), self._deadline("http_s"))
-
-    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[FleetResult]:
-        return self._async("init_weights_update_group", encode_call("init_weights_update_group", meta=meta),
-                           self._deadline("init_group_s"))
-
-    def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *,
-                                        commit: bool = True, bucket_index: int | None = None,
-                                        flat: FlatLayout | None = None) -> Future[FleetResult]:
-        body = encode_call("update_weights_from_distributed", meta=meta, specs=specs, commit=commit,
-                           bucket_index=bucket_index, flat=flat)
-        return self._async("update_weights_from_distributed", body, self._deadline("bucket_s"))
-
-    def update_weights_from_shm(self, meta: WeightUpdateMeta, bucket: ShmBucket, *, commit: bool = True,
-                                bucket_index: int | None = None) -> Future[FleetResult]:
-        body = encode_call("update_weights_from_shm", meta=meta, bucket=bucket, commit=commit,
-                           bucket_index=bucket_index)
-        return self._async("update_weights_from_shm", body, self._deadline("bucket_s"))
-
-    def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("destroy_weights_update_group", encode_call("destroy_weights_update_group", meta=meta),
-                          self._deadline("http_s"))
-
-    def update_weights_from_disk(self, meta: WeightUpdateMeta, *, commit: bool = True) -> Future[FleetResult]:
-        body = encode_call("update_weights_from_disk", meta=meta, commit=commit)
-        return self._async("update_weights_from_disk", body, self._deadline("update_s"))
-
-    def commit_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("commit_weights", encode_call("commit_weights", meta=meta),
-                          max(self._deadline("http_s"), self._deadline("bucket_s")))
-
-    def discard_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._call("discard_weights", encode_call("discard_weights", meta=meta), self._deadline("http_s"))
-
-    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, ServerChecksums]:
-        body = encode_call("weight_checksums", names=names)
-        status, data = self._request("POST", "/fleet/weight_checksums", body, self._deadline("update_s") + MARGIN_S)
-        if status == 200 and isinstance(data, dict) and "checksums" in data:
-            return checksums_from_json(data["checksums"])
-        self._raise("weight_checksums", status, data)
+    def send(self, op: FleetOp, request: Any) -> Future[FleetResult]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="rollout-callback")
+            pool = self._pool
+        return pool.submit(self._call, op, request)
 
     @property
     def world_size(self) -> int:
-        return int(self.info()["world_size"])
+        return int(self.info(refresh=True)["world_size"])
 
-    def info(self) -> dict[str, Any]:
-        """The controller's view: servers and their health, world size, version, fleet deadlines."""
+    @property
+    def capabilities(self) -> Capabilities:
+        return from_json(Capabilities, self.info()["capabilities"])
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """The controller's fleet deadlines; while it cannot be reached, `control_timeout_s` for
+        every phase (the call itself then reports the unreachable controller)."""
+        try:
+            return from_json(Deadlines, self.info()["deadlines"])
+        except FleetError:
+            t = self.control_timeout_s
+            return Deadlines(init_group_s=t, bucket_s=t, update_s=t, http_s=t)
+
+    def info(self, refresh: bool = False) -> dict[str, Any]:
+        """The controller's view: servers and their health, world size, version, capabilities and
+        the fleet's deadlines (fetched once unless `refresh`)."""
+        with self._lock:
+            if self._info is not None and not refresh:
+                return self._info
         status, data = self._request("GET", "/fleet/info", None, self.control_timeout_s)
         if status != 200 or not isinstance(data, dict):
             self._raise("info", status, data)
         with self._lock:
-            self._deadlines = data.get("deadlines", self._deadlines)
+            self._info = data
         return data
 
     def close(self) -> None:
@@ -151,25 +107,19 @@ class RolloutCallback:
             pool.shutdown(wait=False)
 
     # -- mechanics --------------------------------------------------------------------------------
-    def _async(self, phase: str, body: dict[str, Any], timeout: float) -> Future[FleetResult]:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="rollout-callback")
-            pool = self._pool
-        return pool.submit(self._call, phase, body, timeout)
-
-    def _deadline(self, name: str) -> float:
-        """The controller fleet's deadline `name` (fetched once), so this side never gives up first."""
-        if self._deadlines is None:
-            with contextlib.suppress(FleetError):  # the call itself reports an unreachable controller
-                self.info()
-        return float((self._deadlines or {}).get(name, self.control_timeout_s))
-
-    def _call(self, phase: str, body: dict[str, Any], timeout: float) -> FleetResult:
-        status, data = self._request("POST", f"/fleet/{phase}", body, timeout + MARGIN_S)
-        if status == 200 and isinstance(data, dict) and "results" in data:
-            return result_from_json(data).raise_for_failures()
-        self._raise(phase, status, data)
+    def _call(self, op: FleetOp, request: Any) -> FleetResult:
+        timeout = self.deadlines.seconds(op.deadline)
+        status, data = self._request("POST", f"/fleet/{op.name}", to_json(request), timeout + MARGIN_S)
+        if status != 200 or not isinstance(data, dict):
+            self._raise(op.name, status, data)
+        try:
+            result = from_json(FleetResult, data)
+            results = tuple(ServerResult(r.address, r.success, r.message,
+                                         from_json(op.answer, r.value) if r.success else None)
+                            for r in result.results)
+        except WireError as exc:
+            self._raise(op.name, status, f"malformed answer: {exc}")
+        return FleetResult(result.phase, results).raise_for_failures()
 
     def _raise(self, phase: str, status: int, data: Any) -> NoReturn:
         if status == 0:

@@ -4,14 +4,14 @@ reach over HTTP with the run's secret. Control plane only.
 
 | route | caller | effect |
 |---|---|---|
-| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | the controller's Fleet method `op`, arguments decoded by `fleet_wire`; answers the per-server `FleetResult` |
-| `GET /fleet/info` | `RolloutCallback.world_size` / deadlines | servers, health, world size, version, the fleet's deadlines |
+| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | every operation of `tandem.fleet.ops.OPS`: the body is the request (`tandem.fleet.wire`), the answer the `FleetResult` |
+| `GET /fleet/info` | `RolloutCallback` | servers, health, world size, version, capabilities, the fleet's deadlines |
 | `POST /rollout/episode` | rollout worker processes | one finished episode; resolves the future its executor slot awaits |
 | `POST /rollout/worker_ready` | rollout worker processes | a worker is up |
 
 Every route needs `Authorization: Bearer <secret>` (constant-time comparison); 401 otherwise.
-Blocking fleet calls run in a thread off the server's loop, overlapped ones are awaited as futures,
-so a long transfer never blocks a worker's report. Nothing polls: uvicorn's main loop here waits on
+Fleet operations are awaited as futures off the controller's fleet, so a long transfer never
+blocks a worker's report. Nothing polls: uvicorn's main loop here waits on
 an event (its stock one wakes every 0.1 s to check a flag).
 """
 
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import socket
 import threading
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -32,9 +30,10 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.aio import new_event_loop
-from tandem.rollout.fleet_wire import FLEET_OPS, checksums_to_json, decode_call, result_to_json
+from tandem.fleet.ops import OPS, FleetOp
+from tandem.fleet.results import FleetError, FleetResult
+from tandem.fleet.wire import WireError, from_json, to_json
 from tandem.rollout.workers import EPISODE_ROUTE, READY_ROUTE
-from tandem.weights.fleet import FleetError, FleetResult
 
 if TYPE_CHECKING:
     from tandem.rollout.controller import RolloutController
@@ -54,29 +53,24 @@ def build_app(ctl: RolloutController) -> ASGIApp:
             raise _BadRequest("the body must be a JSON object")
         return data
 
-    def fleet_route(op: str):
+    def fleet_route(op: FleetOp):
         async def handler(request: Request) -> JSONResponse:
-            data = await body_of(request)
             try:
-                args, kwargs = decode_call(op, data)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise _BadRequest(f"/fleet/{op}: bad body: {type(exc).__name__}: {exc}") from exc
-            call = functools.partial(getattr(ctl, op), *args, **kwargs)
+                fleet_request = from_json(op.request, await body_of(request))
+            except WireError as exc:
+                raise _BadRequest(f"/fleet/{op.name}: {exc}") from exc
             try:
-                out = await asyncio.to_thread(call)  # blocking fleet calls run off this loop
-                if isinstance(out, Future):
-                    out = await asyncio.wrap_future(out)
+                result = await asyncio.wrap_future(ctl.send(op, fleet_request))
             except FleetError as exc:
-                return JSONResponse(result_to_json(FleetResult(exc.phase, exc.failures)))
-            if op == "weight_checksums":
-                return JSONResponse({"phase": "get_weights_checksum", "results": [],
-                                     "checksums": checksums_to_json(out)})
-            return JSONResponse(result_to_json(out))
+                result = FleetResult(exc.phase, exc.failures)
+            except Exception as exc:  # e.g. an operation these servers do not support
+                return JSONResponse({"success": False, "message": f"{type(exc).__name__}: {exc}"}, 422)
+            return JSONResponse(to_json(result))
 
         return handler
 
-    for op in FLEET_OPS:
-        app.add_api_route(f"/fleet/{op}", fleet_route(op), methods=["POST"])
+    for op in OPS.values():
+        app.add_api_route(f"/fleet/{op.name}", fleet_route(op), methods=["POST"])
 
     @app.get("/fleet/info")
     async def info() -> JSONResponse:

@@ -19,17 +19,19 @@ from typing import Any
 
 import aiohttp
 
-from tandem.rollout.backends import Backend, get_backend
+from tandem.fleet.adapters import adapter_for
+from tandem.fleet.generation import Chunk, FinishReason
 from tandem.rollout.errors import GenerationDeadlineError, PromptTooLongError, ServerRequestError
 from tandem.rollout.pool import ServerPool
-from tandem.rollout.types import Chunk, FinishReason, ModelRequest, ModelResponse
+from tandem.rollout.types import ModelRequest, ModelResponse
+from tandem.rollout.version import WeightVersion
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ClientConfig:
-    backend: str = "native"  # native (tandem, sglang) | vllm
+    server_kind: str = "tandem"  # tandem | sglang | vllm (see tandem.fleet.adapters)
     model: str | None = None  # vLLM served model name, when the server checks it
     deadline_s: float = 600.0  # default per-request deadline (all calls, retries and waits)
     call_timeout_s: float | None = None  # one HTTP call; None = bounded by the deadline only
@@ -47,21 +49,18 @@ class _TransientHTTPError(Exception):
 
 
 class InferenceClient:
-    def __init__(self, pool: ServerPool | list[str], config: ClientConfig | None = None, backend: Backend | None = None):
+    def __init__(self, pool: ServerPool | list[str], config: ClientConfig | None = None,
+                 version: WeightVersion | None = None):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool(pool)
         self.config = config or ClientConfig()
-        kwargs = {"model": self.config.model} if self.config.backend == "vllm" else {}
-        self.backend = backend or get_backend(self.config.backend, **kwargs)
-        # Last version the controller announced; stands in when a server does not report one.
-        self.version = 0
+        self.adapter = adapter_for(self.config.server_kind, self.config.model)
+        # The version the controller announced last; stands in when a server does not report one.
+        self.version = version or WeightVersion()
         # aiohttp sessions are bound to their event loop: one per loop, created on first use.
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
             weakref.WeakKeyDictionary()
         )
         self._sessions_lock = threading.Lock()
-
-    def set_version(self, version: int) -> None:
-        self.version = version
 
     # -- sessions -------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -109,7 +108,7 @@ class InferenceClient:
                 chunk, server = await self._call(state, req, [*req.input_ids, *out_ids], remaining)
                 state.servers_used.append(server)
                 new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
-                version = chunk.weight_version if chunk.weight_version is not None else self.version
+                version = chunk.weight_version if chunk.weight_version is not None else self.version.value
                 out_ids += new
                 out_lp += chunk.logprobs[: len(new)]
                 out_ver += [version] * len(new)
@@ -143,7 +142,7 @@ class InferenceClient:
 
     async def _call(self, state: _RequestState, req: ModelRequest, ids: list[int], remaining: int) -> tuple[Chunk, str]:
         """One generation call, retried across transient failures until the deadline."""
-        body = self.backend.build(req.rid, ids, req.params, remaining)
+        body = self.adapter.generate_body(req.rid, ids, req.params, remaining)
         attempt = 0
         while True:
             left = state.deadline - time.monotonic()
@@ -156,7 +155,7 @@ class InferenceClient:
                 with self.pool.lease(server):
                     state.calls += 1
                     data = await self._post(server, body, timeout)
-                chunk = self.backend.parse(data)
+                chunk = self.adapter.parse_generate(data)
                 self.pool.mark_success(server)
                 return chunk, server
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError) as exc:
@@ -179,7 +178,7 @@ class InferenceClient:
     async def _post(self, server: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session()
         async with session.post(
-            server + self.backend.path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            server + self.adapter.generate_path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if resp.status >= 500:
                 raise _TransientHTTPError(resp.status, await resp.text())

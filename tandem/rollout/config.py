@@ -54,9 +54,9 @@ class RolloutConfig:
         return parse_allocation_of_kind(self.backend, "rollout.backend", inference=True)
 
     @property
-    def protocol(self) -> str:
-        """How the client talks to the servers: 'vllm' or 'native' (SGLang's routes, also tandem's)."""
-        return "vllm" if self.allocation.components[0].backend == "vllm" else "native"
+    def server_kind(self) -> str:
+        """The kind of the servers (`tandem`, `sglang` or `vllm`): which adapter talks to them."""
+        return self.allocation.components[0].backend
 
     @property
     def launched_by_tandem(self) -> bool:
@@ -87,7 +87,7 @@ class RolloutConfig:
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(
-            backend=self.protocol, model=self.model, deadline_s=self.request_deadline_s,
+            server_kind=self.server_kind, model=self.model, deadline_s=self.request_deadline_s,
             call_timeout_s=self.call_timeout_s, api_key=self.api_key,
         )
 

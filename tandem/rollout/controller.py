@@ -1,20 +1,16 @@
 """`RolloutController`: the rollout side of the controller process.
 
-It owns the fleet as the rollout side sees it (the `ServerPool` and its `InferenceClient`), the
-`WorkflowExecutor` (episodes, the one `StalenessManager`), optional rollout worker processes, and a
-small HTTP callback server on 127.0.0.1 (`callback_server.py`: routes, auth, uvicorn in a thread)
-through which trainer workers (`RolloutCallback`) and rollout workers reach it with the run's secret.
+It owns the servers as the rollout side sees them (the `ServerPool`, its `InferenceClient`, the
+`WeightVersion`), the `WorkflowExecutor` (episodes, the one `StalenessManager`), optional rollout
+worker processes, and the callback server (`callback_server.py`) through which trainer workers
+(`RolloutCallback`) and rollout workers reach it with the run's secret.
 
-The controller is also a `Fleet` itself (same methods), for a trainer that lives in the controller
-process; the callback server calls these same methods. Around a weight update the fleet operations
-keep protocol.md section 5 step 4 in order: `pause_generation` stops the dispatch of new episodes
-and then pauses the servers (in-flight requests come back with their partial output and wait);
-`set_version(v)` tells the servers and then the executor (capacity grows); `continue_generation`
-releases the servers and then resumes dispatch.
-
-The fan-out itself is `tandem.weights.http_fleet.HttpFleet` over the pool's servers (one
-implementation for direct and controller-mediated fleets, flat buckets included). Nothing polls:
-fleet calls are awaited HTTP requests, and waiting callers block on futures and conditions.
+It is a `Fleet` itself: `submit(op, request)` forwards any operation to an `HttpFleet` over the
+pool's servers and takes a server that fails an operation marked `marks_unhealthy` out of routing.
+Three operations get behaviour around them (protocol.md section 5 step 4): `pause_generation`
+stops dispatching new episodes before the servers pause; `continue_generation` resumes dispatch
+after they continue; a successful `set_version` moves the `WeightVersion` (capacity grows) before
+the caller hears of it.
 """
 
 from __future__ import annotations
@@ -24,29 +20,28 @@ import dataclasses
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
 from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
+from tandem.fleet import ops
+from tandem.fleet.adapters import Capabilities, ServerAdapter
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.results import FleetError, FleetResult
 from tandem.rollout.callback import RolloutCallback
 from tandem.rollout.callback_server import CallbackServer, build_app
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.config import RolloutConfig
 from tandem.rollout.executor import WorkflowExecutor
 from tandem.rollout.pool import ServerPool
+from tandem.rollout.version import WeightVersion
 from tandem.rollout.workers import RemoteWorkflow, WorkerPool
 from tandem.rollout.workflow import RolloutWorkflow
-from tandem.weights.fleet import FleetError, FleetResult, ServerChecksums
-from tandem.weights.http_fleet import HttpFleet
-from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 
 logger = logging.getLogger(__name__)
-
-# Phases after which a failing server is taken out of routing: it may be paused, or serve old weights.
-_UNHEALTHY_ON_FAILURE = {"pause_generation", "continue_generation", "update_weights_from_disk",
-                         "update_weights_from_distributed", "update_weights_from_shm", "commit_weights", "set_version"}
 
 
 class RolloutController:
@@ -59,7 +54,9 @@ class RolloutController:
         self.config = config
         self.secret = secret or secrets.token_urlsafe(32)
         self.pool = ServerPool(config.servers)
-        self.client = InferenceClient(self.pool, config.client_config())
+        self.version = WeightVersion()  # the one copy of the version on the rollout side
+        self.client = InferenceClient(self.pool, config.client_config(), self.version)
+        self.adapter: ServerAdapter = self.client.adapter
         self.executor = WorkflowExecutor(self.client, config.executor_config())
         self.deadlines = deadlines or Deadlines(http_s=config.control_timeout_s)
         self._fleet: HttpFleet | None = None
@@ -82,7 +79,7 @@ class RolloutController:
         self._server.start()
         if self.config.workers > 0:
             self.workers = WorkerPool(self.config.workers, self.pool.addresses, self.config.client_config(),
-                                      self.callback_address(), self.secret)
+                                      self.callback_address(), self.secret, self.version)
             self.workers.start()
             try:
                 self.workers.wait_ready(self.config.worker_start_timeout_s)
@@ -122,10 +119,6 @@ class RolloutController:
         self.shutdown()
 
     # -- the executor, for the driver ---------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self.executor.version
-
     def submit(self, item: Any, workflow: RolloutWorkflow) -> None:
         self.executor.submit(item, self._workflow(workflow))
 
@@ -151,9 +144,10 @@ class RolloutController:
             self._sync_dispatch()
 
     def recover_version(self, version: int) -> None:
-        self.executor.recover_version(version)
-        if self.workers is not None:
-            self.workers.set_version(version)
+        """After a restart at `version` (whose weights the servers already hold): the trainer
+        consumed `version` batches before it, which the staleness bound counts."""
+        self.executor.staleness.on_version_recovered(version)
+        self.version.set(version)
 
     def stats(self) -> dict[str, Any]:
         out = self.executor.stats()
@@ -164,74 +158,47 @@ class RolloutController:
     def fleet_info(self) -> dict[str, Any]:
         """What `GET /fleet/info` answers: servers and health, world size, version, deadlines."""
         return {
-            "world_size": len(self.pool.addresses), "version": self.executor.version,
+            "world_size": len(self.pool.addresses), "version": self.version.value, "capabilities": dataclasses.asdict(self.capabilities),
             "deadlines": dataclasses.asdict(self.deadlines),
             "servers": [{"address": s.address, "healthy": s.healthy} for s in self.pool.snapshot()],
             "workers": 0 if self.workers is None else self.workers.num_workers,
         }
 
-    # -- Fleet (a trainer in this process calls these; trainer workers reach them via RolloutCallback) --
-    supports_flat_buckets = HttpFleet.supports_flat_buckets  # every call is forwarded to an HttpFleet
-
+    # -- Fleet (a trainer in this process calls it; trainer workers reach it via RolloutCallback) --------
     @property
     def world_size(self) -> int:
-        return self.fleet().world_size
+        return len(self.pool.addresses)
 
-    def pause_generation(self) -> FleetResult:
-        """Stop dispatching new episodes, then pause every server (in-flight requests come back
-        with their partial output and wait in the server)."""
-        with self._lock:
-            self._fleet_paused = True
-            self._sync_dispatch()
-        return self._checked("pause_generation", lambda f: f.pause_generation())
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.adapter.capabilities
 
-    def continue_generation(self) -> FleetResult:
-        """Release the servers, then resume dispatch (unless the driver paused it)."""
+    def send(self, op: FleetOp, request: Any) -> Future[FleetResult]:
+        """`op` on every server in the pool; see the module docstring for what happens around it."""
+        if op is ops.PAUSE:
+            self._set_fleet_paused(True)
         try:
-            return self._checked("continue_generation", lambda f: f.continue_generation())
-        finally:
-            with self._lock:
-                self._fleet_paused = False
-                self._sync_dispatch()
+            inner = self.fleet().send(op, request)
+        except BaseException:
+            self._after(op, request, failed=True)
+            raise
+        outer: Future[FleetResult] = Future()
 
-    def set_version(self, version: int) -> FleetResult:
-        """Tell the servers (the version they echo), then the executor (its capacity grows): an
-        episode that starts at version v only ever meets weights >= v."""
-        try:
-            return self._checked("set_version", lambda f: f.set_version(version))
-        finally:
-            self.executor.set_version(version)
-            if self.workers is not None:
-                self.workers.set_version(version)
+        def settle(fut: Future[FleetResult]) -> None:
+            exc = fut.exception()
+            if isinstance(exc, FleetError):
+                self._on_failure(op, exc)
+            try:
+                self._after(op, request, failed=exc is not None)
+            except BaseException as hook_error:
+                exc = exc or hook_error
+            if exc is None:
+                outer.set_result(fut.result())
+            else:
+                outer.set_exception(exc)
 
-    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[FleetResult]:
-        return self._checked("init_weights_update_group", lambda f: f.init_weights_update_group(meta))
-
-    def update_weights_from_distributed(self, meta: WeightUpdateMeta, specs: Sequence[ParamSpec], *,
-                                        commit: bool = True, bucket_index: int | None = None,
-                                        flat: FlatLayout | None = None) -> Future[FleetResult]:
-        return self._checked("update_weights_from_distributed", lambda f: f.update_weights_from_distributed(
-            meta, specs, commit=commit, bucket_index=bucket_index, flat=flat))
-
-    def update_weights_from_shm(self, meta: WeightUpdateMeta, bucket: ShmBucket, *, commit: bool = True,
-                                bucket_index: int | None = None) -> Future[FleetResult]:
-        return self._checked("update_weights_from_shm", lambda f: f.update_weights_from_shm(
-            meta, bucket, commit=commit, bucket_index=bucket_index))
-
-    def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._checked("destroy_weights_update_group", lambda f: f.destroy_weights_update_group(meta))
-
-    def update_weights_from_disk(self, meta: WeightUpdateMeta, *, commit: bool = True) -> Future[FleetResult]:
-        return self._checked("update_weights_from_disk", lambda f: f.update_weights_from_disk(meta, commit=commit))
-
-    def commit_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._checked("commit_weights", lambda f: f.commit_weights(meta))
-
-    def discard_weights(self, meta: WeightUpdateMeta) -> FleetResult:
-        return self._checked("discard_weights", lambda f: f.discard_weights(meta))
-
-    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, ServerChecksums]:
-        return self._checked("weight_checksums", lambda f: f.weight_checksums(names))
+        inner.add_done_callback(settle)
+        return outer
 
     def fleet(self) -> HttpFleet:
         """The `HttpFleet` over the pool's current servers (rebuilt when the membership changed)."""
@@ -240,32 +207,28 @@ class RolloutController:
             if self._fleet is None or self._fleet.addresses != addresses:
                 if self._fleet is not None:
                     self._old_fleets.append(self._fleet)  # calls may be in flight on it: closed at shutdown
-                self._fleet = HttpFleet(addresses, api_key=self.config.api_key, deadlines=self.deadlines)
+                self._fleet = HttpFleet(addresses, adapter=self.adapter, api_key=self.config.api_key,
+                                        deadlines=self.deadlines)
             return self._fleet
 
-    def _checked(self, op: str, call: Callable[[HttpFleet], Any]) -> Any:
-        """Run one fleet call; a server that fails it is logged and, where it may now be paused or
-        serve other weights, taken out of routing. Futures get the same treatment when they fail."""
-        try:
-            out = call(self.fleet())
-        except FleetError as exc:
-            self._on_failure(op, exc)
-            raise
-        if isinstance(out, Future):
+    def _after(self, op: FleetOp, request: Any, failed: bool) -> None:
+        if op is ops.CONTINUE:  # the servers go on (or were asked to): so does dispatch
+            self._set_fleet_paused(False)
+        elif op is ops.SET_VERSION and not failed:
+            self.version.set(request.version)
+        elif op is ops.PAUSE and failed:
+            self._set_fleet_paused(False)
 
-            def done(fut: Future) -> None:
-                exc = None if fut.cancelled() else fut.exception()
-                if isinstance(exc, FleetError):
-                    self._on_failure(op, exc)
-
-            out.add_done_callback(done)
-        return out
-
-    def _on_failure(self, op: str, exc: FleetError) -> None:
+    def _on_failure(self, op: FleetOp, exc: FleetError) -> None:
         for failure in exc.failures:
-            logger.error("fleet %s (%s) failed on %s: %s", op, exc.phase, failure.address, failure.message)
-            if op in _UNHEALTHY_ON_FAILURE:
+            logger.error("fleet %s failed on %s: %s", op.name, failure.address, failure.message)
+            if op.marks_unhealthy:
                 self.pool.mark_unhealthy(failure.address)
+
+    def _set_fleet_paused(self, paused: bool) -> None:
+        with self._lock:
+            self._fleet_paused = paused
+            self._sync_dispatch()
 
     # -- internals ----------------------------------------------------------------------------------
     def _sync_dispatch(self) -> None:  # under self._lock

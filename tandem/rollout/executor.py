@@ -2,7 +2,7 @@
 
 Callers (the controller's thread) submit items; the loop thread starts an episode whenever the
 staleness capacity allows and dispatch is not paused. Nothing polls: a submission, a finished
-episode, `set_version` and `resume` each trigger one dispatch pass on the loop, and finished
+episode, a new weight version and `resume` each trigger one dispatch pass on the loop, and finished
 episodes notify a `threading.Condition` that `wait` / `prepare_batch` block on.
 
 Order (`ExecutorConfig.order`):
@@ -82,7 +82,8 @@ class WorkflowExecutor:
         self._paused = False
         self._closed = False
         self._error: BaseException | None = None
-        self._version = 0
+        self.version = client.version  # the controller's; read here, never written
+        self.version.watch(self._on_version)
         self._counts = {"accepted": 0, "rejected": 0, "failed": 0}
         self._streak = 0  # episodes failed in a row
         self._streak_first = ""  # the first error of the current streak
@@ -95,22 +96,11 @@ class WorkflowExecutor:
         self._thread.start()
 
     # -- controls -------------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
+    def _on_version(self, version: int) -> None:
         """The trainer's version moved on (after a weight update): capacity grows."""
         with self._cond:
-            self._version = version
-            self.client.set_version(version)
             self._cond.notify_all()
         self._kick()
-
-    def recover_version(self, version: int) -> None:
-        """Resume after a restart at `version` (counts the batches consumed before it)."""
-        self.staleness.on_version_recovered(version)
-        self.set_version(version)
 
     def pause(self) -> None:
         """No episode starts after this returns (running ones continue; the servers pause them)."""
@@ -170,7 +160,7 @@ class WorkflowExecutor:
                 self._raise_if_dead()
                 want = 0
                 if not self._paused:
-                    capacity = max(0, self.staleness.capacity(self._version))
+                    capacity = max(0, self.staleness.capacity(self.version.value))
                     want = capacity + batch_size - len(self._pending)
                 if want <= 0:
                     if len(self._ready) >= batch_size:
@@ -178,7 +168,7 @@ class WorkflowExecutor:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"{len(self._ready)}/{batch_size} accepted episodes after {timeout}s")
-                    self._cond.wait(left)  # woken by a finished episode, set_version, resume, shutdown
+                    self._cond.wait(left)  # woken by a finished episode, a new version, resume, shutdown
                     continue
             for _ in range(want):  # draw outside the lock: a dataloader may block
                 self.submit(self._next_item(dataloader), workflow)
@@ -187,7 +177,7 @@ class WorkflowExecutor:
         s = self.staleness.stats()
         with self._cond:
             return {
-                "version": self._version, "paused": self._paused, "pending": len(self._pending),
+                "version": self.version.value, "paused": self._paused, "pending": len(self._pending),
                 "ready": len(self._ready), "running": s.running, "submitted": s.submitted, **self._counts,
             }
 
@@ -263,10 +253,10 @@ class WorkflowExecutor:
                 with self._cond:
                     if self._paused or self._dead() or not self._pending:
                         return
-                    if self.staleness.capacity(self._version) <= 0:
+                    if self.staleness.capacity(self.version.value) <= 0:
                         return
                     ep = self._pending.popleft()
-                    ep.seq, ep.version = next(self._seq), self._version
+                    ep.seq, ep.version = next(self._seq), self.version.value
                     self.staleness.on_submit()
                     if ep.future is None and self.config.order == "dispatch":
                         self._order.append(ep.seq)
@@ -300,7 +290,7 @@ class WorkflowExecutor:
         else:
             self.staleness.on_accept()
             if self._dumper is not None:
-                await asyncio.to_thread(self._dumper.write, self._version, result)
+                await asyncio.to_thread(self._dumper.write, self.version.value, result)
         self._finish(ep, result, error)
         self._dispatch()
 

@@ -20,16 +20,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tandem.fleet.http import normalize_address
 from tandem.rollout.errors import NoServerError
 
 
-def normalize_address(addr: str) -> str:
-    addr = addr.rstrip("/")
-    return addr if "://" in addr else f"http://{addr}"
-
-
 @dataclass
-class ServerState:
+class PooledServer:
     address: str
     outstanding: int = 0
     served: int = 0
@@ -40,7 +36,7 @@ class ServerState:
 class ServerPool:
     def __init__(self, addresses: Iterable[str], max_consecutive_errors: int = 3):
         self._lock = threading.Lock()
-        self._servers: dict[str, ServerState] = {}
+        self._servers: dict[str, PooledServer] = {}
         self._affinity: dict[str, str] = {}
         self.max_consecutive_errors = max_consecutive_errors
         for a in addresses:
@@ -50,7 +46,7 @@ class ServerPool:
     def add(self, address: str) -> str:
         address = normalize_address(address)
         with self._lock:
-            self._servers.setdefault(address, ServerState(address))
+            self._servers.setdefault(address, PooledServer(address))
         return address
 
     def remove(self, address: str) -> None:
@@ -135,6 +131,6 @@ class ServerPool:
             s = self._servers.get(normalize_address(address))
             return s.outstanding if s is not None else 0
 
-    def snapshot(self) -> list[ServerState]:
+    def snapshot(self) -> list[PooledServer]:
         with self._lock:
-            return [ServerState(**vars(s)) for s in self._servers.values()]
+            return [PooledServer(**vars(s)) for s in self._servers.values()]

@@ -4,24 +4,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from tandem.data.trajectory import Trajectory
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class GenerationParams:
-    """Sampling parameters; names follow SGLang's `sampling_params` (protocol.md section 2)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_new_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+from tandem.fleet.generation import FinishReason, GenerationParams
 
 
 @dataclass
@@ -55,13 +41,3 @@ class ModelResponse:
         return Trajectory.from_generation(
             self.input_ids, self.output_ids, self.output_logprobs, self.output_versions, **fields
         )
-
-
-@dataclass
-class Chunk:
-    """What one /generate (or /v1/completions) call returned, already parsed by a backend."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    weight_version: int | None  # None: the server did not say; the client uses its last known version

@@ -39,6 +39,7 @@ from tandem.data.trajectory import Trajectory
 from tandem.launch.guard import die_with_creator
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import RolloutError
+from tandem.rollout.version import WeightVersion
 from tandem.rollout.workflow import EpisodeResult, RolloutWorkflow, as_trajectories
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, num_workers: int, addresses: list[str], client_config: ClientConfig,
-                 callback_address: str, secret: str):
+                 callback_address: str, secret: str, version: WeightVersion):
         self.num_workers = num_workers
         self._args = (addresses, asdict(client_config), callback_address, secret)
         self._lock = threading.Lock()
@@ -97,7 +98,7 @@ class WorkerPool:
         self._tasks: dict[str, tuple[_Worker, Future]] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._version = 0
+        version.watch(self._send_version)  # each worker's client mirrors the controller's version
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None
 
@@ -126,8 +127,7 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
 
-    def set_version(self, version: int) -> None:
-        self._version = version
+    def _send_version(self, version: int) -> None:
         for w in self._alive():
             with contextlib.suppress(OSError, ValueError):
                 w.send(("version", version))
@@ -306,7 +306,7 @@ class _WorkerProcess:
             if (task := self.tasks.get(msg[1])) is not None:
                 task.cancel()
         elif kind == "version":
-            self.client.set_version(msg[1])
+            self.client.version.set(msg[1])
         elif kind == "stop":
             self.stop.set()
 

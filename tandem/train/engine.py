@@ -32,7 +32,7 @@ from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.sharded_load import load_hf_weights_sharded
-from tandem.train.weight_export import Alloc, iter_weight_buckets
+from tandem.train.weight_export import Alloc, export_nbytes, iter_weight_buckets, local_parameters
 
 
 @dataclass
@@ -213,6 +213,14 @@ class TrainEngine:
         by default, written into `alloc`'s tensors when it gives some, on rank `dst` only when
         given (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
         return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
+
+    def local_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """Every parameter whole and uncast when this rank holds them all (a world of one), else
+        None (see `tandem.weights.source.WeightSource`)."""
+        return local_parameters(self.model)
+
+    def export_nbytes(self, dtype: torch.dtype | None) -> int:
+        return export_nbytes(self.model, dtype or self.param_dtype)
 
     def save_state(self, path: str | Path) -> Path:
         """Everything needed to continue exactly where this step left off. Collective."""

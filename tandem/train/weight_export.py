@@ -239,3 +239,27 @@ def gather_flat(grid: torch.Tensor, rank: int, dst: int, group: dist.ProcessGrou
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def local_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
+    """`(hf_name, whole parameter)` in export order, detached and uncast, when this process holds
+    every parameter whole (plain tensors, or DTensors over a mesh of one); None otherwise."""
+    out = []
+    with torch.no_grad():  # to_local is then the shard itself, not an autograd op
+        for _, hf_name, param in hf_parameter_names(model):
+            t = param
+            if isinstance(t, DTensor):
+                if t.device_mesh.size() != 1:
+                    return None
+                t = t.to_local()
+                if t.shape != param.shape:
+                    return None
+            # Detach the plain tensor: a DTensor's detach dispatches through DTensor (~12 us a
+            # parameter, a few ms an update).
+            out.append((hf_name, t.detach()))
+    return out
+
+
+def export_nbytes(model: nn.Module, dtype: torch.dtype | None, align: int = 64) -> int:
+    """Bytes of an export in `dtype` (global shapes), each tensor rounded up to `align` bytes."""
+    return sum(-(-p.numel() * (dtype or p.dtype).itemsize // align) * align for p in model.parameters())

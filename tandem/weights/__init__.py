@@ -1,9 +1,8 @@
-"""Moving weights from the trainer to inference servers: update descriptions (`meta`), the fleet
-interface (`fleet`, `http_fleet`), the trainer-side driver (`update`), and the data planes
-(`group`: the independent transfer group, `shm`: shared-memory buckets, `verify`: checksums).
-
-`update` and `http_fleet` are imported lazily (they pull in aiohttp and the trainer's collectives);
-the server side only needs `group`, `shm` and `verify`.
+"""Moving weights from the trainer to inference servers: `updater` (every trainer rank) runs
+`protocol` (pause, stage, commit, verify, version, continue) over a transport (`transports`:
+disk, broadcast, shared memory) fed by a `source` (the training engine). Data planes: `group` (the
+transfer process group), `shm` (segments), `verify` (checksums). The server side imports only
+`group`, `shm` and `verify`.
 """
 
 from tandem.weights.group import (

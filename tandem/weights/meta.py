@@ -1,9 +1,5 @@
 """What a weight update is: its transport, where the bytes go, its version and its deadlines.
-
-`WeightUpdateMeta` is built once per run from the config and copied per step with `for_version`;
-trainer code hands it to a `Fleet` (see `tandem.weights.fleet`) without knowing whether the fleet
-is reached directly over HTTP or through the controller's callback server.
-"""
+Built once per run from the config and copied per step with `for_version`."""
 
 from __future__ import annotations
 
@@ -13,57 +9,10 @@ from pathlib import Path
 from typing import Literal
 
 from tandem.errors import ConfigError
+from tandem.fleet.ops import Deadlines
 
 UpdateType = Literal["disk", "distributed", "shm"]
 UPDATE_TYPES: tuple[str, ...] = ("disk", "distributed", "shm")
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds each phase may take before the update fails with an error naming the phase."""
-
-    init_group_s: float = 60.0  # forming the transfer group (all servers joined)
-    bucket_s: float = 60.0  # one bucket: request accepted, broadcast done, server acknowledged
-    update_s: float = 600.0  # the whole update, pause to continue
-    http_s: float = 30.0  # one control-plane call (pause, continue, version)
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """Name (HF), shape and dtype name ("float32", "bfloat16", ...) of one tensor in a bucket."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, name: str, tensor) -> ParamSpec:
-        return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """How one bucket travels as a single flat byte buffer: tensor i (in the announced specs'
-    dtype and shape) starts at `offsets[i]` (a multiple of 64) of a uint8 buffer of `nbytes`.
-    One broadcast per bucket instead of one per tensor."""
-
-    offsets: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ShmBucket:
-    """One bucket in shared memory: its tensors' specs and byte offsets in a segment of `nbytes`,
-    which is a /dev/shm file (`segment`) or, on GPU, a CUDA IPC handle (`cuda_ipc`). `zero_copy`:
-    the writer leaves the segment untouched while servers serve from it (ping-pong sets), so a
-    server may use its tensors in place instead of copying them out."""
-
-    specs: tuple[ParamSpec, ...]
-    offsets: tuple[int, ...]
-    nbytes: int
-    segment: str | None = None
-    cuda_ipc: str | None = None
-    zero_copy: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,26 @@
-"""What one weight update reports (seconds, bytes, buckets, seconds per phase) and the clocks the
-updater keeps while it runs."""
+"""What one weight update reports (seconds, bytes, buckets, seconds per phase) or raises
+(`WeightSyncError`), and the clocks it keeps while it runs."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from tandem.errors import TandemError
+from tandem.fleet.results import FleetError, ServerResult
+
+
+class WeightSyncError(TandemError, RuntimeError):
+    """A weight update failed; `phase` says where, `failures` which servers said what."""
+
+    def __init__(self, message: str, phase: str = "", failures: Sequence[ServerResult] = ()):
+        super().__init__(message)
+        self.phase, self.failures = phase, tuple(failures)
+
+    @classmethod
+    def from_fleet(cls, exc: FleetError) -> WeightSyncError:
+        return cls(str(exc), exc.phase, exc.failures)
 
 
 @dataclass

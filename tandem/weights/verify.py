@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.weights.fleet import Fleet, FleetError, ServerResult
+from tandem.fleet import ops
+from tandem.fleet.protocol import Fleet, call
+from tandem.fleet.results import FleetError, ServerChecksums, ServerResult
 from tandem.weights.group import dtype_from_name
 
 
@@ -35,8 +37,7 @@ class UpdateVerifier:
     def prepare(self) -> None:
         """Learn which dtypes the servers serve (no tensors hashed). Raises `FleetError`."""
         self.sums = {}
-        served = self.fleet.weight_checksums(names=[])
-        self.sums = {s.dtype: {} for s in served.values()}
+        self.sums = {s.dtype: {} for s in self._served(()).values()}
 
     def add(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         for dtype_name, sums in self.sums.items():
@@ -51,7 +52,7 @@ class UpdateVerifier:
 
     def check(self) -> None:
         """Compare with every server. Raises `FleetError` naming each server that differs."""
-        served = self.fleet.weight_checksums()
+        served = self._served(None)
         bad = []
         for address, got in served.items():
             wrong = compare_checksums(self.sums.get(got.dtype, {}), got.checksums)
@@ -60,3 +61,6 @@ class UpdateVerifier:
                                                         f"e.g. {wrong[:3]}"))
         if bad:
             raise FleetError("verify", bad)
+
+    def _served(self, names: tuple[str, ...] | None) -> dict[str, ServerChecksums]:
+        return call(self.fleet, ops.CHECKSUMS, ops.ChecksumsRequest(names)).values()

@@ -201,5 +201,5 @@ def test_external_servers_must_be_listed():
     with pytest.raises(ConfigError, match=r"rollout.servers is empty: Tandem does not start sglang servers"):
         load_config(None, ["rollout.backend=sglang:d2"])
     cfg = load_config(None, ["rollout.backend=vllm:d1", "rollout.servers=[127.0.0.1:8000]"])
-    assert cfg.rollout.protocol == "vllm"
+    assert cfg.rollout.server_kind == "vllm"
     assert load_config(None).rollout.launched_by_tandem

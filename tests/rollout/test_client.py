@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tandem.fleet.adapters import TandemAdapter
 from tandem.rollout import (
     ClientConfig,
     GenerationDeadlineError,
@@ -16,7 +17,6 @@ from tandem.rollout import (
     PromptTooLongError,
     ServerPool,
 )
-from tandem.rollout.backends import NativeBackend
 from tests.rollout.conftest import run
 from tests.rollout.fake_server import chain, token_logprob
 
@@ -108,7 +108,7 @@ def test_final_abort_with_spent_budget_is_length(make_server):
 
 
 def test_abort_while_queued_means_zero_tokens():
-    chunk = NativeBackend().parse(
+    chunk = TandemAdapter().parse_generate(
         {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"}, "weight_version": "3"}}
     )
     assert chunk.output_ids == [] and chunk.finish_reason == "abort" and chunk.weight_version == 3
@@ -197,8 +197,8 @@ def test_deadline_exceeded_is_a_typed_error(make_server):
 
 def test_vllm_backend(make_server):
     server = make_server(token_delay_s=0.0)
-    client = InferenceClient([server.address], ClientConfig(backend="vllm"))
-    client.set_version(7)  # vLLM does not report versions: the client's last known one applies
+    client = InferenceClient([server.address], ClientConfig(server_kind="vllm"))
+    client.version.set(7)  # vLLM does not report versions: the client's last known one applies
     resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=9))))
     assert server.log[-1].route == "completions"
     assert resp.output_ids == chain(PROMPT[-1], 9, 1000)
@@ -206,14 +206,14 @@ def test_vllm_backend(make_server):
     assert resp.output_versions == [7] * 9 and resp.finish_reason == "length"
 
     reporting = make_server(vllm_report_version=True, version=3)
-    client = InferenceClient([reporting.address], ClientConfig(backend="vllm"))
+    client = InferenceClient([reporting.address], ClientConfig(server_kind="vllm"))
     resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=4))))
     assert resp.output_versions == [3] * 4
 
 
 def test_vllm_interrupted_generation(make_server):
     server = make_server(token_delay_s=0.01)
-    client = InferenceClient([server.address], ClientConfig(backend="vllm"))
+    client = InferenceClient([server.address], ClientConfig(server_kind="vllm"))
     req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=30))
 
     async def scenario():
@@ -221,7 +221,7 @@ def test_vllm_interrupted_generation(make_server):
         await asyncio.to_thread(server.wait_for_tokens, 5)
         await asyncio.to_thread(server.pause)
         await asyncio.to_thread(server.wait_for_requests, 2)  # the abort was handled, resubmitted
-        client.set_version(1)
+        client.version.set(1)
         server.continue_generation()
         try:
             return await task

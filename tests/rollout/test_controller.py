@@ -4,8 +4,6 @@ rollout worker processes (episodes reported over HTTP, a dying worker's episodes
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import os
 import pickle
@@ -20,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.fleet import ops
+from tandem.fleet.protocol import call
+from tandem.fleet.results import FleetError
 from tandem.rollout import (
     GenerationParams,
     ModelRequest,
@@ -29,11 +30,6 @@ from tandem.rollout import (
     RolloutController,
     RolloutWorkflow,
 )
-from tandem.rollout.callback import meta_from_json, meta_to_json, result_from_json, result_to_json
-from tandem.rollout.fleet_wire import FLEET_OPS, decode_call, encode_call
-from tandem.weights.fleet import Fleet, FleetError, FleetResult, ServerResult
-from tandem.weights.http_fleet import HttpFleet
-from tandem.weights.meta import Deadlines, FlatLayout, ParamSpec, ShmBucket, WeightUpdateMeta
 from tests.launch.pool_owner import kill_owner_and_check, start_owner
 from tests.launch.procs import Marked
 from tests.rollout.conftest import REPO
@@ -102,7 +98,7 @@ def test_callback_server_rejects_a_missing_or_wrong_secret(make_server, make_con
         assert status == 401 and body["success"] is False, (headers, status, body)
     assert server._running.is_set()  # nothing reached the server: still running
     with pytest.raises(FleetError, match="rejected the callback secret") as err:
-        RolloutCallback(ctl.callback_address(), "wrong").pause_generation()
+        call(RolloutCallback(ctl.callback_address(), "wrong"), ops.PAUSE, ops.PauseGeneration())
     assert err.value.phase == "pause_generation"
     status, body = post(url, {}, {"Authorization": f"Bearer {ctl.secret}"})
     assert status == 200 and [r["success"] for r in body["results"]] == [True]
@@ -114,72 +110,31 @@ def test_reward_runner_pickles_as_its_settings():
     assert (runner.max_workers, runner.timeout_s, runner.grace_s) == (3, 7, 2) and runner._pool is None
 
 
-def test_wire_forms_round_trip():
-    meta = WeightUpdateMeta("disk", path="/tmp/w", version=3, deadlines=Deadlines(update_s=5))
-    assert meta_from_json(json.loads(json.dumps(meta_to_json(meta)))) == meta
-    res = FleetResult("p", (ServerResult("a", True, "ok"), ServerResult("b", False, "no")))
-    assert result_from_json(json.loads(json.dumps(result_to_json(res)))) == res
-
-
-def test_every_fleet_argument_travels_through_the_controller():
-    """The callback, the controller and HttpFleet take the same arguments for every Fleet
-    operation, and the wire form carries each of them (flat layouts, shm buckets, staging)."""
-    for op, (positional, keywords) in FLEET_OPS.items():
-        want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(HttpFleet, op)).parameters.values()]
-        assert [n for n, *_ in want[1:]] == [*positional, *keywords], op
-        assert {n: d for n, k, d in want if k is inspect.Parameter.KEYWORD_ONLY} == keywords, op
-        for cls in (RolloutCallback, RolloutController, Fleet):
-            got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, op)).parameters.values()]
-            assert got == want, (cls.__name__, op)
-    assert {m for m in dir(Fleet) if not m.startswith("_")} - {"world_size"} == set(FLEET_OPS)
-    assert RolloutCallback.supports_flat_buckets and RolloutController.supports_flat_buckets
-    meta = WeightUpdateMeta("distributed", version=7, deadlines=Deadlines(bucket_s=3))
-    specs = [ParamSpec("a", (2, 3), "bfloat16"), ParamSpec("b", (4,), "float32")]
-    shm = ShmBucket(tuple(specs), (0, 64), 80, segment="tandem-w-1-0")
-    calls = {
-        "update_weights_from_distributed": dict(meta=meta, specs=specs, commit=False, bucket_index=2,
-                                                flat=FlatLayout((0, 64), 80)),
-        "update_weights_from_shm": dict(meta=meta, bucket=shm, commit=False, bucket_index=0),
-        "update_weights_from_disk": dict(meta=dataclasses.replace(meta, type="disk", path="/w"), commit=False),
-        "weight_checksums": dict(names=["a"]),
-        "set_version": dict(version=7),
-    }
-    for op, arguments in calls.items():
-        args, kwargs = decode_call(op, json.loads(json.dumps(encode_call(op, **arguments))))
-        positional, _ = FLEET_OPS[op]
-        assert {**dict(zip(positional, args, strict=True)), **kwargs} == arguments, op
-    # Keywords left out (an older caller) take the Fleet defaults: one full-set update, per tensor.
-    args, kwargs = decode_call("update_weights_from_distributed", {"meta": meta_to_json(meta), "specs": []})
-    assert kwargs == {"commit": True, "bucket_index": None, "flat": None}
-    with pytest.raises(TypeError):
-        encode_call("update_weights_from_shm", meta=meta, bucket=shm)
-
-
 def test_callback_fans_out_and_names_failing_servers(make_server, make_controller):
     servers = [make_server(), make_server()]
     ctl = make_controller([s.address for s in servers])
     cb = pickle.loads(pickle.dumps(ctl.callback()))  # what a trainer worker receives
     assert RolloutCallback.from_env(ctl.callback().env()).secret == ctl.secret
     assert cb.world_size == 2
-    res = cb.pause_generation()
+    res = call(cb, ops.PAUSE, ops.PauseGeneration())
     assert res.phase == "pause_generation" and [r.address for r in res.results] == [s.address for s in servers]
     assert all(not s._running.is_set() for s in servers)
     assert ctl.executor.stats()["paused"]  # dispatch stops with the servers
-    cb.set_version(4)
-    assert [s.version for s in servers] == [4, 4] and ctl.version == 4
-    cb.continue_generation()
+    call(cb, ops.SET_VERSION, ops.SetVersion(4))
+    assert [s.version for s in servers] == [4, 4] and ctl.version.value == 4
+    call(cb, ops.CONTINUE, ops.ContinueGeneration())
     assert all(s._running.is_set() for s in servers) and not ctl.executor.stats()["paused"]
     # The fake servers have no weight routes: the failure names every server and the phase.
-    fut = cb.update_weights_from_disk(WeightUpdateMeta("disk", path="/nowhere", version=5))
+    fut = cb.send(ops.LOAD_DISK, ops.DiskLoad("/nowhere", commit=False))
     with pytest.raises(FleetError) as err:
         fut.result(30)
-    assert err.value.phase == "update_weights_from_disk"
+    assert err.value.phase == "load_disk"
     assert {f.address for f in err.value.failures} == {s.address for s in servers}
     assert "HTTP 404" in str(err.value)
     # A driver pause survives a fleet continue.
     ctl.pause()
-    cb.pause_generation()
-    cb.continue_generation()
+    call(cb, ops.PAUSE, ops.PauseGeneration())
+    call(cb, ops.CONTINUE, ops.ContinueGeneration())
     assert ctl.executor.stats()["paused"]
     ctl.resume()
     assert not ctl.executor.stats()["paused"]
@@ -191,17 +146,17 @@ def test_a_dead_server_is_reported_not_skipped(make_server, make_controller):
     gone = dead_address()
     ctl = make_controller([server.address, gone])
     with pytest.raises(FleetError) as err:
-        ctl.callback().pause_generation()
+        call(ctl.callback(), ops.PAUSE, ops.PauseGeneration())
     assert err.value.phase == "pause_generation"
     assert [f.address for f in err.value.failures] == [gone]
     assert "ClientConnectorError" in err.value.failures[0].message
     assert not ctl.pool.is_healthy(gone) and ctl.pool.is_healthy(server.address)
-    with pytest.raises(FleetError):  # the controller's own Fleet methods behave the same
-        ctl.continue_generation()
+    with pytest.raises(FleetError):  # the controller's own Fleet behaves the same
+        call(ctl, ops.CONTINUE, ops.ContinueGeneration())
     assert server._running.is_set()  # the live server did continue
     # A controller that is gone: the error names the controller.
     with pytest.raises(FleetError, match="controller unreachable"):
-        RolloutCallback(dead_address(), "s").set_version(1)
+        call(RolloutCallback(dead_address(), "s"), ops.SET_VERSION, ops.SetVersion(1))
 
 
 def test_rollout_workers_run_episodes_and_report_them(make_server, make_controller, caplog):
@@ -220,7 +175,7 @@ def test_rollout_workers_run_episodes_and_report_them(make_server, make_controll
     assert stats["failed"] == 1 and stats["rejected"] == 2 and stats["accepted"] == 12
     assert "this workflow blew up" in caplog.text  # the worker's traceback reaches the controller log
     # Shared queue + versions reach the workers' clients.
-    ctl.set_version(1)
+    call(ctl, ops.SET_VERSION, ops.SetVersion(1))
     for it in items[:4]:
         ctl.submit(it, wf)
     got = ctl.wait(4, timeout=30)

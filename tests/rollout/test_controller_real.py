@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -28,6 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.fleet import ops
+from tandem.fleet.adapters import Capabilities
+from tandem.fleet.ops import Deadlines, ParamSpec
+from tandem.fleet.protocol import call
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.rollout import (
@@ -41,8 +46,8 @@ from tandem.rollout import (
     RolloutWorkflow,
 )
 from tandem.weights.group import WeightGroup
-from tandem.weights.meta import Deadlines, ParamSpec, WeightUpdateMeta
-from tandem.weights.update import WeightUpdater
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.updater import WeightUpdater
 from tests.inference.conftest import make_model_dir, prompts
 from tests.inference.server_utils import ServerProcess, wait_for
 from tests.rollout import rewards
@@ -95,7 +100,7 @@ def make_controller(servers):
     def make(**config) -> RolloutController:
         ctl = RolloutController(RolloutConfig(servers=[s.url for s in servers], request_deadline_s=60, **config))
         made.append(ctl)
-        ctl.set_version(0)  # servers echo "0" whatever an earlier test left
+        call(ctl, ops.SET_VERSION, ops.SetVersion(0))  # servers echo "0" whatever an earlier test left
         return ctl
 
     yield make
@@ -109,11 +114,11 @@ def disk_meta(root: Path, version: int) -> WeightUpdateMeta:
 
 def weight_update(ctl: RolloutController, version: int, meta: WeightUpdateMeta | None = None) -> None:
     """protocol.md section 5 step 4, through the controller's fan-out."""
-    ctl.pause_generation()
+    call(ctl, ops.PAUSE, ops.PauseGeneration())
     if meta is not None:
-        ctl.update_weights_from_disk(meta).result(90)
-    ctl.set_version(version)
-    ctl.continue_generation()
+        call(ctl, ops.LOAD_DISK, ops.DiskLoad(str(meta.versioned_path()), version=meta.version))
+    call(ctl, ops.SET_VERSION, ops.SetVersion(version))
+    call(ctl, ops.CONTINUE, ops.ContinueGeneration())
 
 
 def test_staleness_bound_with_real_servers(make_controller):
@@ -208,17 +213,17 @@ def _trainer_worker(callback, weights_root: str, controller_pid: int, go, out) -
         from tandem.weights import host_store, init_weight_group
 
         report: dict = {}
-        callback.pause_generation()
+        call(callback, ops.PAUSE, ops.PauseGeneration())
         disk = disk_meta(Path(weights_root), 2)
-        callback.update_weights_from_disk(disk, commit=False).result(90)  # staged ...
-        callback.commit_weights(disk)  # ... and swapped in on every server
+        call(callback, ops.LOAD_DISK, ops.DiskLoad(str(disk.versioned_path()), commit=False))  # staged ...
+        call(callback, ops.COMMIT, ops.CommitStaged(2))  # ... and swapped in on every server
         out.put(("disk", None))
         go.get(timeout=60)  # the test checks the servers' weights
         store = host_store("127.0.0.1", 0)
         meta = WeightUpdateMeta("distributed", master_port=store.port, version=3,
                                 deadlines=Deadlines(init_group_s=30, bucket_s=60))
         world = 1 + callback.world_size
-        fut = callback.init_weights_update_group(meta)
+        fut = callback.send(ops.JOIN_GROUP, ops.JoinGroup("127.0.0.1", store.port, meta.group_name, "gloo", world, 60))
         # The servers now wait for rank 0: the fan-out waits with them. Nobody may spin meanwhile.
         cpu0, ctl0, t0 = time.process_time(), proc_cpu_s(controller_pid), time.monotonic()
         done, _ = wait_futures([fut], timeout=3.0)
@@ -228,16 +233,17 @@ def _trainer_worker(callback, weights_root: str, controller_pid: int, go, out) -
         fut.result(60)
         tensors = list(iter_hf_tensors(Path(weights_root) / "distributed"))
         specs = [ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors]
-        fut = callback.update_weights_from_distributed(meta, specs)
+        fut = callback.send(ops.STAGE_DISTRIBUTED, ops.DistributedBucket(meta.group_name, tuple(specs), version=3))
         for _, t in tensors:  # overlapped with the servers' receive, as the future allows
             group.broadcast(t.contiguous(), src=0)
         fut.result(60)
-        callback.destroy_weights_update_group(meta)
+        call(callback, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name))
         group.destroy()
-        callback.set_version(3)
-        callback.continue_generation()
+        call(callback, ops.SET_VERSION, ops.SetVersion(3))
+        call(callback, ops.CONTINUE, ops.ContinueGeneration())
         report["world"] = world
-        report["checksums"] = {a: (c.weight_version, c.checksums) for a, c in callback.weight_checksums([Q]).items()}
+        checksums = call(callback, ops.CHECKSUMS, ops.ChecksumsRequest((Q,))).values()
+        report["checksums"] = {a: (c.weight_version, c.checksums) for a, c in checksums.items()}
         out.put(("ok", report))
     except BaseException:
         out.put(("error", traceback.format_exc()))
@@ -278,13 +284,13 @@ def test_rollout_callback_from_a_trainer_worker_process(make_controller, servers
             assert first_values(s, name) == pytest.approx(reference(weights / "distributed", name))
         out_ = s.ok("/generate", {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 2}})
         assert out_["meta_info"]["weight_version"] == "3"
-    assert ctl.version == 3 and not ctl.executor.stats()["paused"]
+    assert ctl.version.value == 3 and not ctl.executor.stats()["paused"]
     print(f"\nfan-out waiting {report['window_s']:.2f} s: controller {report['controller_cpu_s'] * 1000:.0f} ms CPU, "
           f"trainer worker {report['worker_cpu_s'] * 1000:.1f} ms CPU; group world {report['world']}")
     assert report["world"] == 3 and not report["done_early"] and report["window_s"] >= 3.0
     sums = report["checksums"]
     assert sorted(sums) == sorted(s.url for s in servers)
-    assert len({(v, tuple(c.items())) for v, c in sums.values()}) == 1 and next(iter(sums.values()))[0] == "3"
+    assert len({(v, tuple(c.items())) for v, c in sums.values()}) == 1 and next(iter(sums.values()))[0] == 3
     assert report["controller_cpu_s"] < 0.1
     assert report["worker_cpu_s"] < 0.1
 
@@ -293,7 +299,9 @@ def test_rollout_callback_from_a_trainer_worker_process(make_controller, servers
 class PerTensorCallback(RolloutCallback):
     """A callback that does not advertise flat buckets: the updater's SGLang-style fallback."""
 
-    supports_flat_buckets = False
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(super().capabilities, flat_buckets=False)
 
 
 def test_weight_updater_through_the_callback_sends_one_broadcast_per_bucket(make_controller, servers, weights,
@@ -315,7 +323,7 @@ def test_weight_updater_through_the_callback_sends_one_broadcast_per_bucket(make
     for version, (kind, callback) in enumerate([("distributed", ctl.callback()),
                                                 ("distributed", PerTensorCallback(ctl.callback_address(), ctl.secret)),
                                                 ("shm", ctl.callback())], start=4):
-        assert callback.supports_flat_buckets == (type(callback) is RolloutCallback)
+        assert callback.capabilities.flat_buckets == (type(callback) is RolloutCallback)
         source = CheckpointSource(weights / "distributed", scale=1.0 + version / 8)  # each version differs
         meta = WeightUpdateMeta(kind, bucket_bytes=64 * 1024, deadlines=deadlines)
         sent.clear()
@@ -332,11 +340,11 @@ def test_weight_updater_through_the_callback_sends_one_broadcast_per_bucket(make
             assert s.ok("/get_weight_version", method="GET") == {"weight_version": str(version)}
         if kind == "shm":
             assert sent == []
-        elif callback.supports_flat_buckets:  # one flat uint8 broadcast per bucket
+        elif callback.capabilities.flat_buckets:  # one flat uint8 broadcast per bucket
             assert len(sent) == report.buckets and all(t.dtype == torch.uint8 and t.dim() == 1 for t in sent)
             assert sum(t.numel() for t in sent) >= report.bytes
         else:  # one broadcast per tensor
             assert len(sent) == len(source.tensors) > report.buckets
     print("\n" + "\n".join(f"{kind}: {buckets} buckets, {tensors} tensors, {n} broadcasts"
                            f"{'' if t is None else f' ({t * 1000:.0f} ms)'}" for kind, buckets, tensors, n, t in rows))
-    assert ctl.version == 6 and not ctl.executor.stats()["paused"]
+    assert ctl.version.value == 6 and not ctl.executor.stats()["paused"]

@@ -61,7 +61,7 @@ def weight_update(executor: WorkflowExecutor, servers, version: int) -> None:
     for s in servers:
         s.set_version(version)  # "the update"
         s.continue_generation()
-    executor.set_version(version)
+    executor.version.set(version)
     executor.resume()
 
 
@@ -227,9 +227,9 @@ def test_prepare_batch_keeps_the_rest_queued(make_server, make_executor):
     assert s["pending"] == 2  # one batch queued ahead, not started
     second = ex.prepare_batch(items, GenerateOnce(), timeout=10)
     assert [t.prompt_id for t in second] == ["3", "4"]
-    ex.set_version(1)  # budget grows by one batch: the queued items start without another call
+    ex.version.set(1)  # budget grows by one batch: the queued items start without another call
     assert [t.prompt_id for t in ex.wait(2, timeout=10)] == ["5", "6"]
-    ex.set_version(2)
+    ex.version.set(2)
     third = ex.prepare_batch(items, GenerateOnce(), timeout=10)
     assert [t.prompt_id for t in third] == ["7", "8"]
 
@@ -239,7 +239,7 @@ def test_rollout_batch_and_dumps(make_server, make_executor, tmp_path):
     ex = make_executor([server.address], dump_dir=str(tmp_path / "dumps"))
     trajs = ex.rollout_batch([[5, 6], "bad", [7, 8]], GenerateOnce(), timeout=10)
     assert [t.prompt_id for t in trajs] == ["5", "7"]
-    ex.set_version(3)
+    ex.version.set(3)
     ex.rollout_batch([[9, 10]], GenerateOnce(), timeout=10)
     v0 = list(read_dump(tmp_path / "dumps" / "v000000.jsonl"))
     v3 = list(read_dump(tmp_path / "dumps" / "v000003.jsonl"))

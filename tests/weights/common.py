@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from tandem.fleet.ops import Deadlines
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
-from tandem.weights.meta import Deadlines
 from tandem.weights.verify import tensor_checksum
 from tests.inference.server_utils import ServerProcess, wait_for
 
@@ -45,7 +45,15 @@ class CheckpointSource:
         if break_shape is not None:
             self.tensors[break_shape] = self.tensors[break_shape][:-1].clone()
 
-    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None):
+    param_dtype = None  # each tensor travels in its own dtype unless the update asks for another
+
+    def local_weights(self) -> None:
+        return None  # no trainer model: always the export
+
+    def export_nbytes(self, dtype: torch.dtype | None) -> int:
+        return sum(-(-t.numel() * (dtype or t.dtype).itemsize // 64) * 64 for t in self.tensors.values())
+
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc=None, dst=None):
         bucket, size = [], 0
         for name, t in self.tensors.items():
             t = t if dtype is None else t.to(dtype)

@@ -5,6 +5,7 @@ trainer's packing, and kept-alive HTTP connections to `tandem serve` (TCP_NODELA
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import subprocess
@@ -15,14 +16,19 @@ import aiohttp
 import pytest
 import torch
 
+from tandem.fleet import ops
+from tandem.fleet.adapters import TandemAdapter
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.protocol import call
 from tandem.inference.server.app import bind
 from tandem.models import load_model
 from tandem.models.tiny import init_model
 from tandem.train.weight_export import iter_weight_buckets
-from tandem.weights.http_fleet import HttpFleet
 from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.packing import plan_buckets
+from tandem.weights.report import WeightSyncError
 from tandem.weights.shm import ShmError, ShmWriter, layout, map_segment, pack, tensor_views
-from tandem.weights.update import WeightSyncError, WeightUpdater, _plan_buckets
+from tandem.weights.updater import WeightUpdater
 from tests.inference.conftest import make_model_dir
 from tests.launch.procs import CHILD_ENV, REPO, SHM, Marked
 from tests.weights.common import (
@@ -153,7 +159,7 @@ def test_plan_buckets_match_the_engine_export(tmp_path):
 
     params = [(hf, p.detach()) for _, hf, p in hf_parameter_names(model)]
     for bucket_bytes in (1, 10_000, 48 * 1024, 10**9):
-        ours = [[n for n, _ in b] for b in _plan_buckets(params, bucket_bytes, torch.bfloat16)]
+        ours = [[n for n, _ in b] for b in plan_buckets(params, bucket_bytes, torch.bfloat16)]
         theirs = [[n for n, _ in b] for b in iter_weight_buckets(model, bucket_bytes, torch.bfloat16)]
         assert ours == theirs
 
@@ -219,7 +225,7 @@ def test_ping_pong_staging_keeps_atomicity(server, model_dir):
     weights and version exactly as they were, and the next update lands exactly."""
     server.ok("/_fault", {"clear": True})
     with HttpFleet([server.url], deadlines=FAST) as fleet:
-        assert fleet.supports_flat_buckets
+        assert fleet.capabilities.flat_buckets
         for version in (101, 102, 103):
             src = _update(model_dir, fleet, version)
             assert served_checksums(server) == expected_checksums(src.tensors)
@@ -235,14 +241,16 @@ def test_ping_pong_staging_keeps_atomicity(server, model_dir):
             assert served_checksums(server) == expected_checksums(src.tensors)
 
 
-class _SglangOnlyFleet(HttpFleet):
-    supports_flat_buckets = False
+class _NoFlatBuckets(TandemAdapter):
+    """A tandem server as seen by a fleet that sends one broadcast per tensor (SGLang's way)."""
+
+    capabilities = dataclasses.replace(TandemAdapter.capabilities, flat_buckets=False)
 
 
 @pytest.mark.slow
 def test_per_tensor_broadcast_for_fleets_without_flat_buckets(server, model_dir):
     server.ok("/_fault", {"clear": True})
-    with _SglangOnlyFleet([server.url], deadlines=FAST) as fleet:
+    with HttpFleet([server.url], adapter=_NoFlatBuckets(), deadlines=FAST) as fleet:
         for version, pipeline in ((201, True), (202, False)):
             src = _update(model_dir, fleet, version, pipeline=pipeline)
             assert served_checksums(server) == expected_checksums(src.tensors)
@@ -277,19 +285,19 @@ def test_set_version_after_a_commit_sends_nothing(server, model_dir):
     server.ok("/_fault", {"clear": True})
     with HttpFleet([server.url], deadlines=FAST) as fleet:
         sent = []
-        real = fleet._sync
-        fleet._sync = lambda phase, *a, **k: sent.append(phase) or real(phase, *a, **k)
+        real = fleet._post
+        fleet._post = lambda op, *a: sent.append(op.name) or real(op, *a)
         _update(model_dir, fleet, 301)
         # (the group is left when the updater closes)
-        assert sent == ["pause_generation", "commit_staged_weights", "continue_generation",
-                        "destroy_weights_update_group"], sent
+        assert "set_version" not in sent and sent.index("commit") < sent.index("continue_generation"), sent
+        assert sent[-2:] == ["continue_generation", "leave_group"], sent
         assert version_of(server) == "301"
         sent.clear()
-        fleet.set_version(301)  # after continue_generation: not known any more, sent
-        assert not fleet.set_version(301).failures  # now known: nothing sent
-        assert sent == ["update_weight_version"]
-        server.ok("/update_weight_version", {"new_version": "other"})  # someone else moves it
-        fleet.continue_generation()
-        fleet.set_version(301)
-        assert sent == ["update_weight_version", "continue_generation", "update_weight_version"]
+        call(fleet, ops.SET_VERSION, ops.SetVersion(301))  # after continue_generation: not known any more, sent
+        assert not call(fleet, ops.SET_VERSION, ops.SetVersion(301)).failures  # now known: nothing sent
+        assert sent == ["set_version"]
+        server.ok("/update_weight_version", {"new_version": "999"})  # someone else moves it
+        call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+        call(fleet, ops.SET_VERSION, ops.SetVersion(301))
+        assert sent == ["set_version", "continue_generation", "set_version"]
         assert version_of(server) == "301"

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.ops import Deadlines
 from tandem.models import load_model
 from tandem.train import SequenceBatch, TrainEngine
-from tandem.weights.http_fleet import HttpFleet
-from tandem.weights.meta import Deadlines, WeightUpdateMeta
-from tandem.weights.update import WeightUpdater
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.updater import WeightUpdater
 from tests.distributed import run_distributed
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import request

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.data.trajectory import PROMPT_VERSION, Trajectory
+from tandem.fleet.generation import GenerationParams
 from tandem.rollout.client import InferenceClient
-from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
 from tandem.rollout.workflows.rlvr import prompt_ids_of
 

@@ -8,10 +8,11 @@ import uuid
 from typing import Any
 
 from tandem.data.trajectory import Trajectory
+from tandem.fleet.generation import GenerationParams
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.errors import RewardError
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.types import GenerationParams, ModelRequest
+from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
 
 # Item keys the workflow reads itself; everything else goes to the reward function as keywords.

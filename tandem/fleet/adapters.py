@@ -1,0 +1,276 @@
+"""One `ServerAdapter` per kind of inference server: how each fleet operation and the generate call
+become that server's HTTP route and body, how its answers read, and what it can do (`Capabilities`,
+which the weight-update protocol consults).
+
+- `tandem`: SGLang's native protocol plus Tandem's extensions (staged buckets with commit/discard,
+  flat buckets, shared-memory buckets, checksums).
+- `sglang`: SGLang's native protocol as SGLang serves it: each bucket is applied on arrival.
+- `vllm`: generation through the OpenAI completions route; fleet operations are refused with
+  `UnsupportedOperation` until a vLLM weight-update extension is mapped here.
+
+An operation an adapter cannot serve raises `UnsupportedOperation` naming the server kind and the
+operation; it never falls through to a wrong route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tandem.errors import TandemError
+from tandem.fleet import ops
+from tandem.fleet.generation import Chunk, GenerationParams, parse_version
+from tandem.fleet.results import ServerChecksums
+
+
+class UnsupportedOperation(TandemError, RuntimeError):
+    """The server kind has no equivalent of a fleet operation (or of one of its options)."""
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    staged_commit: bool  # buckets staged, then committed or discarded as a whole
+    distributed_update: bool  # weights received over a transfer group
+    flat_buckets: bool  # a bucket as one broadcast of a flat buffer
+    shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
+    checksums: bool  # per-tensor checksums of the served weights
+
+
+@dataclass(frozen=True)
+class Answer:
+    success: bool
+    message: str
+    value: Any
+
+
+Encoder = Callable[[Any, int], HttpCall]  # (request, server index) -> the call
+
+
+def _version(version: int | None) -> dict[str, str]:
+    return {} if version is None else {"weight_version": str(version)}
+
+
+def _tensor_fields(specs: tuple[ops.ParamSpec, ...]) -> dict[str, Any]:
+    return {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs]}
+
+
+def _staging(bucket_index: int | None, commit: bool, version: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"commit": commit, **(_version(version) if commit else {})}
+    if bucket_index is not None:
+        body["bucket_index"] = bucket_index
+    return body
+
+
+# -- SGLang's native protocol (both kinds) --------------------------------------------------------------
+def _join_group(req: ops.JoinGroup, index: int) -> HttpCall:
+    return HttpCall("/init_weights_update_group", {
+        "master_address": req.master_address, "master_port": req.master_port, "rank_offset": 1 + index,
+        "world_size": req.world_size, "group_name": req.group_name, "backend": req.backend})
+
+
+SGLANG_ROUTES: dict[str, Encoder] = {
+    "pause_generation": lambda req, i: HttpCall("/pause_generation", {"mode": "abort"}),
+    "continue_generation": lambda req, i: HttpCall("/continue_generation", {}),
+    "set_version": lambda req, i: HttpCall("/update_weight_version", {"new_version": str(req.version)}),
+    "join_group": _join_group,
+    "leave_group": lambda req, i: HttpCall("/destroy_weights_update_group", {"group_name": req.group_name}),
+    "stage_distributed": lambda req, i: HttpCall("/update_weights_from_distributed", {
+        **_tensor_fields(req.specs), "group_name": req.group_name, "flush_cache": True, **_version(req.version)}),
+    "load_disk": lambda req, i: HttpCall("/update_weights_from_disk", {"model_path": req.path,
+                                                                        **_version(req.version)}),
+}
+
+
+# -- Tandem's extensions ------------------------------------------------------------------------------------
+def _tandem_join(req: ops.JoinGroup, index: int) -> HttpCall:
+    call = _join_group(req, index)
+    return HttpCall(call.path, {**call.body, "timeout_s": req.timeout_s})
+
+
+def _tandem_distributed(req: ops.DistributedBucket, index: int) -> HttpCall:
+    body = {**_tensor_fields(req.specs), "group_name": req.group_name, "flush_cache": True,
+            **_staging(req.bucket_index, req.commit, req.version)}
+    if req.flat is not None:
+        body.update(offsets=list(req.flat.offsets), nbytes=req.flat.nbytes)
+    return HttpCall("/update_weights_from_distributed", body)
+
+
+def _tandem_shm(req: ops.SharedMemoryBucket, index: int) -> HttpCall:
+    bucket = req.bucket
+    body = {**_tensor_fields(bucket.specs), "offsets": list(bucket.offsets), "nbytes": bucket.nbytes,
+            "flush_cache": True, **_staging(req.bucket_index, req.commit, req.version)}
+    body.update({"segment": bucket.segment} if bucket.segment is not None else {"cuda_ipc": bucket.cuda_ipc})
+    if bucket.zero_copy:
+        body["zero_copy"] = True
+    return HttpCall("/update_weights_from_shm", body)
+
+
+TANDEM_ROUTES: dict[str, Encoder] = {
+    **SGLANG_ROUTES,
+    "join_group": _tandem_join,
+    "stage_distributed": _tandem_distributed,
+    "stage_shm": _tandem_shm,
+    "load_disk": lambda req, i: HttpCall("/update_weights_from_disk", {
+        "model_path": req.path, **_staging(None, req.commit, req.version)}),
+    "commit": lambda req, i: HttpCall("/commit_staged_weights", {"weight_version": str(req.version)}),
+    "discard": lambda req, i: HttpCall("/discard_staged_weights", {}),
+    "checksums": lambda req, i: HttpCall("/get_weights_checksum",
+                                         {} if req.names is None else {"names": list(req.names)}),
+}
+
+
+def _checksums(data: Any) -> ServerChecksums:
+    return ServerChecksums(str(data["dtype"]), {str(k): str(v) for k, v in data["checksums"].items()},
+                           parse_version(data.get("weight_version")))
+
+
+class ServerAdapter:
+    """The routes of one server kind. Subclasses set `kind`, `capabilities` and `routes`, and the
+    generate mapping."""
+
+    kind: str
+    capabilities: Capabilities
+    routes: ClassVar[dict[str, Encoder]]
+    generate_path: str
+
+    def request(self, op: ops.FleetOp, request: Any, index: int) -> HttpCall:
+        """The HTTP call that performs `op` with `request` on server `index` of the fleet."""
+        encode = self.routes.get(op.name)
+        if encode is None:
+            raise UnsupportedOperation(f"{self.kind} servers have no {op.name!r} operation")
+        self.check(op, request)
+        return encode(request, index)
+
+    def check(self, op: ops.FleetOp, request: Any) -> None:
+        """Refuse options the server kind lacks (overridden where options differ)."""
+
+    def answer(self, op: ops.FleetOp, status: int, data: Any, text: str) -> Answer:
+        ok = status == 200 and not (isinstance(data, dict) and data.get("success") is False)
+        message = str(data.get("message", "")) if isinstance(data, dict) else text[:300]
+        if not ok:
+            return Answer(False, f"HTTP {status}: {message or text[:300]}", None)
+        if op.answer is ServerChecksums:
+            try:
+                return Answer(True, message, _checksums(data))
+            except (KeyError, TypeError, AttributeError) as exc:
+                return Answer(False, f"malformed checksums answer: {type(exc).__name__}: {exc}", None)
+        return Answer(True, message, ops.Acknowledged())
+
+    def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
+                      max_new_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_generate(self, body: dict[str, Any]) -> Chunk:
+        raise NotImplementedError
+
+
+class _SGLangProtocol(ServerAdapter):
+    generate_path = "/generate"
+
+    def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
+                      max_new_tokens: int) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "min_new_tokens": min(params.min_new_tokens, max_new_tokens),
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
+        }
+        return {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+
+    def parse_generate(self, body: dict[str, Any]) -> Chunk:
+        meta = body.get("meta_info", {})
+        pairs = meta.get("output_token_logprobs") or []  # an abort while queued has no list at all
+        if not pairs and body.get("output_ids") and meta.get("finish_reason", {}).get("type") != "abort":
+            raise ValueError("server returned tokens without logprobs; was return_logprob honoured?")
+        finish = (meta.get("finish_reason") or {}).get("type", "length")
+        if finish not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish reason {finish!r}")
+        return Chunk([int(p[1]) for p in pairs], [float(p[0]) for p in pairs], finish,
+                     parse_version(meta.get("weight_version")))
+
+
+class TandemAdapter(_SGLangProtocol):
+    kind = "tandem"
+    capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True, shared_memory=True,
+                                checksums=True)
+    routes = TANDEM_ROUTES
+
+
+class SGLangAdapter(_SGLangProtocol):
+    kind = "sglang"
+    capabilities = Capabilities(staged_commit=False, distributed_update=True, flat_buckets=False,
+                                shared_memory=False, checksums=False)
+    routes = SGLANG_ROUTES
+
+    def check(self, op: ops.FleetOp, request: Any) -> None:
+        if isinstance(request, ops.DistributedBucket | ops.DiskLoad) and not request.commit:
+            raise UnsupportedOperation(f"sglang servers apply {op.name!r} on arrival; staged transfers "
+                                       "(commit=false) need a tandem server")
+        if isinstance(request, ops.DistributedBucket) and request.flat is not None:
+            raise UnsupportedOperation("sglang servers receive one broadcast per tensor; flat buckets need a "
+                                       "tandem server")
+
+
+class VLLMAdapter(ServerAdapter):
+    kind = "vllm"
+    capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
+                                shared_memory=False, checksums=False)
+    routes: ClassVar[dict[str, Encoder]] = {}  # no fleet operation mapped yet
+    generate_path = "/v1/completions"
+
+    def __init__(self, model: str | None = None):
+        self.model = model  # vLLM checks it against the served model name when given
+
+    def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
+                      max_new_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": list(input_ids), "max_tokens": max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "min_tokens": min(params.min_new_tokens, max_new_tokens),
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "skip_special_tokens": False, "n": 1, "stream": False,
+            "request_id": rid,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        return body
+
+    def parse_generate(self, body: dict[str, Any]) -> Chunk:
+        """Tokens come back as "token_id:N" (`return_tokens_as_token_ids`); vLLM has no weight
+        version of its own, so one is read only where a server extension adds it."""
+        choice = body["choices"][0]
+        lp = choice.get("logprobs") or {}
+        ids = [_token_id(t) for t in lp.get("tokens") or []]
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs in a vLLM response")
+        finish = choice.get("finish_reason") or "length"
+        if finish not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish reason {finish!r}")
+        return Chunk(ids, logprobs, finish, parse_version(body.get("weight_version", choice.get("weight_version"))))
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith("token_id:"):
+        raise ValueError(f"expected a 'token_id:N' token (return_tokens_as_token_ids), got {token!r}")
+    return int(token.removeprefix("token_id:"))
+
+
+SERVER_KINDS = ("tandem", "sglang", "vllm")
+
+
+def adapter_for(kind: str, model: str | None = None) -> ServerAdapter:
+    """The adapter of a server kind (`model`: the served model name a vLLM server checks)."""
+    if kind == "tandem":
+        return TandemAdapter()
+    if kind == "sglang":
+        return SGLangAdapter()
+    if kind == "vllm":
+        return VLLMAdapter(model)
+    raise ValueError(f"unknown server kind {kind!r}; use one of {', '.join(SERVER_KINDS)}")

@@ -1,0 +1,195 @@
+"""The fleet operations, declared once: name, request type, answer type, deadline class, whether a
+failure takes the server out of routing, whether a retry is safe.
+
+Every layer (the direct HTTP fleet, the controller's callback route, the trainer-side callback) and
+every server adapter works from `OPS`; none names an operation except where it adds behaviour
+around it (the controller pauses dispatch around `pause_generation`, for instance). Requests are
+frozen dataclasses of plain values, so `tandem.fleet.wire` can carry any of them as JSON. Weight
+versions are ints here; adapters write them in each server's own form.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from tandem.fleet.results import ServerChecksums
+
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
+
+
+class Deadline(enum.Enum):
+    """Which of `Deadlines` bounds an operation on each server."""
+
+    CONTROL = "http_s"  # pause, continue, version, discard, destroy: quick control calls
+    GROUP = "init_group_s"  # every server joined the transfer group
+    BUCKET = "bucket_s"  # one bucket announced, received and acknowledged
+    LOAD = "update_s"  # a whole checkpoint read from disk, or checksums of every tensor
+    COMMIT = "commit"  # the larger of CONTROL and BUCKET: the swap checks every staged value
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each phase may take before the call fails with an error naming the phase."""
+
+    init_group_s: float = 60.0
+    bucket_s: float = 60.0
+    update_s: float = 600.0  # also the whole update, pause to continue
+    http_s: float = 30.0
+
+    def seconds(self, deadline: Deadline) -> float:
+        if deadline is Deadline.COMMIT:
+            return max(self.http_s, self.bucket_s)
+        return float(getattr(self, deadline.value))
+
+
+# -- what requests carry -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    """Name (HF), shape and dtype name ("float32", "bfloat16", ...) of one tensor in a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """A bucket as ONE flat uint8 buffer of `nbytes`: tensor i starts at `offsets[i]` (a multiple
+    of 64). One broadcast per bucket instead of one per tensor."""
+
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShmBucket:
+    """A bucket in shared memory: tensor specs and byte offsets in a segment of `nbytes`, a
+    /dev/shm file (`segment`) or a CUDA IPC handle (`cuda_ipc`). `zero_copy`: the writer leaves the
+    segment alone while servers serve from it, so a server may use the tensors in place."""
+
+    specs: tuple[ParamSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    segment: str | None = None
+    cuda_ipc: str | None = None
+    zero_copy: bool = False
+
+
+# -- requests, one per operation --------------------------------------------------------------------
+@dataclass(frozen=True)
+class PauseGeneration:
+    """In-flight requests come back `abort` with their partial output; new ones wait."""
+
+
+@dataclass(frozen=True)
+class ContinueGeneration:
+    pass
+
+
+@dataclass(frozen=True)
+class SetVersion:
+    version: int
+
+
+@dataclass(frozen=True)
+class JoinGroup:
+    """Join the transfer group hosted by trainer rank 0 (rank 0); server i takes rank 1 + i."""
+
+    master_address: str
+    master_port: int
+    group_name: str
+    backend: str
+    world_size: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class DistributedBucket:
+    """Receive one bucket over the group: one broadcast per spec, or one of `flat` when given."""
+
+    group_name: str
+    specs: tuple[ParamSpec, ...]
+    bucket_index: int | None = None
+    flat: FlatLayout | None = None
+    commit: bool = True
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class SharedMemoryBucket:
+    bucket: ShmBucket
+    bucket_index: int | None = None
+    commit: bool = True
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class DiskLoad:
+    path: str
+    commit: bool = True
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class CommitStaged:
+    """Swap in what was staged (it must be a full set), under `version`."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class DiscardStaged:
+    pass
+
+
+@dataclass(frozen=True)
+class LeaveGroup:
+    group_name: str
+
+
+@dataclass(frozen=True)
+class ChecksumsRequest:
+    """sha256 per served tensor; all of them when `names` is None, none (only the dtype) when ()."""
+
+    names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """The answer of an operation that returns nothing but success and a message."""
+
+
+@dataclass(frozen=True)
+class FleetOp(Generic[Req, Ans]):
+    name: str
+    request: type[Req]
+    answer: type[Ans]
+    deadline: Deadline
+    marks_unhealthy: bool  # a server that fails it may be paused or serve other weights: stop routing to it
+    idempotent: bool  # sending it twice has the effect of sending it once
+
+
+def _op(name: str, request: type, answer: type, deadline: Deadline, *, unhealthy: bool, idempotent: bool) -> FleetOp:
+    return FleetOp(name, request, answer, deadline, unhealthy, idempotent)
+
+
+PAUSE = _op("pause_generation", PauseGeneration, Acknowledged, Deadline.CONTROL, unhealthy=True, idempotent=True)
+CONTINUE = _op("continue_generation", ContinueGeneration, Acknowledged, Deadline.CONTROL, unhealthy=True,
+               idempotent=True)
+SET_VERSION = _op("set_version", SetVersion, Acknowledged, Deadline.CONTROL, unhealthy=True, idempotent=True)
+JOIN_GROUP = _op("join_group", JoinGroup, Acknowledged, Deadline.GROUP, unhealthy=False, idempotent=False)
+LEAVE_GROUP = _op("leave_group", LeaveGroup, Acknowledged, Deadline.CONTROL, unhealthy=False, idempotent=False)
+STAGE_DISTRIBUTED = _op("stage_distributed", DistributedBucket, Acknowledged, Deadline.BUCKET, unhealthy=True,
+                        idempotent=False)
+STAGE_SHM = _op("stage_shm", SharedMemoryBucket, Acknowledged, Deadline.BUCKET, unhealthy=True, idempotent=False)
+LOAD_DISK = _op("load_disk", DiskLoad, Acknowledged, Deadline.LOAD, unhealthy=True, idempotent=True)
+COMMIT = _op("commit", CommitStaged, Acknowledged, Deadline.COMMIT, unhealthy=True, idempotent=False)
+DISCARD = _op("discard", DiscardStaged, Acknowledged, Deadline.CONTROL, unhealthy=False, idempotent=True)
+CHECKSUMS = _op("checksums", ChecksumsRequest, ServerChecksums, Deadline.LOAD, unhealthy=False, idempotent=True)
+
+OPS: dict[str, FleetOp] = {op.name: op for op in (
+    PAUSE, CONTINUE, SET_VERSION, JOIN_GROUP, LEAVE_GROUP, STAGE_DISTRIBUTED, STAGE_SHM, LOAD_DISK, COMMIT, DISCARD,
+    CHECKSUMS)}

@@ -1,0 +1,69 @@
+"""Fleet calls as a weight update makes them: failures come back as values (`WeightSyncError`),
+never as exceptions, so the update can always roll back and continue the servers; and one bucket
+in flight (the servers' acknowledgement and the trainer's own part) with its deadline."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from tandem.fleet.ops import FleetOp
+from tandem.fleet.protocol import Fleet, call
+from tandem.fleet.results import FleetError
+from tandem.weights.report import UpdateReport, WeightSyncError
+
+
+def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | None:
+    """`op` on every server, waiting for all; the failure, if any."""
+    try:
+        call(fleet, op, request)
+    except FleetError as exc:
+        return WeightSyncError.from_fleet(exc)
+    except Exception as exc:  # a fleet that is not HTTP may raise anything
+        return WeightSyncError(f"fleet operation {op.name!r} failed: {type(exc).__name__}: {exc}", op.name)
+    return None
+
+
+def wait_for(future: Future, phase: str, timeout: float) -> WeightSyncError | None:
+    """Wait for a fleet future up to `timeout`; the failure, if any."""
+    try:
+        future.result(timeout=timeout)
+    except FleetError as exc:
+        return WeightSyncError.from_fleet(exc)
+    except cf.TimeoutError:
+        return WeightSyncError(f"fleet operation {phase!r}: no answer within {timeout:.1f}s", phase)
+    except Exception as exc:
+        return WeightSyncError(f"fleet operation {phase!r} failed: {type(exc).__name__}: {exc}", phase)
+    return None
+
+
+@dataclass
+class InFlight:
+    """One bucket on its way: the servers' acknowledgement and the trainer's own part (a broadcast
+    on the transport's worker thread, returning its seconds), both due by `deadline`."""
+
+    phase: str
+    fleet_future: Future
+    local_future: Future | None
+    deadline: float
+
+    def settle(self, report: UpdateReport, stuck: list[Future]) -> WeightSyncError | None:
+        """Wait for both halves up to the deadline; a trainer part still running afterwards goes to
+        `stuck` (a group must not be torn down under it). -> the failure, if any."""
+        problems: list[WeightSyncError] = []
+        if self.local_future is not None:
+            try:
+                seconds = self.local_future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+                report.phases["broadcast"] = report.phases.get("broadcast", 0.0) + seconds
+            except cf.TimeoutError:
+                stuck.append(self.local_future)
+                problems.append(WeightSyncError(f"{self.phase}: the trainer's side did not finish within the "
+                                                "bucket deadline", self.phase))
+            except Exception as exc:
+                problems.append(WeightSyncError(f"{self.phase}: trainer side failed: {exc}", self.phase))
+        failure = wait_for(self.fleet_future, self.phase, max(0.0, self.deadline - time.monotonic()) + 1.0)
+        if failure is not None:
+            problems.insert(0, failure)  # the servers' own words name who failed
+        return problems[0] if problems else None

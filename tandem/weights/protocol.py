@@ -1,0 +1,77 @@
+"""One weight update, two-phase, over any `Transport`:
+
+    rank 0:     pause -> [open] -> stage -> commit -> [verify] -> version -> continue
+    all ranks:  prepare (disk: save)   stage (the export's collectives)
+
+Nothing changes on a server until the commit, which swaps weights and version together. Any
+failure (a server's answer, a deadline, a broken group, a local error) discards what the servers
+staged, lets the transport undo its part, and still continues generation, on the previous
+weights. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.fleet import ops
+from tandem.fleet.protocol import Fleet
+from tandem.fleet.results import FleetError
+from tandem.weights.calls import fleet_call
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
+from tandem.weights.transports import Transport
+from tandem.weights.verify import UpdateVerifier
+
+
+def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None, rank: int,
+               verifier: UpdateVerifier | None, report: UpdateReport) -> WeightSyncError | None:
+    clock = Clock(meta.deadlines.update_s)
+    transport.prepare(meta, report)  # before the pause: generation goes on while a checkpoint is written
+    if rank != 0:
+        return transport.stage(meta, clock, report, None, None)
+    assert fleet is not None, "trainer rank 0 needs the fleet"
+    failure = fleet_call(fleet, ops.PAUSE, ops.PauseGeneration())
+    paused = failure is None
+    try:
+        if failure is None and verifier is not None:
+            failure = _verify_step(verifier.prepare, "verify")
+        if failure is None:
+            failure = transport.open(meta, clock, report)
+        with timed(report, "transfer"):
+            failure = transport.stage(meta, clock, report, failure, verifier)
+        if failure is None:
+            with timed(report, "commit"):
+                failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version))
+        if failure is None and verifier is not None:
+            with timed(report, "verify"):
+                failure = _verify_step(verifier.check, "verify")
+                report.verified = failure is None
+        if failure is None:
+            failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
+    except BaseException:  # a local error (export, pack): still leave the fleet serving, then raise it
+        _rollback(meta, transport, fleet)
+        if paused:
+            fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+        raise
+    if failure is not None:
+        _rollback(meta, transport, fleet)
+    else:
+        transport.committed(meta)
+    if paused:  # always: the servers go on, on whichever weights they hold now
+        failure = failure or fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+    return failure
+
+
+def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet) -> None:
+    fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
+    transport.rollback(meta)
+
+
+def _verify_step(step: Callable[[], None], phase: str) -> WeightSyncError | None:
+    try:
+        step()
+    except FleetError as exc:
+        return WeightSyncError.from_fleet(exc)
+    except Exception as exc:
+        return WeightSyncError(f"{phase} failed: {type(exc).__name__}: {exc}", phase)
+    return None

@@ -1,0 +1,45 @@
+"""`WeightSource`: what a weight update needs from the trainer (a `TrainEngine` implements it).
+
+`export_weights` and `save_hf` are collectives: every trainer rank calls them, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.train.weight_export import Alloc
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class WeightSource(Protocol):
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype weights travel in unless the update asks for another (None: each tensor's own)."""
+        ...
+
+    def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
+                       dst: int | None = None) -> Iterator[Bucket]:
+        """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` (a larger tensor travels
+        alone), cast to `dtype`, written into `alloc`'s tensors when it gives some, complete on
+        rank `dst` only when given. Collective."""
+        ...
+
+    def local_weights(self) -> Bucket | None:
+        """`(hf_name, whole parameter)` in export order, uncast, when this process holds every
+        parameter whole (one trainer rank); None otherwise. Lets an update cast straight into its
+        send memory without a gather."""
+        ...
+
+    def export_nbytes(self, dtype: torch.dtype | None) -> int | None:
+        """About how many bytes an export in `dtype` takes (each tensor 64-byte aligned), or None."""
+        ...
+
+    def save_hf(self, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+        """The current weights as an HF directory (written completely before it appears). Collective."""
+        ...

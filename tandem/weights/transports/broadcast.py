@@ -1,0 +1,174 @@
+"""Broadcast transport: the weights go over a transfer group formed with the servers (trainer rank
+0 is its rank 0, server i is 1 + i; gloo on CPU, NCCL on GPU).
+
+Each bucket is cast into one of two flat send buffers kept between updates and goes out as ONE
+broadcast when the servers take flat buckets (`Capabilities.flat_buckets`), else one broadcast per
+tensor (views of the same buffer). Pipelined (default): bucket k + 1 is gathered and cast while
+bucket k is broadcast by a worker thread; its announcement goes out once k is acknowledged, so at
+most one bucket is in flight. Serial: gather, send, wait, next. The group stays formed between
+updates (`keep_group`) and is torn down after a failure (the next update forms a fresh one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tandem.fleet import ops
+from tandem.fleet.protocol import call
+from tandem.weights.calls import InFlight, wait_for
+from tandem.weights.group import WeightGroup, WeightGroupError, host_store, init_weight_group
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.packing import FlatBuffers, Packed, specs_of
+from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
+from tandem.weights.shm import layout, tensor_views
+from tandem.weights.source import Bucket
+from tandem.weights.transports.base import StreamingTransport
+
+
+def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
+    """Broadcast each tensor from rank 0, in order; -> the seconds it took."""
+    start = time.perf_counter()
+    for t in tensors:
+        group.broadcast(t, src=0, timeout_s=timeout_s)
+    return time.perf_counter() - start
+
+
+class BroadcastTransport(StreamingTransport):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: WeightGroup | None = None
+        self._store: object | None = None
+        self._buffers = FlatBuffers()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if self.rank == 0 else None
+        self._in_flight: InFlight | None = None
+        self._stuck: list[Future] = []  # trainer-side broadcasts that outlived their deadline
+        self._meta: WeightUpdateMeta | None = None  # the update that formed the group (its name, deadlines)
+
+    # -- group lifecycle (rank 0) ---------------------------------------------------------------------
+    def open(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport) -> WeightSyncError | None:
+        if self.group is not None:
+            return None
+        with timed(report, "init_group"):
+            return self._form_group(meta, clock)
+
+    def _form_group(self, meta: WeightUpdateMeta, clock: Clock) -> WeightSyncError | None:
+        timeout = clock.left(meta.deadlines.init_group_s)
+        self._meta = meta
+        try:
+            self._store = host_store(meta.master_address, meta.master_port, timeout_s=max(timeout, 1.0))
+        except Exception as exc:
+            return WeightSyncError(f"cannot host the weight group's store on {meta.master_address}:"
+                                   f"{meta.master_port}: {exc}", ops.JOIN_GROUP.name)
+        world = 1 + self.fleet.world_size
+        join = ops.JoinGroup(meta.master_address, self._store.port, meta.group_name, meta.backend, world,
+                             max(meta.deadlines.init_group_s, meta.deadlines.bucket_s))
+        future = self.fleet.send(ops.JOIN_GROUP, join)
+        local_error = None
+        try:
+            self.group = init_weight_group(meta.master_address, self._store.port, 0, world, meta.group_name,
+                                           meta.backend, timeout_s=max(timeout, 1.0), store=self._store)
+        except WeightGroupError as exc:
+            local_error = exc
+        failure = wait_for(future, ops.JOIN_GROUP.name, clock.left(meta.deadlines.init_group_s) + 1.0)
+        if failure is None and local_error is not None:
+            failure = WeightSyncError(f"join_group: the trainer could not form the group: {local_error}",
+                                      ops.JOIN_GROUP.name)
+        if failure is not None:
+            self._teardown(meta)
+        return failure
+
+    def _teardown(self, meta: WeightUpdateMeta) -> None:
+        self._drain_stuck(meta)
+        if self.group is not None or self._store is not None:
+            # Servers that never joined (or died) have nothing to leave: their "no group" is fine.
+            with contextlib.suppress(Exception):
+                call(self.fleet, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name))
+        if self.group is not None:
+            self.group.destroy()
+        self.group, self._store = None, None
+
+    def _drain_stuck(self, meta: WeightUpdateMeta) -> None:
+        """Wait for broadcasts past their deadline: gloo ops carry the bucket timeout, so this ends;
+        a group must not be torn down under a running collective."""
+        for fut in self._stuck:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=meta.deadlines.bucket_s + 5)
+        self._stuck.clear()
+
+    # -- buckets (rank 0) ------------------------------------------------------------------------------
+    def _device(self, meta: WeightUpdateMeta, device: torch.device) -> torch.device:
+        return torch.device("cpu") if meta.backend == "gloo" else device
+
+    def reserve(self, meta: WeightUpdateMeta, k: int, names: list[str], shapes: list[torch.Size],
+                dtype: torch.dtype, device: torch.device) -> Packed | None:
+        if self._device(meta, device) != device:
+            return None  # gloo from a GPU: the export allocates, `pack` copies to the CPU
+        return self._place(k, names, shapes, [dtype] * len(names), device)
+
+    def _place(self, k: int, names: Sequence[str], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+               device: torch.device) -> Packed:
+        """Where the bucket goes in flat buffer k % 2 (offsets, views; nothing copied)."""
+        shells = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes, strict=True)]
+        offsets, nbytes = layout(shells)
+        buf = self._buffers.get(k % 2 if self.options.pipeline else 0, nbytes, device)
+        views = tensor_views(buf, offsets, shapes, dtypes)
+        return Packed(list(names), specs_of(names, shapes, dtypes), offsets, nbytes, views, flat=buf)
+
+    def pack(self, meta: WeightUpdateMeta, k: int, bucket: Bucket, wire_dtype: torch.dtype | None) -> Packed:
+        tensors = [t.detach() if t.requires_grad else t for _, t in bucket]  # exports are detached already
+        packed = self._place(k, [n for n, _ in bucket], [t.shape for t in tensors],
+                             [wire_dtype or t.dtype for t in tensors], self._device(meta, tensors[0].device))
+        for view, t in zip(packed.views, tensors, strict=True):
+            view.copy_(t)  # the cast writes straight into the send buffer
+        return packed
+
+    def send(self, meta: WeightUpdateMeta, k: int, packed: Packed, clock: Clock,
+             report: UpdateReport) -> WeightSyncError | None:
+        if self._in_flight is not None:  # pipelined: bucket k was packed while k - 1 was in flight
+            with timed(report, "wait"):
+                failure = self._settle(report)
+            if failure is not None:
+                return failure
+        flat = self.fleet.capabilities.flat_buckets
+        request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False,
+                                        flat=ops.FlatLayout(tuple(packed.offsets), packed.nbytes) if flat else None)
+        fleet_future = self.fleet.send(ops.STAGE_DISTRIBUTED, request)
+        sends = [packed.flat] if flat else packed.tensor_views()
+        local = self._pool.submit(broadcast_all, self.group, sends, meta.deadlines.bucket_s)
+        deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
+        self._in_flight = InFlight(f"stage_distributed (bucket {k})", fleet_future, local, deadline)
+        if not self.options.pipeline:
+            with timed(report, "wait"):
+                return self._settle(report)
+        return None
+
+    def flush(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport, send: bool) -> WeightSyncError | None:
+        if self._in_flight is None:
+            return None
+        with timed(report, "wait"):
+            return self._settle(report)
+
+    def _settle(self, report: UpdateReport) -> WeightSyncError | None:
+        item, self._in_flight = self._in_flight, None
+        return item.settle(report, self._stuck)
+
+    # -- outcome -----------------------------------------------------------------------------------------
+    def committed(self, meta: WeightUpdateMeta) -> None:
+        if not self.options.keep_group:
+            self._teardown(meta)
+
+    def rollback(self, meta: WeightUpdateMeta) -> None:
+        self._teardown(meta)
+
+    def close(self) -> None:
+        if self.rank != 0:
+            return
+        if self.group is not None and self._meta is not None:
+            self._teardown(self._meta)
+        self._pool.shutdown(wait=True)
+        self._buffers.clear()

@@ -1,0 +1,149 @@
+"""The fleet operation table against every layer and every server adapter.
+
+Every operation in `OPS` has an example request here; each one must travel as JSON and back, be
+mapped (or explicitly refused) by every adapter, and reach a real HTTP server through each layer
+(`HttpFleet`, the controller's own `send`, and `RolloutCallback` -> callback route -> controller)
+as exactly the call the adapter maps it to."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from tandem.fleet import ops
+from tandem.fleet.adapters import SERVER_KINDS, HttpCall, UnsupportedOperation, adapter_for
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.protocol import call
+from tandem.fleet.results import FleetResult, ServerChecksums, ServerResult
+from tandem.fleet.wire import WireError, from_json, to_json
+from tandem.rollout import RolloutConfig, RolloutController
+
+pytestmark = pytest.mark.timeout(60)
+
+SPECS = (ops.ParamSpec("a", (2, 3), "bfloat16"), ops.ParamSpec("b", (4,), "float32"))
+EXAMPLES: dict[str, object] = {
+    "pause_generation": ops.PauseGeneration(),
+    "continue_generation": ops.ContinueGeneration(),
+    "set_version": ops.SetVersion(7),
+    "join_group": ops.JoinGroup("127.0.0.1", 29501, "g", "gloo", 3, 30.0),
+    "leave_group": ops.LeaveGroup("g"),
+    "stage_distributed": ops.DistributedBucket("g", SPECS, bucket_index=2, flat=ops.FlatLayout((0, 64), 80),
+                                               commit=False),
+    "stage_shm": ops.SharedMemoryBucket(ops.ShmBucket(SPECS, (0, 64), 80, segment="tandem-w-1-0", zero_copy=True),
+                                        bucket_index=0, commit=False),
+    "load_disk": ops.DiskLoad("/w/v00000007", commit=False),
+    "commit": ops.CommitStaged(7),
+    "discard": ops.DiscardStaged(),
+    "checksums": ops.ChecksumsRequest(("a",)),
+}
+ANSWERS = {ops.Acknowledged: ops.Acknowledged(), ServerChecksums: ServerChecksums("float32", {"a": "00"}, 7)}
+
+
+def test_every_operation_has_an_example_and_a_well_formed_entry():
+    assert set(EXAMPLES) == set(ops.OPS), "add an example request for each new operation"
+    for name in ops.OPS:
+        op = ops.OPS[name]
+        assert op.name == name and isinstance(EXAMPLES[name], op.request) and op.answer in ANSWERS
+        assert ops.Deadlines().seconds(op.deadline) > 0
+
+
+@pytest.mark.parametrize("name", list(ops.OPS))
+def test_requests_and_answers_travel_as_json(name):
+    op = ops.OPS[name]
+    request = EXAMPLES[name]
+    assert from_json(op.request, json.loads(json.dumps(to_json(request)))) == request
+    answer = ANSWERS[op.answer]
+    result = FleetResult(name, (ServerResult("a", True, "ok", answer), ServerResult("b", False, "no")))
+    back = from_json(FleetResult, json.loads(json.dumps(to_json(result))))
+    assert from_json(op.answer, back.results[0].value) == answer and back.results[1] == result.results[1]
+
+
+def test_the_wire_names_the_field_that_does_not_fit():
+    with pytest.raises(WireError, match=r"body.specs\[0\].shape\[1\]: expected int"):
+        from_json(ops.DistributedBucket, {"group_name": "g", "specs": [{"name": "a", "shape": [2, "x"],
+                                                                         "dtype": "float32"}]})
+    with pytest.raises(WireError, match=r"body.version is missing"):
+        from_json(ops.CommitStaged, {})
+    with pytest.raises(WireError, match=r"unknown field\(s\) \['verison'\]"):
+        from_json(ops.CommitStaged, {"version": 1, "verison": 2})
+
+
+@pytest.mark.parametrize("kind", SERVER_KINDS)
+def test_every_adapter_maps_or_refuses_every_operation(kind):
+    adapter = adapter_for(kind)
+    mapped = []
+    for name, op in ops.OPS.items():
+        try:
+            http = adapter.request(op, EXAMPLES[name], 1)
+        except UnsupportedOperation as exc:
+            assert (kind in str(exc) and name in str(exc)) or "tandem server" in str(exc), (kind, name, exc)
+            continue
+        assert isinstance(http, HttpCall) and http.path.startswith("/") and json.dumps(http.body)
+        mapped.append(name)
+    if kind == "tandem":  # every capability: every operation
+        assert mapped == list(ops.OPS)
+    if kind == "sglang":  # SGLang's own routes; staged options are refused, full-set transfers go
+        assert set(mapped) == {"pause_generation", "continue_generation", "set_version", "join_group", "leave_group"}
+        full = ops.DistributedBucket("g", SPECS)
+        assert adapter.request(ops.STAGE_DISTRIBUTED, full, 0).path == "/update_weights_from_distributed"
+    assert adapter.request(ops.JOIN_GROUP, EXAMPLES["join_group"], 1).body["rank_offset"] == 2 if mapped else True
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Records every POST and answers like a tandem server that accepts everything."""
+
+    calls: ClassVar[list[tuple[str, dict]]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        self.calls.append((self.path, body))
+        answer = {"success": True, "message": "ok", "dtype": "float32", "checksums": {"a": "00"},
+                  "weight_version": "7"}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    _Recorder.calls = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_every_layer_carries_every_operation_to_the_server(recorder):
+    adapter = adapter_for("tandem")
+    ctl = RolloutController(RolloutConfig(servers=[recorder]))
+    direct = HttpFleet([recorder])
+    callback = ctl.callback()
+    try:
+        for layer in (direct, ctl, callback):
+            for name, op in ops.OPS.items():
+                _Recorder.calls.clear()
+                if op is ops.SET_VERSION:  # a version the fleet already knows is not sent again
+                    call(layer, ops.CONTINUE, ops.ContinueGeneration())
+                    _Recorder.calls.clear()
+                result = call(layer, op, EXAMPLES[name])
+                expected = adapter.request(op, EXAMPLES[name], 0)
+                assert _Recorder.calls == [(expected.path, expected.body)], (type(layer).__name__, name)
+                assert result.phase == name and [r.address for r in result.results] == [recorder]
+                assert result.values()[recorder] == ANSWERS[op.answer], (type(layer).__name__, name)
+        assert ctl.version.value == 7  # set_version through the controller moved the rollout side's version
+    finally:
+        callback.close()
+        direct.close()
+        ctl.shutdown()
