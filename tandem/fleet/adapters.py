@@ -32,6 +32,7 @@ class UnsupportedOperation(TandemError, RuntimeError):
 class HttpCall:
     path: str
     body: dict[str, Any]
+    method: str = "POST"  # GET sends no body
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,9 @@ class HttpFleet:
             # No per-host limit: calls fan out. `tandem serve` sets TCP_NODELAY on accepted sockets.
             self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0))
         try:
-            async with self._session.post(address + call.path, json=call.body,
-                                          timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self._session.request(call.method, address + call.path,
+                                             json=call.body if call.method == "POST" else None,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 text = await resp.text()
                 try:
                     data = json.loads(text) if text else None

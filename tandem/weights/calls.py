@@ -27,11 +27,13 @@ def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | 
 
 
 def wait_for(future: Future, phase: str, timeout: float) -> WeightSyncError | None:
-    """Wait for a fleet future up to `timeout`; the failure, if any."""
+    """Wait for a fleet future up to `timeout`; the failure, if any, under `phase` (which may
+    say more than the operation's name, e.g. the bucket)."""
     try:
         future.result(timeout=timeout)
     except FleetError as exc:
-        return WeightSyncError.from_fleet(exc)
+        message = str(exc) if phase == exc.phase else f"{phase}: {exc}"
+        return WeightSyncError(message, phase, exc.failures)
     except cf.TimeoutError:
         return WeightSyncError(f"fleet operation {phase!r}: no answer within {timeout:.1f}s", phase)
     except Exception as exc:
