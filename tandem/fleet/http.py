@@ -46,7 +46,7 @@ class HttpFleet:
         self._thread.start()
         self._closed = False
         # The version every server holds as far as this fleet knows: set by a commit or version
-        # call every server acknowledged, forgotten when any other operation starts.
+        # call every server acknowledged, forgotten when any other operation but a query starts.
         self._known_version: int | None = None
 
     @property
@@ -71,7 +71,8 @@ class HttpFleet:
                 for a in self.addresses)))
             return done
         calls = [self.adapter.request(op, request, i) for i in range(len(self.addresses))]  # may raise Unsupported
-        self._known_version = None
+        if not op.query:
+            self._known_version = None
         timeout = self._deadlines.seconds(op.deadline)
         return asyncio.run_coroutine_threadsafe(self._fanout(op, request, calls, timeout), self._loop)
 

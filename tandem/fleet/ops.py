@@ -1,5 +1,5 @@
 """The fleet operations, declared once: name, request type, answer type, deadline class, whether a
-failure takes the server out of routing, whether a retry is safe.
+failure takes the server out of routing, whether a retry is safe, whether it only reads.
 
 Every layer (the direct HTTP fleet, the controller's callback route, the trainer-side callback) and
 every server adapter works from `OPS`; none names an operation except where it adds behaviour
@@ -170,10 +170,12 @@ class FleetOp(Generic[Req, Ans]):
     deadline: Deadline
     marks_unhealthy: bool  # a server that fails it may be paused or serve other weights: stop routing to it
     idempotent: bool  # sending it twice has the effect of sending it once
+    query: bool = False  # changes nothing on the servers (a fleet may keep what it knows of their state)
 
 
-def _op(name: str, request: type, answer: type, deadline: Deadline, *, unhealthy: bool, idempotent: bool) -> FleetOp:
-    return FleetOp(name, request, answer, deadline, unhealthy, idempotent)
+def _op(name: str, request: type, answer: type, deadline: Deadline, *, unhealthy: bool, idempotent: bool,
+        query: bool = False) -> FleetOp:
+    return FleetOp(name, request, answer, deadline, unhealthy, idempotent, query)
 
 
 PAUSE = _op("pause_generation", PauseGeneration, Acknowledged, Deadline.CONTROL, unhealthy=True, idempotent=True)
@@ -188,7 +190,8 @@ STAGE_SHM = _op("stage_shm", SharedMemoryBucket, Acknowledged, Deadline.BUCKET, 
 LOAD_DISK = _op("load_disk", DiskLoad, Acknowledged, Deadline.LOAD, unhealthy=True, idempotent=True)
 COMMIT = _op("commit", CommitStaged, Acknowledged, Deadline.COMMIT, unhealthy=True, idempotent=False)
 DISCARD = _op("discard", DiscardStaged, Acknowledged, Deadline.CONTROL, unhealthy=False, idempotent=True)
-CHECKSUMS = _op("checksums", ChecksumsRequest, ServerChecksums, Deadline.LOAD, unhealthy=False, idempotent=True)
+CHECKSUMS = _op("checksums", ChecksumsRequest, ServerChecksums, Deadline.LOAD, unhealthy=False, idempotent=True,
+                query=True)
 
 OPS: dict[str, FleetOp] = {op.name: op for op in (
     PAUSE, CONTINUE, SET_VERSION, JOIN_GROUP, LEAVE_GROUP, STAGE_DISTRIBUTED, STAGE_SHM, LOAD_DISK, COMMIT, DISCARD,

@@ -50,8 +50,8 @@ class CheckpointSource:
     def local_weights(self) -> None:
         return None  # no trainer model: always the export
 
-    def export_nbytes(self, dtype: torch.dtype | None) -> int:
-        return sum(-(-t.numel() * (dtype or t.dtype).itemsize // 64) * 64 for t in self.tensors.values())
+    def export_nbytes(self, dtype: torch.dtype | None) -> None:
+        return None  # does not tell its size (the shm transport learns it from the first update)
 
     def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc=None, dst=None):
         bucket, size = [], 0

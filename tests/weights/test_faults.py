@@ -145,12 +145,12 @@ def test_wrong_shape(servers, fleet, model_dir):
     bad = CheckpointSource(model_dir, scale=1.0 + version / 100, break_shape=Q)
     with WeightUpdater(bad, fleet, meta("distributed")) as u:
         err = failing_update(u, version, bound_s=FAST.bucket_s + 5)
-        assert err.phase.startswith("update_weights_from_distributed (bucket "), err
+        assert err.phase.startswith("stage_distributed (bucket "), err
         assert "has shape" in str(err) and Q in str(err), err
         assert all(s.url in str(err) for s in servers["servers"]), err
         assert_unchanged(servers["servers"], old, old_src)
         good = CheckpointSource(model_dir, scale=1.0 + version / 100)
-        u.engine = good
+        u.transport.source = good
         u.update(version)
     assert_unchanged(servers["servers"], version, good)
 
@@ -185,7 +185,7 @@ def test_shm_refused_then_retry_and_no_leaks(servers, fleet, model_dir):
         for _ in range(5):
             version = Versions.next()
             src = CheckpointSource(model_dir, scale=1.0 + version / 100)
-            u.engine = src
+            u.transport.source = src
             u.update(version)
             now = served_set([a, b])
             assert now <= set(shm_leftovers())
@@ -269,7 +269,7 @@ def test_server_killed_mid_broadcast(servers, fleet, model_dir):
     src = CheckpointSource(model_dir, scale=1.0 + version / 100)
     with WeightUpdater(src, fleet, meta("distributed")) as u:
         err = failing_update(u, version, bound_s=2 * FAST.bucket_s + 10)
-        assert err.phase.startswith("update_weights_from_distributed (bucket 1)"), err
+        assert err.phase.startswith("stage_distributed (bucket 1)"), err
         assert b.url in str(err), err
         b.proc.wait(10)
         assert b.proc.returncode is not None
