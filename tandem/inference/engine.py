@@ -235,13 +235,15 @@ class LLMEngine:
         tensor, with nothing changed; then `swap_staged`."""
         self.swap_staged(stage_weights(self.model, weights, strict_dtype), weight_version)
 
-    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: str | None = None) -> bool:
         """Swap in a set `stage_weights` returned (native names; a caller may validate it on
-        another thread) and flush the prefix cache, which is now stale."""
-        swap_weights(self.model, staged)
+        another thread) and flush the prefix cache, which is now stale. -> whether the parameters
+        adopted the staged tensors as their storage (`swap_weights`)."""
+        adopted = swap_weights(self.model, staged)
         self.block_manager.flush()
         if weight_version is not None:
             self.weight_version = weight_version
+        return adopted
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return get_weight(self.model, name, truncate_size)
