@@ -172,7 +172,7 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-def _queued_abort(rid: str, index: int, prompt_tokens: int, version: str) -> RequestOutput:
+def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int) -> RequestOutput:
     return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=None,
                          finish_reason={"type": "abort", "message": "aborted while waiting for generation to continue"},
                          prompt_tokens=prompt_tokens, cached_tokens=0, weight_version=version, e2e_latency=0.0,

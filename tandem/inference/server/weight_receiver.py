@@ -43,7 +43,7 @@ class Applied:
     serving) when it swapped weights in, None when it only staged them."""
 
     message: str
-    weight_version: str | None = None
+    weight_version: int | None = None
 
 
 class WeightReceiver:
@@ -209,7 +209,7 @@ class WeightReceiver:
         return tensor_views(staged_buf, local, meta.shapes, meta.dtypes)
 
     # --------------------------------------------------------------------------- commit, discard
-    async def commit(self, weight_version: str | None, abort_all: bool) -> Applied:
+    async def commit(self, weight_version: int | None, abort_all: bool) -> Applied:
         """Swap in the staged set (it must be complete) under `weight_version`."""
         async with self.lock:
             staging = self.staged
@@ -297,7 +297,7 @@ class WeightReceiver:
             return Applied(f"staged {what} (bucket {staging.buckets - 1}, {len(staging.names)} tensors so far)")
         return await self._commit(staging, stage.weight_version, stage.abort_all, what)
 
-    async def _commit(self, staging: Staging, version: str | None, abort_all: bool, what: str) -> Applied:
+    async def _commit(self, staging: Staging, version: int | None, abort_all: bool, what: str) -> Applied:
         """Swap `staging` in under `version`. The set is consumed either way: late buckets of it
         are refused."""
         if self.staged is staging:
@@ -318,7 +318,7 @@ class WeightReceiver:
             self.live_buffers = live
         return Applied(f"loaded {what} ({len(tensors)} tensors)", self.engine.weight_version)
 
-    async def _load(self, tensors: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool) -> bool:
+    async def _load(self, tensors: list[tuple[str, torch.Tensor]], version: int | None, abort_all: bool) -> bool:
         """Validate the full set (`stage_weights`: names, shapes, finite values) on a worker
         thread, so generation goes on meanwhile and a refused set aborts nothing; then abort
         in-flight requests if asked and swap it in between two engine steps. -> whether the

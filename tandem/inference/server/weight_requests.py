@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tandem.inference.server.protocol import ApiError, ControlError, check_fields, get_field
+from tandem.inference.server.protocol import ApiError, ControlError, check_fields, get_field, get_version
 from tandem.inference.server.weight_paths import check_weights_path
 from tandem.weights import WeightGroupError, dtype_from_name
 
@@ -27,7 +27,7 @@ class Stage:
 
     commit: bool
     bucket_index: int | None
-    weight_version: str | None
+    weight_version: int | None
     abort_all: bool
 
 
@@ -104,7 +104,7 @@ def parse_stage(body: dict[str, Any]) -> Stage:
     bucket_index = get_field(body, "bucket_index", int)
     if bucket_index is not None and bucket_index < 0:
         raise ApiError("field 'bucket_index' must be >= 0")
-    return Stage(commit, bucket_index, get_field(body, "weight_version", str),
+    return Stage(commit, bucket_index, get_version(body, "weight_version"),
                  get_field(body, "abort_all_requests", bool, False))
 
 

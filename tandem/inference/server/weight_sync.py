@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from tandem.inference.server import faults
 from tandem.inference.server.faults import fault_point
-from tandem.inference.server.protocol import check_fields, control_response, get_field, read_json
+from tandem.inference.server.protocol import check_fields, control_response, get_field, get_version, read_json
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.weight_receiver import Applied
 from tandem.inference.server.weight_requests import (
@@ -30,7 +30,7 @@ router.include_router(faults.router)  # POST /_fault (only with TANDEM_FAULT_INJ
 def _answer(applied: Applied) -> Response:
     if applied.weight_version is None:
         return control_response(True, applied.message)
-    return control_response(True, applied.message, weight_version=applied.weight_version)
+    return control_response(True, applied.message, weight_version=str(applied.weight_version))
 
 
 @router.post("/update_weights_from_disk")
@@ -95,7 +95,7 @@ async def commit_staged_weights(request: Request) -> Response:
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"weight_version", "abort_all_requests", "flush_cache"})
-    version = get_field(body, "weight_version", str)
+    version = get_version(body, "weight_version")
     abort_all = get_field(body, "abort_all_requests", bool, False)
     return _answer(await state.weights.commit(version, abort_all))
 
@@ -123,7 +123,7 @@ async def get_weights_checksum(request: Request) -> Response:
     sums = await state.weights.checksums(get_field(body, "names", list))
     dtype = str(state.engine.dtype).removeprefix("torch.")
     return control_response(True, f"{len(sums)} checksums", checksums=sums, dtype=dtype,
-                            weight_version=state.engine.weight_version)
+                            weight_version=str(state.engine.weight_version))
 
 
 @router.post("/destroy_weights_update_group")
