@@ -38,7 +38,7 @@ class ServerState:
         self.gate.set()
         self.waiting: dict[str, asyncio.Future] = {}  # rid -> abort signal, requests held at the gate
         self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
-        self.weights = WeightReceiver(engine_loop, lambda: "weights" in self.released)
+        self.weights: WeightReceiver = WeightReceiver(engine_loop, lambda: "weights" in self.released)
         self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
         self.faults: dict[str, Fault] = {}  # route -> injected fault (tests; see faults.py)
         self.started = time.time()
