@@ -45,7 +45,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype)
-        self.weight_version = "default"
+        self.weight_version = 0  # set by each weight swap that names one; stamped on every output
         self._seeds = torch.Generator().manual_seed(seed)
         self._live: dict[str, list[Sequence]] = {}  # rid -> its sequences (one until forked)
         self._streaming: set[str] = set()
@@ -128,7 +128,7 @@ class LLMEngine:
                 if not math.isfinite(logprob):  # NaN or +inf among its logits: no distribution to sample
                     failed.add(seq.rid)
                     self._fail(seq.rid, f"the model's logits were not finite (NaN or inf) at output token "
-                                        f"{seq.num_output_tokens + 1} (weight version {self.weight_version!r}): "
+                                        f"{seq.num_output_tokens + 1} (weight version {self.weight_version}): "
                                         "its activations overflowed or the weights are broken; the request "
                                         "was stopped, other requests go on")
                     continue
@@ -228,20 +228,22 @@ class LLMEngine:
             raise EngineBusyError("cannot flush the cache while requests are in flight")
         self.block_manager.flush()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None,
                      strict_dtype: bool = True) -> None:
         """Replace all weights atomically (HF names): `stage_weights` checks the whole set first
         (names, shapes, dtypes, finite values) and raises WeightUpdateError naming the first bad
         tensor, with nothing changed; then `swap_staged`."""
         self.swap_staged(stage_weights(self.model, weights, strict_dtype), weight_version)
 
-    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: int | None = None) -> bool:
         """Swap in a set `stage_weights` returned (native names; a caller may validate it on
-        another thread) and flush the prefix cache, which is now stale."""
-        swap_weights(self.model, staged)
+        another thread) and flush the prefix cache, which is now stale. -> whether the parameters
+        adopted the staged tensors as their storage (`swap_weights`)."""
+        adopted = swap_weights(self.model, staged)
         self.block_manager.flush()
         if weight_version is not None:
             self.weight_version = weight_version
+        return adopted
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return get_weight(self.model, name, truncate_size)

@@ -23,7 +23,7 @@ class RequestOutput:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     cached_tokens: int
-    weight_version: str
+    weight_version: int  # the engine's weight version when the output was made
     e2e_latency: float
     text: str | None = None  # None when the engine has no tokenizer
 
@@ -70,7 +70,7 @@ class Detokenizer:
         return text
 
 
-def make_output(seq: Sequence, weight_version: str, text: str | None) -> RequestOutput:
+def make_output(seq: Sequence, weight_version: int, text: str | None) -> RequestOutput:
     aborted_in_queue = not seq.was_started and (seq.finish_reason or {}).get("type") == "abort"
     return RequestOutput(
         rid=seq.rid,

@@ -66,12 +66,13 @@ def test_info_routes(server, qwen3_dir):
     assert server.get("/health") == (200, {"status": "ok"})
     info = server.ok("/get_model_info", method="GET")
     assert info == {"model_path": str(qwen3_dir), "tokenizer_path": str(qwen3_dir), "is_generation": True,
-                    "weight_version": "default"}
+                    "weight_version": "0"}
     si = server.ok("/get_server_info", method="GET")
     assert si["max_total_num_tokens"] == 8192 and si["max_req_input_len"] == 4095
     assert si["max_num_seqs"] == MAX_NUM_SEQS and si["port"] == int(server.url.rsplit(":", 1)[1])
+    assert si["weight_version"] == "0" and si["engine_stats"]["weight_version"] == "0"
     assert {"free_blocks", "used_blocks", "num_blocks", "running", "waiting"} <= set(si["engine_stats"])
-    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "default"}
+    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "0"}
     models = server.ok("/v1/models", method="GET")
     assert models["object"] == "list" and models["data"][0]["id"] == str(qwen3_dir)
 
@@ -87,7 +88,7 @@ def test_generate_shape_and_transformers_greedy(server, qwen3_dir):
         assert set(meta) == META_KEYS | {"output_token_logprobs"}
         assert meta["id"] == f"greedy-{i}" and meta["prompt_tokens"] == len(ids)
         assert meta["completion_tokens"] == 24 and meta["finish_reason"] == {"type": "length", "length": 24}
-        assert meta["weight_version"] == "default" and isinstance(meta["e2e_latency"], float)
+        assert meta["weight_version"] == "0" and isinstance(meta["e2e_latency"], float)
         assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
         assert all(x is None for _, _, x in meta["output_token_logprobs"])
         with torch.no_grad():
@@ -276,16 +277,16 @@ def test_flush_cache(server, pool):
 
 # ------------------------------------------------------------------------------ versions, weights
 def test_weight_version_and_weights_by_name(server, qwen3_dir):
-    assert server.ok("/update_weight_version", {"new_version": "v7"})["success"] is True
-    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "v7"}
+    assert server.ok("/update_weight_version", {"new_version": "7"})["success"] is True
+    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "7"}
     out = server.ok("/generate", greedy([11, 12], 2))
-    assert out["meta_info"]["weight_version"] == "v7"
+    assert out["meta_info"]["weight_version"] == "7"
     values = server.ok("/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 5})
     ref = load_model(qwen3_dir).tok_embeddings.weight.flatten()[:5].tolist()
     assert values == pytest.approx(ref)
     status, body = server.post("/get_weights_by_name", {"name": "model.nope.weight"})
     assert status == 400 and "no parameter" in body["message"]
-    server.ok("/update_weight_version", {"new_version": "default"})
+    server.ok("/update_weight_version", {"new_version": "0"})
 
 
 def test_release_and_resume_memory(server, pool, qwen3_dir):

@@ -89,25 +89,25 @@ def assert_failed(status, body, needle):
 def test_update_from_disk(server, qwen3_dir, new_dir, weights_root):
     old_out, new_out = expected(qwen3_dir), expected(new_dir)
     assert old_out != new_out
-    assert served(server) == (old_out, "default")
+    assert served(server) == (old_out, "0")
     # Failed updates: nothing changes (outputs and version).
     wrong = init_model(weights_root / "small", arch="qwen3", preset="small", seed=0)
     missing = rewritten_copy(new_dir, weights_root / "missing", lambda tensors: tensors.pop(Q))
     for path, needle in [(str(weights_root / "does-not-exist"), "cannot read a checkpoint"), (str(wrong), "has shape"),
                          (str(missing), f"missing tensor(s): {Q}")]:
-        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
+        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "99"})
         assert_failed(status, body, needle)
-        assert served(server) == (old_out, "default")
+        assert served(server) == (old_out, "0")
     status, body = server.post("/update_weights_from_disk", {"model_path": str(new_dir), "load_format": "pickle"})
     assert status == 400 and body["object"] == "error"
     # A good one: exactly the new weights' outputs, under the new version.
-    res = server.ok("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "v1",
+    res = server.ok("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "1",
                                                   "abort_all_requests": True})
-    assert res["success"] is True and res["weight_version"] == "v1"
-    assert served(server) == (new_out, "v1")
-    assert server.ok("/get_model_info", method="GET")["weight_version"] == "v1"
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
-    assert served(server) == (old_out, "default")
+    assert res["success"] is True and res["weight_version"] == "1"
+    assert served(server) == (new_out, "1")
+    assert server.ok("/get_model_info", method="GET")["weight_version"] == "1"
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
+    assert served(server) == (old_out, "0")
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -189,31 +189,31 @@ def test_update_from_distributed(server, qwen3_dir, new_dir):
             # Wrong shape: the server receives (and drops) what is declared, answers false.
             bad = [(n, t[:-1] if n == Q else t) for n, t in tensors]
             trainer.do("send", bad)
-            status, body = server.post("/update_weights_from_distributed", _meta(bad, weight_version="bad"))
+            status, body = server.post("/update_weights_from_distributed", _meta(bad, weight_version="99"))
             assert trainer.result()[0] == "ok"
             assert_failed(status, body, "has shape")
-            assert served(server) == (old_out, "default")
+            assert served(server) == (old_out, "0")
             # Missing tensor.
             part = [(n, t) for n, t in tensors if n != Q]
             trainer.do("send", part)
-            status, body = server.post("/update_weights_from_distributed", _meta(part, weight_version="bad"))
+            status, body = server.post("/update_weights_from_distributed", _meta(part, weight_version="99"))
             assert trainer.result()[0] == "ok"
             assert_failed(status, body, "missing tensor(s)")
-            assert served(server) == (old_out, "default")
+            assert served(server) == (old_out, "0")
             # A full, correct set: outputs are exactly the new weights', version as sent.
             trainer.do("send", tensors)
-            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(tensors, weight_version="d1"))
+            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(tensors, weight_version="2"))
             assert trainer.result()[0] == "ok"
             assert res.result(60)["success"] is True
-            assert served(server) == (new_out, "d1")
+            assert served(server) == (new_out, "2")
             # Broken group: the trainer dies after half the tensors.
             back = list(iter_hf_tensors(qwen3_dir))
             trainer.do("die", back[: len(back) // 2])
-            status, body = server.post("/update_weights_from_distributed", _meta(back, weight_version="broken"),
+            status, body = server.post("/update_weights_from_distributed", _meta(back, weight_version="3"),
                                        timeout=60)
             assert_failed(status, body, "failed")
             trainer.proc.join(10)
-            assert served(server) == (new_out, "d1")
+            assert served(server) == (new_out, "2")
             assert server.ok("/destroy_weights_update_group", {"group_name": "weight_update_group"})["success"]
             status, body = server.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
             assert_failed(status, body, "no weight group")
@@ -228,7 +228,7 @@ def test_update_from_distributed(server, qwen3_dir, new_dir):
             _join(server, trainer, pool)
             back = [(n, t.to(torch.bfloat16)) for n, t in iter_hf_tensors(qwen3_dir)]  # cast on load
             trainer.do("send", back)
-            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(back, weight_version="default"))
+            res = pool.submit(server.ok, "/update_weights_from_distributed", _meta(back, weight_version="0"))
             assert trainer.result()[0] == "ok"
             assert res.result(60)["success"] is True
             trainer.do("leave")
@@ -237,7 +237,7 @@ def test_update_from_distributed(server, qwen3_dir, new_dir):
     finally:
         trainer.close()
     outs, version = served(server)
-    assert version == "default" and len(outs) == len(old_out)
+    assert version == "0" and len(outs) == len(old_out)
 
 
 def test_group_errors(server):
@@ -291,15 +291,15 @@ def _shm_update(server, buckets, version):
 
 def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server, qwen3_dir, new_dir, weights_root):
     old_out = expected(qwen3_dir)
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
-    assert served(server) == (old_out, "default")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
+    assert served(server) == (old_out, "0")
     # Disk, one shot and staged.
     bad = poisoned_copy(new_dir, weights_root / "nan")
     for commit in (True, False):
-        status, body = server.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "bad",
+        status, body = server.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "99",
                                                                  "commit": commit})
         assert_failed(status, body, f"tensor '{Q}' in '{bad / 'model.safetensors'}' holds NaN values")
-        assert served(server) == (old_out, "default")
+        assert served(server) == (old_out, "0")
     # Distributed, one shot: received whole, refused before the swap.
     tensors = list(iter_hf_tensors(new_dir))
     inf = [(n, t.clone().index_fill_(1, torch.tensor([5]), float("inf")) if n == Q else t) for n, t in tensors]
@@ -308,35 +308,35 @@ def test_non_finite_updates_are_refused_by_every_route_and_change_nothing(server
         with ThreadPoolExecutor(2) as pool:
             _join(server, trainer, pool)
             trainer.do("send", inf)
-            status, body = server.post("/update_weights_from_distributed", _meta(inf, weight_version="bad"))
+            status, body = server.post("/update_weights_from_distributed", _meta(inf, weight_version="99"))
             assert trainer.result()[0] == "ok"
             assert_failed(status, body, f"weight update tensor {Q!r} holds inf values; the previous weights keep")
-            assert served(server) == (old_out, "default")
+            assert served(server) == (old_out, "0")
             server.ok("/destroy_weights_update_group", {})
     finally:
         trainer.close()
     # Shared memory, two staged buckets (a NaN in the second): the commit refuses the set.
     half, last = len(tensors) // 2, tensors[-1][0]
     nan = [(n, t.clone().fill_(float("nan")) if n == last else t) for n, t in tensors]
-    status, body = _shm_update(server, [nan[:half], nan[half:]], "bad")
+    status, body = _shm_update(server, [nan[:half], nan[half:]], "99")
     assert_failed(status, body, f"weight update tensor {last!r} holds NaN values")
-    assert served(server) == (old_out, "default")
-    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "default"}
+    assert served(server) == (old_out, "0")
+    assert server.ok("/get_weight_version", method="GET") == {"weight_version": "0"}
     # The refused set left nothing behind: a good staged update then serves exactly the new weights.
-    status, body = _shm_update(server, [tensors[:half], tensors[half:]], "good")
+    status, body = _shm_update(server, [tensors[:half], tensors[half:]], "4")
     assert status == 200 and body["success"], body
-    assert served(server) == (expected(new_dir), "good")
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
-    assert served(server) == (old_out, "default")
+    assert served(server) == (expected(new_dir), "4")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
+    assert served(server) == (old_out, "0")
 
 
 def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overflow_dir):
     """Finite weights whose activations overflow for one token: requests holding it answer 500 in
     the error format (before: "Out of range float values are not JSON compliant" as plain text),
     every other request keeps its exact outputs."""
-    server.ok("/update_weights_from_disk", {"model_path": str(overflow_dir), "weight_version": "overflow"})
+    server.ok("/update_weights_from_disk", {"model_path": str(overflow_dir), "weight_version": "5"})
     want = expected(overflow_dir)
-    assert served(server) == (want, "overflow")
+    assert served(server) == (want, "5")
     poison = [OVERFLOW_TOKEN, 20, 30]
     needle = "the model's logits were not finite (NaN or inf) at output token 1"
     for path, body in [("/generate", {"input_ids": poison, "return_logprob": True}),
@@ -346,12 +346,12 @@ def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overf
         assert status == 500, answer
         assert answer["object"] == "error" and answer["code"] == 500 and answer["type"] == "Internal Server Error"
         assert needle in answer["message"], answer
-        assert served(server) == (want, "overflow")
+        assert served(server) == (want, "5")
     events = sse_events(server.url, "/generate", {"input_ids": poison, "stream": True})
     assert events[-1] == "[DONE]" and events[-2]["code"] == 500 and needle in events[-2]["message"], events
     assert server.get("/health") == (200, {"status": "ok"})
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
-    assert served(server) == (expected(qwen3_dir), "default")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
+    assert served(server) == (expected(qwen3_dir), "0")
 
 
 def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new_dir, weights_root, overflow_dir,
@@ -360,7 +360,7 @@ def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new
     is 403 with one answer whether or not it exists (so the route cannot probe the file system)."""
     info = server.ok("/get_server_info", method="GET")
     assert info["weights_dir"] == [str(weights_root), str(overflow_dir)]
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
     old = served(server)
     outside = shutil.copytree(new_dir, tmp_path / "outside")  # a good checkpoint, outside every allowed directory
     (weights_root / "escape").symlink_to(outside)
@@ -374,7 +374,7 @@ def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new
     }
     answers = set()
     for kind, path in attempts.items():
-        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"})
+        status, body = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "99"})
         assert status == 403 and body["object"] == "error" and body["type"] == "Forbidden", (kind, body)
         answers.add(body["message"].replace(repr(path), "PATH"))
         assert served(server) == old, kind
@@ -387,7 +387,29 @@ def test_disk_updates_read_only_below_allowed_directories(server, qwen3_dir, new
     # A path that leaves and re-enters an allowed directory, or a symlink inside it, is allowed.
     (weights_root / "alias").symlink_to(new_dir)
     for path in (f"{weights_root}/{new_dir.name}/../{new_dir.name}", str(weights_root / "alias")):
-        assert server.ok("/update_weights_from_disk", {"model_path": path, "weight_version": "v9"})["success"]
-        assert served(server) == (expected(new_dir), "v9")
-    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "default"})
+        assert server.ok("/update_weights_from_disk", {"model_path": path, "weight_version": "9"})["success"]
+        assert served(server) == (expected(new_dir), "9")
+    server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
     assert served(server) == old
+
+
+def test_a_weight_version_that_is_not_an_integer_is_refused(server, qwen3_dir, new_dir):
+    """Versions are integers, sent as strings ("7", SGLang's form): anything else is a 400 in the
+    error format naming the field, before any weights are read, and nothing changes."""
+    before = served(server)
+    tensors = list(iter_hf_tensors(new_dir))[:1]
+    shm = {key: v for key, v in _meta(tensors).items() if key != "group_name"}
+    attempts = [
+        ("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "v1"}),
+        ("/update_weights_from_distributed", _meta(tensors, weight_version="default")),
+        ("/update_weights_from_shm", {**shm, "segment": "tandem-w-none", "offsets": [0], "nbytes": 1 << 20,
+                                      "weight_version": "1.5"}),
+        ("/commit_staged_weights", {"weight_version": " 3x"}),
+    ]
+    for path, body in attempts:
+        status, answer = server.post(path, body)
+        assert status == 400 and answer["object"] == "error", (path, answer)
+        assert "field 'weight_version' must be an integer (e.g. \"7\")" in answer["message"], (path, answer)
+    status, answer = server.post("/update_weight_version", {"new_version": "v7"})
+    assert status == 400 and "field 'new_version' must be an integer (e.g. \"7\")" in answer["message"], answer
+    assert served(server) == before

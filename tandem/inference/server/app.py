@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.inference.server import openai_routes, routes, weight_sync
+from tandem.inference.server import memory_routes, openai_routes, routes, weight_sync
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
 from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
@@ -53,12 +53,11 @@ def build_app(args: ServerArgs) -> FastAPI:
         try:
             yield
         finally:
-            for group in app.state.tandem.groups.values():
-                group.destroy()
+            app.state.tandem.weights.close()
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for r in (routes.router, weight_sync.router, openai_routes.router):
+    for r in (routes.router, weight_sync.router, memory_routes.router, openai_routes.router):
         app.include_router(r)
 
     @app.exception_handler(ApiError)

@@ -38,10 +38,7 @@ class Fault:
 
 
 def _faults(request: Request) -> dict[str, Fault]:
-    state = state_of(request)
-    if not hasattr(state, "faults"):
-        state.faults = {}
-    return state.faults
+    return state_of(request).faults
 
 
 async def fault_point(request: Request, route: str) -> Fault | None:

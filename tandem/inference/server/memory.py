@@ -1,5 +1,5 @@
 """Memory release and resume for colocated training, on the engine thread: the data plane behind
-`/release_memory_occupation` and `/resume_memory_occupation` (routes in `weight_sync.py`).
+`/release_memory_occupation` and `/resume_memory_occupation` (routes in `memory_routes.py`).
 """
 
 from __future__ import annotations

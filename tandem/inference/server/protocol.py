@@ -7,6 +7,7 @@ answers a control route's `{"success": false, "message": ...}` with 400.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -83,6 +84,23 @@ def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], de
     return value
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def version_of(value: str, name: str) -> int:
+    """A weight version as field `name` sent it: an integer in a string ("7", SGLang's form;
+    answers carry it the same way). Anything else is a 400 naming the field."""
+    if _INTEGER.fullmatch(value) is None:
+        raise ApiError(f"field {name!r} must be an integer (e.g. \"7\"), got {json.dumps(value)[:80]}")
+    return int(value)
+
+
+def get_version(body: dict[str, Any], name: str) -> int | None:
+    """body[name] as a weight version (`version_of`); absent or null = None."""
+    value = get_field(body, name, str)
+    return None if value is None else version_of(value, name)
+
+
 def check_fields(body: dict[str, Any], known: set[str], where: str = "request") -> None:
     unknown = sorted(set(body) - known)
     if unknown:
@@ -96,13 +114,13 @@ def token_ids(value: Any, name: str) -> list[int]:
 
 
 def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: bool = True,
-              weight_version: str | None = None) -> dict[str, Any]:
+              weight_version: int | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
-        "weight_version": weight_version or out.weight_version,
+        "weight_version": str(out.weight_version if weight_version is None else weight_version),
         "e2e_latency": out.e2e_latency,
         "finish_reason": out.finish_reason if finished else None,
     }

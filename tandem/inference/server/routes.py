@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import tandem
+from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.protocol import (
@@ -21,6 +22,7 @@ from tandem.inference.server.protocol import (
     get_field,
     read_json,
     token_ids,
+    version_of,
 )
 from tandem.inference.server.state import ClientGone, ServerState, failure
 
@@ -100,7 +102,7 @@ async def _stream(state: ServerState, rid: str, input_ids: list[int], params: Sa
             ids += item.token_ids
             lps += item.logprobs
             meta = {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": len(ids),
-                    "cached_tokens": 0, "weight_version": state.engine.weight_version, "e2e_latency": None,
+                    "cached_tokens": 0, "weight_version": str(state.engine.weight_version), "e2e_latency": None,
                     "finish_reason": None}
             if return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
@@ -134,7 +136,7 @@ async def get_model_info(request: Request) -> Response:
     state.check_ready()
     path = state.args.model_path
     return JSONResponse({"model_path": path, "tokenizer_path": path if state.tokenizer is not None else None,
-                         "is_generation": True, "weight_version": state.engine.weight_version})
+                         "is_generation": True, "weight_version": str(state.engine.weight_version)})
 
 
 @router.get("/get_server_info")
@@ -149,11 +151,11 @@ async def get_server_info(request: Request) -> Response:
         "max_total_num_tokens": engine.max_total_num_tokens,
         "max_req_input_len": min(engine.max_model_len, engine.max_total_num_tokens) - 1,
         "max_model_len": engine.max_model_len,
-        "weight_version": engine.weight_version,
+        "weight_version": str(engine.weight_version),
         "paused": state.paused,
         "memory_released": sorted(state.released),
         "waiting_at_gate": len(state.waiting),
-        "engine_stats": stats,
+        "engine_stats": {**stats, "weight_version": str(stats["weight_version"])},
     })
 
 
@@ -161,7 +163,7 @@ async def get_server_info(request: Request) -> Response:
 async def get_weight_version(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
-    return JSONResponse({"weight_version": state.engine.weight_version})
+    return JSONResponse({"weight_version": str(state.engine.weight_version)})
 
 
 @router.post("/update_weight_version")
@@ -170,15 +172,15 @@ async def update_weight_version(request: Request) -> Response:
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"new_version", "abort_all_requests"})
-    version = get_field(body, "new_version", str, required=True)
+    version = version_of(get_field(body, "new_version", str, required=True), "new_version")
     if get_field(body, "abort_all_requests", bool, False):
         await state.engine_loop.abort(abort_all=True)
 
-    def apply(engine) -> None:
+    def apply(engine: LLMEngine) -> None:
         engine.weight_version = version
 
     await state.engine_loop.call(apply)
-    return control_response(True, f"weight version is now {version!r}")
+    return control_response(True, f"weight version is now '{version}'")
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

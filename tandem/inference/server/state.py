@@ -1,5 +1,5 @@
 """What the routes share: the engine loop, the generation gate (pause / memory release), requests
-waiting at the gate, weight-update groups, and `run_request`, the one path every generation takes.
+waiting at the gate, the weight receiver, and `run_request`, the one path every generation takes.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -19,6 +19,10 @@ from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
 from tandem.inference.server.protocol import ApiError
 from tandem.inference.server.weight_paths import allowed_weight_dirs
+from tandem.inference.server.weight_receiver import WeightReceiver
+
+if TYPE_CHECKING:  # faults.py imports the routes, which import this module
+    from tandem.inference.server.faults import Fault
 
 
 class ClientGone(Exception):
@@ -34,10 +38,9 @@ class ServerState:
         self.gate.set()
         self.waiting: dict[str, asyncio.Future] = {}  # rid -> abort signal, requests held at the gate
         self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
-        self.groups: dict[str, Any] = {}  # group name -> tandem.weights.WeightGroup
-        self.staged: Any = None  # weight_staging.Staging: buckets of an update not committed yet
-        self.update_lock = asyncio.Lock()  # one weight update / memory change at a time
+        self.weights: WeightReceiver = WeightReceiver(engine_loop, lambda: "weights" in self.released)
         self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
+        self.faults: dict[str, Fault] = {}  # route -> injected fault (tests; see faults.py)
         self.started = time.time()
 
     # ------------------------------------------------------------------ status
@@ -169,7 +172,7 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-def _queued_abort(rid: str, index: int, prompt_tokens: int, version: str) -> RequestOutput:
+def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int) -> RequestOutput:
     return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=None,
                          finish_reason={"type": "abort", "message": "aborted while waiting for generation to continue"},
                          prompt_tokens=prompt_tokens, cached_tokens=0, weight_version=version, e2e_latency=0.0,
