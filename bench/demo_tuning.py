@@ -124,7 +124,7 @@ class Clock:
 
 def sync_weights(trainer: TrainEngine, llm: LLMEngine, version: int) -> None:
     llm.load_weights(itertools.chain.from_iterable(trainer.export_weights(BUCKET_BYTES)),
-                     weight_version=str(version))
+                     weight_version=version)
 
 
 def evaluate(llm: LLMEngine, task, items, prompts, max_new_tokens: int) -> dict[str, float]:
