@@ -18,8 +18,9 @@ from tandem.lazy import lazy_attributes
 # wrapper, every reward pool worker) should pay for.
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.process",
-    "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",
-    "RPCTimeoutError": "tandem.launch.rpc", "WorkerCrashedError": "tandem.launch.rpc",
+    "GroupBrokenError": "tandem.launch.rpc_errors", "RemoteError": "tandem.launch.rpc_errors",
+    "RPCError": "tandem.launch.rpc_errors", "RPCTimeoutError": "tandem.launch.rpc_errors",
+    "WorkerCrashedError": "tandem.launch.rpc_errors",
     "WorkerGroup": "tandem.launch.rpc",
     "LaunchError": "tandem.launch.scheduler", "Scheduler": "tandem.launch.scheduler",
     "ServerHandle": "tandem.launch.scheduler",
