@@ -106,7 +106,7 @@ def _role(pid: int, root: int) -> str | None:
         return None  # a waiting parent of the real child
     if b"tandem.cli serve" in cmd:
         return "server"
-    if b"tandem.launch.worker" in cmd:
+    if b"tandem.train.worker" in cmd:
         return "trainer"
     return "other"
 

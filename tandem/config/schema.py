@@ -184,7 +184,7 @@ def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
 
 def check_reward_fn(path: str, key: str) -> None:
     """`path` ('package.module:function') imports and names a callable."""
-    from tandem.launch.specs import import_object
+    from tandem.user_code import import_user_object as import_object
 
     if ":" not in path:
         raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")

@@ -1,13 +1,15 @@
-"""Launching the fleet and the trainers: the scheduler interface, local processes, worker RPC.
+"""Launching processes and carrying RPC to them: the scheduler interface, local processes, RPC.
 
     from tandem.launch import LocalScheduler
     with LocalScheduler("runs/exp1") as sched:
         servers = sched.start_servers("tandem:d2", model_path)    # -> [ServerHandle(url=...)]
-        actor = sched.start_workers("archon:d2")                   # -> WorkerGroup (RPC)
-        actor.call("initialize", engine_config)                    # every rank, results per rank
+        group = sched.start_workers("archon:d2", "tandem.train.worker")   # -> WorkerGroup (RPC)
+        group.call(TrainWorker.ping)                               # every rank, results per rank
 
-The worker entry point and its `TrainWorker` live in `tandem.launch.worker` (not imported here,
-so `python -m tandem.launch.worker` runs it cleanly). See docs/launch.md.
+What a worker process runs is its caller's module (the trainer's: `tandem.train.worker`, driven
+through `tandem.train.TrainController`); launch imports nothing from train, rl or rollout. A
+worker module hands its object to `tandem.launch.rpc_server.serve_from_environment`. See
+docs/launch.md.
 """
 
 from tandem.lazy import lazy_attributes
@@ -18,12 +20,12 @@ from tandem.lazy import lazy_attributes
 # wrapper, every reward pool worker) should pay for.
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.process",
-    "GroupBrokenError": "tandem.launch.rpc", "RemoteError": "tandem.launch.rpc", "RPCError": "tandem.launch.rpc",
-    "RPCTimeoutError": "tandem.launch.rpc", "WorkerCrashedError": "tandem.launch.rpc",
+    "GroupBrokenError": "tandem.launch.rpc_errors", "RemoteError": "tandem.launch.rpc_errors",
+    "RPCError": "tandem.launch.rpc_errors", "RPCTimeoutError": "tandem.launch.rpc_errors",
+    "WorkerCrashedError": "tandem.launch.rpc_errors",
     "WorkerGroup": "tandem.launch.rpc",
     "LaunchError": "tandem.launch.scheduler", "Scheduler": "tandem.launch.scheduler",
     "ServerHandle": "tandem.launch.scheduler",
-    "LossSpec": "tandem.launch.specs", "import_object": "tandem.launch.specs",
 }
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
@@ -33,7 +35,6 @@ __all__ = [
     "GroupBrokenError",
     "LaunchError",
     "LocalScheduler",
-    "LossSpec",
     "ManagedProcess",
     "RPCError",
     "RPCTimeoutError",
@@ -42,5 +43,4 @@ __all__ = [
     "ServerHandle",
     "WorkerCrashedError",
     "WorkerGroup",
-    "import_object",
 ]

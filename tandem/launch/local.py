@@ -5,8 +5,8 @@ Process layout (see docs/launch.md):
     controller (this process)
     ├── rollout-0   python -m tandem.launch.guard PID -- python -m tandem.cli serve --port 0 ...
     ├── rollout-1   ...
-    ├── actor-rank0 python -m tandem.launch.worker   (RANK=0, MASTER_ADDR=127.0.0.1, ...)
-    └── actor-rank1 python -m tandem.launch.worker   (RANK=1, ...)
+    ├── actor-rank0 python -m tandem.train.worker   (the module the caller names; RANK=0, ...)
+    └── actor-rank1 python -m tandem.train.worker   (RANK=1, ...)
 
 - Every child starts in its own session, so its process group holds it and anything it spawns;
   teardown signals whole groups. Children also get SIGKILL from the kernel if the controller
@@ -42,6 +42,7 @@ from typing import Any
 from tandem.config.alloc import Component
 from tandem.launch.process import ManagedProcess, free_port, last_error_line
 from tandem.launch.rpc import WorkerGroup
+from tandem.launch.rpc_server import ENV_AUTHKEY, ENV_NAME, ENV_PARENT_PID, ENV_READY_FD
 from tandem.launch.scheduler import (
     ENV_SERVE_API_KEY,
     LaunchError,
@@ -54,9 +55,6 @@ from tandem.weights.shm import remove_stale_segments
 
 logger = logging.getLogger(__name__)
 LISTENING = re.compile(r"tandem serve: listening on http://(\[[^\]]+\]|[^:\s]+):(\d+)")
-ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"
-ENV_READY_FD = "TANDEM_RPC_READY_FD"
-ENV_PARENT_PID = "TANDEM_PARENT_PID"
 INTERRUPT_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay when a signal tears the run down
 _TICK_S = 0.05  # startup only: how often the log and /health are looked at (the wait is on the pidfd)
 
@@ -159,8 +157,8 @@ class LocalScheduler(Scheduler):
 
     # ------------------------------------------------------------------------------ workers
 
-    def start_workers(self, alloc: Component | str | int, *, name: str = "actor", device: str = "cpu",
-                      backend: str | None = None, timeout_s: float = 180.0,
+    def start_workers(self, alloc: Component | str | int, module: str, *, args: Sequence[str] = (),
+                      name: str = "actor", device: str = "cpu", timeout_s: float = 180.0,
                       env: Mapping[str, str] | None = None) -> WorkerGroup:
         world, devices = worker_layout(alloc)
         master_port = free_port()
@@ -176,12 +174,11 @@ class LocalScheduler(Scheduler):
                     "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                     ENV_AUTHKEY: self._authkey.hex(), ENV_READY_FD: str(w_fd), ENV_PARENT_PID: str(os.getpid()),
+                    ENV_NAME: f"{name}-rank{rank}",
                 })
                 if device == "cuda":
                     child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-                cmd = [self.python, "-m", "tandem.launch.worker", "--device", device, "--name", f"{name}-rank{rank}"]
-                if backend:
-                    cmd += ["--backend", backend]
+                cmd = [self.python, "-m", module, *args]
                 try:
                     procs.append(self._spawn(f"{name}-rank{rank}", cmd, child_env, pass_fds=(w_fd,)))
                 finally:

@@ -6,16 +6,19 @@ by one raw frame per tensor: CPU tensors travel as out-of-band buffers, never th
 never through `torch.save` (`rpc_wire.py`: `dumps`, `Channel`). CUDA tensors are copied to the CPU
 on the way.
 
-Worker side (`rpc_worker.py`): `serve(conn, obj)` answers `(call_id, method, args, kwargs)`
+Worker side (`rpc_server.py`): `serve(conn, obj)` answers `(call_id, method, args, kwargs)`
 requests by calling `obj.method(*args, **kwargs)` in the worker's main thread, one at a time, and
-replies with the value or with the exception's type, message and formatted traceback.
+replies with the value or with the exception's type, message and formatted traceback;
+`serve_from_environment` is a worker process's whole life.
 
-Controller side (this module): `WorkerGroup.call` sends the same request to every rank and returns the list of
-results in rank order; `call_per_rank` gives each rank its own arguments. Every rank executes every
-call (they are usually collectives), so one call is in flight per group at a time. While waiting,
-the controller blocks in `multiprocessing.connection.wait` on every rank's connection *and* its
-process sentinel (a pidfd), so a worker that dies or drops its connection ends the call at once with
-`WorkerCrashedError` (rank, exit code or signal, log tail) instead of a hang. No polling.
+Controller side (this module): `WorkerGroup.call(Worker.method, ...)` sends the same request to
+every rank and returns the list of results in rank order; `call_per_rank` gives each rank its own
+arguments. A method is named by the function on the worker's class, never by a string, so a typo
+fails in the controller (and in a type checker), not in a worker. Every rank executes every call
+(they are usually collectives), so one call is in flight per group at a time. While waiting, the
+controller blocks in `multiprocessing.connection.wait` on every rank's connection *and* its
+process sentinel (a pidfd), so a worker that dies or drops its connection ends the call at once
+with `WorkerCrashedError` (rank, exit code or signal, log tail) instead of a hang. No polling.
 
 After a crash, a deadline miss, or a rank left behind while another raised, the group is out of
 step and refuses further calls (`GroupBrokenError`); restart it.
@@ -33,61 +36,31 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from types import FunctionType
+from typing import Any, Protocol, TypeVar
 
-from tandem.errors import TandemError
+from tandem.launch.rpc_errors import (
+    GroupBrokenError,
+    RemoteError,
+    RPCError,
+    RPCTimeoutError,
+    WorkerCrashedError,
+)
 from tandem.launch.rpc_wire import OK, Channel, Failure, dumps, frames_nbytes
-from tandem.launch.rpc_worker import ExitAfterReply, serve  # noqa: F401  (re-exported: the worker side)
 
 # Messages whose buffers add up to more than this are sent by per-rank threads (in parallel, and
 # without blocking the wait for replies); smaller ones are written inline.
 INLINE_SEND_BYTES = 1 << 20
-
-# ---------------------------------------------------------------------------------------- errors
-
-
-class RPCError(TandemError, RuntimeError):
-    """Base class of the errors a `WorkerGroup` call raises."""
+R = TypeVar("R")
 
 
-class WorkerCrashedError(RPCError):
-    """A worker process died or its connection dropped (during a call, or while idle)."""
-
-    def __init__(self, group: str, rank: int, pid: int | None, status: str, log_tail: str, method: str | None):
-        self.group, self.rank, self.pid, self.status, self.log_tail, self.method = (
-            group, rank, pid, status, log_tail, method)
-        during = f" during {method!r}" if method else " while idle"
-        text = f"{group} worker rank {rank} (pid {pid}) crashed{during}: {status}"
-        if log_tail:
-            text += f"\n--- last lines of its log ---\n{log_tail.rstrip()}"
-        super().__init__(text)
-
-
-class RemoteError(RPCError):
-    """A worker raised; `remote_traceback` is its formatted traceback, `exc_type` the class name.
-    The original exception, when it could be pickled, is the `__cause__`."""
-
-    def __init__(self, group: str, rank: int, method: str, exc_type: str, message: str, remote_traceback: str,
-                 others: str = ""):
-        self.group, self.rank, self.method = group, rank, method
-        self.exc_type, self.message, self.remote_traceback = exc_type, message, remote_traceback
-        text = f"{group} worker rank {rank} raised in {method!r}: {exc_type}: {message}{others}"
-        text += f"\n--- remote traceback (rank {rank}) ---\n{remote_traceback.rstrip()}"
-        super().__init__(text)
-
-
-class RPCTimeoutError(RPCError, TimeoutError):
-    """A call missed its deadline; `pending` are the ranks that had not answered."""
-
-    def __init__(self, group: str, method: str, timeout_s: float, pending: Sequence[int]):
-        self.group, self.method, self.timeout_s, self.pending = group, method, timeout_s, list(pending)
-        super().__init__(f"{group}: {method!r} missed its {timeout_s:.1f}s deadline; no answer from "
-                         f"rank(s) {self.pending}. The group is out of step and must be restarted.")
-
-
-class GroupBrokenError(RPCError):
-    """The group failed before (crash, deadline, ranks out of step) and takes no more calls."""
-
+def method_name(method: Callable[..., Any]) -> str:
+    """The name a request carries for `method`, a function defined on the served class
+    (`TrainWorker.ping`); TypeError for anything else (a string, a bound method, a module-level
+    function)."""
+    if not isinstance(method, FunctionType) or "." not in method.__qualname__:
+        raise TypeError(f"name a method by the function on the worker's class (e.g. Worker.ping), got {method!r}")
+    return method.__name__
 
 # ------------------------------------------------------------------------------- controller side
 
@@ -213,17 +186,21 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------------------- public calls
 
-    def call(self, method: str, *args: Any, rpc_timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """`method(*args, **kwargs)` on every rank; results in rank order. `rpc_timeout` (seconds)
-        overrides the group's default deadline (None: no deadline; crashes still end the call)."""
+    def call(self, method: Callable[..., R], *args: Any, rpc_timeout: float | None = None,
+             **kwargs: Any) -> list[R]:
+        """`method(*args, **kwargs)` on every rank (`method`: the function on the worker's class,
+        e.g. `TrainWorker.ping`); results in rank order. `rpc_timeout` (seconds) overrides the
+        group's default deadline (None: no deadline; crashes still end the call)."""
+        name = method_name(method)
         call_id = next(self._ids)
-        frames = dumps((call_id, method, args, kwargs))
-        return self._run(method, call_id, [frames] * self.world_size, rpc_timeout)
+        frames = dumps((call_id, name, args, kwargs))
+        return self._run(name, call_id, [frames] * self.world_size, rpc_timeout)
 
-    def call_per_rank(self, method: str, args_per_rank: Sequence[Sequence[Any]],
-                      kwargs: dict[str, Any] | None = None, *, rpc_timeout: float | None = None) -> list[Any]:
+    def call_per_rank(self, method: Callable[..., R], args_per_rank: Sequence[Sequence[Any]],
+                      kwargs: dict[str, Any] | None = None, *, rpc_timeout: float | None = None) -> list[R]:
         """Rank r runs `method(*args_per_rank[r], **kwargs)`: each rank gets only its own data
         (e.g. its shard of the batch). Every rank must get an entry."""
+        name = method_name(method)
         if len(args_per_rank) != self.world_size:
             raise ValueError(f"{self.name}: {len(args_per_rank)} argument tuples for {self.world_size} ranks")
         call_id = next(self._ids)
@@ -231,13 +208,15 @@ class WorkerGroup:
         for r, args in enumerate(args_per_rank):
             if not isinstance(args, tuple | list):
                 raise TypeError(f"args_per_rank[{r}] must be a tuple of positional arguments, got {type(args).__name__}")
-            per_rank.append(dumps((call_id, method, tuple(args), kwargs or {})))
-        return self._run(method, call_id, per_rank, rpc_timeout)
+            per_rank.append(dumps((call_id, name, tuple(args), kwargs or {})))
+        return self._run(name, call_id, per_rank, rpc_timeout)
 
-    def submit(self, method: str, *args: Any, rpc_timeout: float | None = None, **kwargs: Any) -> Future[list[Any]]:
+    def submit(self, method: Callable[..., R], *args: Any, rpc_timeout: float | None = None,
+               **kwargs: Any) -> Future[list[R]]:
         """`call` on a background (daemon) thread: a Future of the per-rank results. Submitted
         calls run one at a time in submission order."""
-        future: Future[list[Any]] = Future()
+        method_name(method)  # a bad reference fails here, not on the thread
+        future: Future[list[R]] = Future()
         if self._submitter is None:
             self._submitter = _Submitter(f"tandem-rpc-{self.name}-submit")
             self._submitter.start()
@@ -255,8 +234,9 @@ class WorkerGroup:
         return [p.sentinel for p in self.procs]
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
-        """Ask every rank to leave (`shutdown` RPC) and wait for the processes to end. Returns True
-        when all ended; never raises. A scheduler kills whatever is left afterwards."""
+        """Ask every rank to leave (the served object's `shutdown()`, which returns
+        `ExitAfterReply`) and wait for the processes to end. Returns True when all ended; never
+        raises. A scheduler kills whatever is left afterwards."""
         ok = False
         # Never wait for the lock: shutdown may run from a signal handler that interrupted a call.
         if self._broken is None and not self._closed and self._lock.acquire(blocking=False):

@@ -1,4 +1,4 @@
-"""The RPC wire format between the controller and worker processes (`rpc.py`, `rpc_worker.py`).
+"""The RPC wire format between the controller and worker processes (`rpc.py`, `rpc_server.py`).
 
 A message is a header frame (the out-of-band buffer sizes, then pickle protocol 5) followed by one
 raw frame per tensor: CPU tensors travel as out-of-band buffers, never through JSON and never

@@ -2,14 +2,17 @@
 
 A `Scheduler` turns allocation components (`tandem:d2` -> two servers, `archon:d2` -> one
 trainer group of two ranks) into running processes and hands back what the controller needs:
-server addresses (`ServerHandle`) and an RPC handle on the trainer ranks (`WorkerGroup`).
+server addresses (`ServerHandle`) and an RPC handle on the worker ranks (`WorkerGroup`). Which
+program a worker rank runs is the caller's: a module whose main hands its object to
+`rpc_server.serve_from_environment` (the trainer's is `tandem.train.worker`, which
+`tandem.train.TrainController.start` names); launch itself knows nothing of training.
 `LocalScheduler` (`tandem.launch.local`) runs everything as processes on 127.0.0.1. Ray and
 Slurm schedulers are not written yet; they implement the same three methods (see docs/launch.md).
 
     with LocalScheduler(run_dir) as sched:
         servers = sched.start_servers(alloc.inference[0], model_path)
-        trainers = sched.start_workers(alloc.train[0])
-        trainers.call("initialize", engine_config)
+        trainers = sched.start_workers(alloc.train[0], "tandem.train.worker", args=["--device", "cpu"])
+        trainers.call(TrainWorker.initialize, engine_config)
     # every process is gone here, also on exceptions and Ctrl-C
 """
 
@@ -120,11 +123,14 @@ class Scheduler(abc.ABC):
         `api_key` every server requires it (handed over as `ENV_SERVE_API_KEY`)."""
 
     @abc.abstractmethod
-    def start_workers(self, alloc: Component | str | int, *, name: str = "actor", device: str = "cpu",
-                      backend: str | None = None, timeout_s: float = 180.0,
+    def start_workers(self, alloc: Component | str | int, module: str, *, args: Sequence[str] = (),
+                      name: str = "actor", device: str = "cpu", timeout_s: float = 180.0,
                       env: Mapping[str, str] | None = None) -> WorkerGroup:
-        """Start one SPMD trainer group (one process per rank, one torch.distributed group) and
-        return its RPC handle once every rank is connected."""
+        """Start one SPMD worker group, `python -m module *args` per rank (RANK, WORLD_SIZE,
+        LOCAL_RANK, MASTER_ADDR/PORT for one torch.distributed group, and the RPC bootstrap of
+        `rpc_server` in its environment; `device="cuda"` also sets CUDA_VISIBLE_DEVICES), and
+        return its RPC handle once every rank is connected. `module` is a module name, run as
+        `-m` (never 'pkg.mod:function')."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

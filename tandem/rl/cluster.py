@@ -17,8 +17,8 @@ from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
-from tandem.launch.rpc import WorkerGroup
-from tandem.train import MicroBatchConfig, TrainEngineConfig
+from tandem.train.config import MicroBatchConfig, TrainEngineConfig
+from tandem.train.controller import TrainController
 
 logger = logging.getLogger("tandem.run")
 
@@ -40,7 +40,7 @@ def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> Train
     )
 
 
-def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> WorkerGroup:
+def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> TrainController:
     """The trainer group for `actor.backend`, with the engine initialised on every rank."""
     comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
     env = {}
@@ -48,12 +48,12 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         env["OMP_NUM_THREADS"] = str(cfg.actor.num_threads)
     if cfg.actor.cpus:
         env[ENV_CPUS] = cfg.actor.cpus
-    workers = scheduler.start_workers(comp, name="actor", device=cfg.experiment.device, env=env)
+    trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env)
     began = time.monotonic()
-    ranks = workers.call("initialize", engine_config(cfg, model_path, total_steps))
+    ranks = trainer.initialize(engine_config(cfg, model_path, total_steps))
     logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),
-                cfg.actor.dtype, f"{ranks[0]['local_params']:,}", time.monotonic() - began)
-    return workers
+                cfg.actor.dtype, f"{ranks[0].local_params:,}", time.monotonic() - began)
+    return trainer
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 from tandem import aio
 from tandem.config.schema import TandemConfig
@@ -61,11 +61,12 @@ async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], reward
 
 
 def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:
-    """The run's reward: `task.reward_fn` when set (an import path), else the task's own."""
+    """The run's reward: `task.reward_fn` when set (an import path, checked to name a callable
+    when the config was loaded), else the task's own."""
     if cfg.task.reward_fn:
-        from tandem.launch.specs import import_object
+        from tandem.user_code import import_user_object
 
-        return import_object(cfg.task.reward_fn)
+        return cast(RewardFn, import_user_object(cfg.task.reward_fn))
     return task.reward_fn()
 
 

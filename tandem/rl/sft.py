@@ -39,18 +39,16 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
     try:
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
-            workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
-            dp = len(workers.call("ping"))
+            trainer = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
                 chunk = [next(examples) for _ in range(cfg.sft.batch_size)]
                 batch = SequenceBatch.from_token_lists(
                     [e["input_ids"] for e in chunk], loss_mask=[e["loss_mask"] for e in chunk]
                 )
-                shards, _ = split_for_ranks(batch, dp)
-                stats = workers.call_per_rank("call", [("tandem.rl.worker_fns:sft_step", s) for s in shards])[0]
-                metrics.log(step + 1, stats, phase="sft")
-            workers.call("save_hf", str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
-            workers.shutdown()
+                shards, _ = split_for_ranks(batch, trainer.dp_size)
+                metrics.log(step + 1, trainer.sft_step(shards), phase="sft")
+            trainer.save_hf(str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
+            trainer.shutdown()
             server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
             result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
                               max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())

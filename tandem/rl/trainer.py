@@ -45,6 +45,7 @@ from tandem.rl.trial import TrialPlan, checkpoint_dir, latest_checkpoint, plan_t
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.workflows.rlvr import RLVRWorkflow
+from tandem.train.controller import TrainController
 from tandem.weights.meta import WeightUpdateMeta
 
 logger = logging.getLogger("tandem.run")
@@ -145,8 +146,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
     start_step = plan.start_step
     meta = weight_update_meta(cfg, plan.run_dir)
     fleet = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
-    workers = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
-    dp = len(workers.call("ping"))
+    trainer = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
     rollout_cfg = dataclasses.replace(cfg.rollout, servers=fleet.servers, api_key=fleet.api_key)
     workflow = RLVRWorkflow(
         reward_fn=reward_fn,
@@ -168,10 +168,10 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
     # Shut down before the reward pool closes: in-flight episodes and their reward calls are
     # cancelled and awaited first, so the run ends without stray tasks.
     with RolloutController(rollout_cfg) as controller:
-        workers.call("init_weight_update", meta, controller.callback(), verify=cfg.train.verify_weights)
+        trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
-            workers.call("load_state", str(plan.resume_from / "trainer"))
-            workers.call("update_weights", start_step)  # the fleet serves the resumed weights
+            trainer.load(str(plan.resume_from / "trainer"))
+            trainer.update_weights(start_step)  # the fleet serves the resumed weights
             controller.recover_version(start_step)
         else:
             call(controller, ops.SET_VERSION, ops.SetVersion(0))
@@ -182,7 +182,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
         last_eval = first
         with Progress(cfg.train.total_steps, start_step, enabled=cfg.stats.progress) as progress:
             for step in range(start_step, cfg.train.total_steps):
-                stats = _rl_step(cfg, controller, workers, workflow, loader, step, dp, totals)
+                stats = _rl_step(cfg, controller, trainer, workflow, loader, step, totals)
                 done = summary.end_step = step + 1
                 if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
                     last_eval = run_eval(done)
@@ -190,14 +190,15 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                 metrics.log(done, stats)
                 progress.update(stats, last_eval.get("eval/accuracy"))
                 if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == cfg.train.total_steps):
-                    _save_checkpoint(checkpoint_dir(plan.run_dir, done), workers, done, loader.cursor)
+                    _save_checkpoint(checkpoint_dir(plan.run_dir, done), trainer, done, loader.cursor)
         summary.eval_after = last_eval.get("eval/accuracy")
-        workers.call("close_weight_update")
+        trainer.close_weight_update()
 
 
-def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, workflow: RLVRWorkflow,
-             loader: CursorLoader, step: int, dp: int, totals: dict[str, float]) -> dict[str, float]:
+def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainController, workflow: RLVRWorkflow,
+             loader: CursorLoader, step: int, totals: dict[str, float]) -> dict[str, float]:
     """One step; returns its stats. `step` is the weight version the trainer holds before it."""
+    dp = trainer.dp_size
     t0 = time.monotonic()
     trajs = controller.prepare_batch(loader, workflow)
     t1 = time.monotonic()
@@ -211,11 +212,9 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, wor
     else:
         shards, dispatch_stats = split_for_ranks(batch, dp)
         stats.update(dispatch_stats)
-        args = [("tandem.rl.worker_fns:ppo_update", shard, cfg.algo, step, cfg.gen.temperature,
-                 cfg.train.n_minibatches) for shard in shards]
-        stats.update(workers.call_per_rank("call", args)[0])
+        stats.update(trainer.ppo_update(shards, cfg.algo, step, cfg.gen.temperature, cfg.train.n_minibatches))
     t2 = time.monotonic()
-    report = workers.call("update_weights", step + 1)[0]
+    report = trainer.update_weights(step + 1)
     t3 = time.monotonic()
     times = {"generation": t1 - t0, "train": t2 - t1, "sync": t3 - t2}
     for key, value in times.items():
@@ -226,10 +225,10 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, workers: Any, wor
     return stats
 
 
-def _save_checkpoint(path: Path, workers: Any, step: int, cursor: int) -> None:
+def _save_checkpoint(path: Path, trainer: TrainController, step: int, cursor: int) -> None:
     """Trainer state (DCP), then the loop's own (step = weight version, data cursor), whose file
     marks the checkpoint complete."""
-    workers.call("save_state", str(path / "trainer"))
+    trainer.save(str(path / "trainer"))
     write_loop_state(path, step, cursor)
     logger.info("step %d: checkpoint %s", step, path)
 

@@ -5,7 +5,6 @@ trainer's recomputed proximal logprobs, the mismatch metric and one decoupled-PP
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from tandem.data.trajectory import Trajectory
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.tiny import init_model
-from tandem.rl.worker_fns import ppo_update
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
+from tandem.train.rl_step import ppo_update
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +161,7 @@ def test_proximal_logprobs_from_the_training_forward_equal_a_separate_pass(tiny_
             shard = SequenceBatch([t.to_tensors() for t in trajs])
             add_advantages(shard, cfg.advantage, group_ids=[t.group_id for t in trajs],
                            rewards=shape_rewards([t.reward for t in trajs], cfg.reward))
-            out = ppo_update(SimpleNamespace(engine=engine), shard, cfg, version=2, temperature=1.0,
+            out = ppo_update(engine, shard, cfg, version=2, temperature=1.0,
                              n_minibatches=n_mb)
             assert (PROX_LOGPROBS in shard.seqs[0]) == (n_mb > 1)
             assert out["mismatch/n_tokens"] == 48 and out["mismatch/current_n_tokens"] == 0

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from tandem.launch import LocalScheduler
+from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import CHILD_ENV
 
 
@@ -22,10 +23,10 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
     sched = LocalScheduler(run_dir, env=CHILD_ENV, grace_s=10)
     sched.start_servers(1, model, server_args=["--num-threads", "1"], timeout_s=120)
-    group = sched.start_workers(2, timeout_s=120)
+    group = sched.start_workers(2, HELPERS, args=CPU, timeout_s=120)
     print(json.dumps({"pids": [p.pid for p in sched.processes]}), flush=True)
     print("ready", flush=True)
-    group.call("call", "tests.launch.helpers:sleep", 120.0)
+    group.call(HelperWorker.sleep, 120.0)
     print("the call returned: the signal did not arrive", flush=True)
 
 

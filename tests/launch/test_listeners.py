@@ -28,7 +28,7 @@ def test_weight_group_store_listens_on_loopback_only():
 
 
 def test_trainer_rendezvous_store_listens_on_master_addr_only():
-    """Rank 0 of a trainer group (as `tandem.launch.worker` starts it) hosts the default group's
+    """Rank 0 of a trainer group (as `tandem.train.worker` starts it) hosts the default group's
     store on MASTER_ADDR; gloo's own sockets follow GLOO_SOCKET_IFNAME=lo (set by the launcher)."""
     code = (
         "import json, os, torch.distributed as dist\n"

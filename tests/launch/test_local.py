@@ -22,14 +22,14 @@ from tandem.launch import (
     GroupBrokenError,
     LaunchError,
     LocalScheduler,
-    LossSpec,
     RemoteError,
     WorkerCrashedError,
 )
+from tandem.train import TrainController, TrainWorker
+from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import CHILD_ENV, REPO, alive, can_listen, descendants, in_groups
 
 pytestmark = pytest.mark.slow
-H = "tests.launch.helpers"
 
 
 def _health(url: str) -> tuple[int, dict]:
@@ -51,7 +51,7 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
         t0 = time.monotonic()
         servers = sched.start_servers("tandem:d2", tiny_model, server_args=["--num-threads", "1"], timeout_s=120)
         t1 = time.monotonic()
-        group = sched.start_workers("archon:d2", timeout_s=120)
+        group = sched.start_workers("archon:d2", HELPERS, args=CPU, timeout_s=120)
         t2 = time.monotonic()
         print(f"2 servers healthy in {t1 - t0:.1f}s; 2-rank trainer group connected in {t2 - t1:.1f}s")
 
@@ -61,14 +61,14 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
             assert _health(s.url) == (200, {"status": "ok"})
             assert s.log_path.exists()
 
-        pings = group.call("ping")
-        assert [p["rank"] for p in pings] == [0, 1]
-        assert [p["pid"] for p in pings] == group.pids
-        assert {p["backend"] for p in pings} == {"gloo"}
+        pings = group.call(HelperWorker.ping)
+        assert [p.rank for p in pings] == [0, 1]
+        assert [p.pid for p in pings] == group.pids
+        assert {p.backend for p in pings} == {"gloo"}
 
-        # A collective through the escape hatch: every rank must take part.
-        assert group.call("call", f"{H}:all_reduce_sum", 1.5) == [3.0, 3.0]
-        assert group.call_per_rank("call", [(f"{H}:all_reduce_sum", 1.0), (f"{H}:all_reduce_sum", 2.0)]) == [3.0, 3.0]
+        # A collective: every rank must take part.
+        assert group.call(HelperWorker.all_reduce_sum, 1.5) == [3.0, 3.0]
+        assert group.call_per_rank(HelperWorker.all_reduce_sum, [(1.0,), (2.0,)]) == [3.0, 3.0]
 
         # Different tensors to each rank, back intact (several dtypes, views, 0-d, empty).
         gen = torch.Generator().manual_seed(0)
@@ -80,7 +80,7 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
                            torch.arange(12).reshape(3, 4).t()])
         nbytes = sum(t.numel() * t.element_size() for shard in shards for t in shard)
         start = time.perf_counter()
-        out = group.call_per_rank("call", [(f"{H}:echo", shard) for shard in shards])
+        out = group.call_per_rank(HelperWorker.echo, [(shard,) for shard in shards])
         dt = time.perf_counter() - start
         for r, (rank, back) in enumerate(out):
             assert rank == r
@@ -92,29 +92,32 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
 
         # A worker exception comes back with its rank and remote traceback; the group stays usable.
         with pytest.raises(RemoteError) as info:
-            group.call("call", f"{H}:fail_on_rank", 1)
+            group.call(HelperWorker.fail_on_rank, 1)
         err = info.value
         assert err.rank == 1 and "deliberate failure on rank 1" in str(err)
         assert "helpers.py" in err.remote_traceback and "ValueError" in err.exc_type
         assert isinstance(err.__cause__, ValueError)
-        assert group.call("ping")[1]["rank"] == 1
+        assert group.call(HelperWorker.ping)[1].rank == 1
+        with pytest.raises(TypeError, match=r"Worker\.ping"):  # methods are named by function, never by string
+            group.call("ping")
 
-        # The engine through RPC: build, one SFT step on per-rank shards, logprobs, HF save.
+        # The engine through the TrainController: build, one SFT step on per-rank shards, logprobs, HF save.
         from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngineConfig
 
+        trainer = TrainController(group)
         start = time.perf_counter()
         cfg = TrainEngineConfig(path=str(tiny_model), mb=MicroBatchConfig(max_tokens_per_mb=256))
-        assert [r["rank"] for r in group.call("initialize", cfg)] == [0, 1]
+        assert [r.rank for r in trainer.initialize(cfg)] == [0, 1]
         batches = [SequenceBatch.from_token_lists([[5, 6, 7, 8, 9], [10, 11, 12]], loss_mask=[[0, 1, 1, 1, 1], [0, 1, 1]]),
                    SequenceBatch.from_token_lists([[13, 14, 15, 16]], loss_mask=[[0, 0, 1, 1]])]
-        stats = group.call_per_rank("train_batch", [(b, LossSpec("tandem.train:sft_loss")) for b in batches])
+        stats = group.call_per_rank(TrainWorker.sft_step, [(b,) for b in batches])
         assert stats[0]["loss"] == stats[1]["loss"] and stats[0]["n_loss_tokens"] == 8  # global, same on ranks
-        outs = group.call_per_rank("forward_logprobs", [(b,) for b in batches])
+        outs = trainer.compute_logprobs(batches)
         assert [len(o.logprobs) for o in outs] == [2, 1] and outs[0].logprobs[0].shape == (5,)
-        assert group.call("step") == [1, 1]
-        saved = group.call("save_hf", str(tmp_path / "hf"), tokenizer_dir=str(tiny_model))
-        assert (tmp_path / "hf" / "config.json").exists() and saved[0] == str(tmp_path / "hf")
-        print(f"engine via RPC: initialize + train_batch + forward_logprobs + save_hf in "
+        assert group.call(TrainWorker.step) == [1, 1]
+        saved = trainer.save_hf(str(tmp_path / "hf"), tokenizer_dir=str(tiny_model))
+        assert (tmp_path / "hf" / "config.json").exists() and saved == str(tmp_path / "hf")
+        print(f"engine via RPC: initialize + sft_step + compute_logprobs + save_hf in "
               f"{time.perf_counter() - start:.1f}s; loss {stats[0]['loss']:.4f}")
 
         rpc_ports = [c.sock.getpeername()[1] for c in group.conns]
@@ -131,10 +134,10 @@ def test_worker_crash_ends_the_call(tmp_path):
     sched = LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=5)
     try:
         # 1) A rank exits while the other waits in a collective.
-        a = sched.start_workers(2, name="exit", timeout_s=120)
+        a = sched.start_workers(2, HELPERS, args=CPU, name="exit", timeout_s=120)
         start = time.monotonic()
         with pytest.raises(WorkerCrashedError) as info:
-            a.call("call", f"{H}:exit_on_rank", 1, 3, rpc_timeout=60)
+            a.call(HelperWorker.exit_on_rank, 1, 3, rpc_timeout=60)
         latency = time.monotonic() - start - 0.2  # the helper sleeps 0.2 s before exiting
         err = info.value
         assert err.rank == 1 and "exit code 3" in str(err) and err.group == "exit"
@@ -142,11 +145,11 @@ def test_worker_crash_ends_the_call(tmp_path):
         print(f"os._exit(3) on rank 1 during a collective -> WorkerCrashedError after {latency * 1000:.0f} ms")
         assert latency < 5
         with pytest.raises(GroupBrokenError):
-            a.call("ping")
+            a.call(HelperWorker.ping)
 
         # 2) SIGKILL of a rank in the middle of a call.
-        b = sched.start_workers(2, name="kill", timeout_s=120)
-        future = b.submit("call", f"{H}:sleep", 60.0)
+        b = sched.start_workers(2, HELPERS, args=CPU, name="kill", timeout_s=120)
+        future = b.submit(HelperWorker.sleep, 60.0)
         time.sleep(0.5)
         killed = time.monotonic()
         os.kill(b.pids[0], signal.SIGKILL)
@@ -157,13 +160,16 @@ def test_worker_crash_ends_the_call(tmp_path):
         print(f"SIGKILL of rank 0 during a call -> WorkerCrashedError after {latency * 1000:.0f} ms")
         assert latency < 5
 
-        # 3) A rank dies while the group is idle: the next call fails at once.
-        c = sched.start_workers(2, name="idle", timeout_s=120)
+        # 3) A rank dies while the group is idle: the next call fails at once. (The real trainer
+        # module this time: its replies unpickle in the controller.)
+        trainer = TrainController.start(sched, 2, name="idle", timeout_s=120)
+        assert [p.rank for p in trainer.ping()] == [0, 1]
+        c = trainer.group
         os.kill(c.pids[1], signal.SIGKILL)
         time.sleep(0.3)
         start = time.monotonic()
         with pytest.raises(WorkerCrashedError) as info:
-            c.call("ping")
+            c.call(TrainWorker.ping)
         assert info.value.rank == 1 and info.value.method is None  # "while idle"
         print(f"rank killed while idle -> next call fails in {(time.monotonic() - start) * 1000:.0f} ms")
     finally:

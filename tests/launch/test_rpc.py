@@ -14,14 +14,14 @@ import torch
 
 from tandem.launch import (
     GroupBrokenError,
-    LossSpec,
     RemoteError,
     RPCTimeoutError,
     WorkerCrashedError,
     WorkerGroup,
 )
-from tandem.launch.rpc import Channel, ExitAfterReply, dumps, serve
-from tandem.launch.specs import import_object
+from tandem.launch.rpc import method_name
+from tandem.launch.rpc_server import ExitAfterReply, serve
+from tandem.launch.rpc_wire import Channel, dumps
 
 
 def _pair() -> tuple[Connection, Connection]:
@@ -77,6 +77,9 @@ class _Thing:
 
     def boom(self):
         raise KeyError(f"boom on {self.rank}")
+
+    def _secret(self):
+        return "never served"
 
     def boom_on(self, rank: int):
         if self.rank == rank:
@@ -141,25 +144,41 @@ def _group(n: int = 2, **kw) -> tuple[WorkerGroup, list[_FakeProc]]:
 
 def test_calls_errors_and_exit():
     group, _ = _group(error_grace_s=0.5)
-    assert group.call("hello", 5) == [(0, 5), (1, 5)]
-    assert group.call_per_rank("hello", [("a",), ("b",)]) == [(0, "a"), (1, "b")]
+    assert group.call(_Thing.hello, 5) == [(0, 5), (1, 5)]
+    assert group.call_per_rank(_Thing.hello, [("a",), ("b",)]) == [(0, "a"), (1, "b")]
     big = [torch.randn(600_000), torch.randn(600_000)]  # > 1 MiB each: the sender threads write them
-    assert [x[1].shape for x in group.call_per_rank("hello", [(t,) for t in big])] == [(600_000,)] * 2
-    assert group.submit("hello", 1).result(timeout=10) == [(0, 1), (1, 1)]
+    assert [x[1].shape for x in group.call_per_rank(_Thing.hello, [(t,) for t in big])] == [(600_000,)] * 2
+    assert group.submit(_Thing.hello, 1).result(timeout=10) == [(0, 1), (1, 1)]
     with pytest.raises(RemoteError) as info:
-        group.call("boom")
+        group.call(_Thing.boom)
     assert info.value.rank == 0 and "rank(s) [1] raised too" in str(info.value)
     assert isinstance(info.value.__cause__, KeyError) and "in boom" in info.value.remote_traceback
     with pytest.raises(RemoteError, match="private"):
-        group.call("_secret")
+        group.call(_Thing._secret)
     with pytest.raises(RemoteError, match="cannot be sent"):
-        group.call("unpicklable")
-    assert group.call("hello", 1)[0] == (0, 1)  # every rank answered each time: still usable
+        group.call(_Thing.unpicklable)
+    assert group.call(_Thing.hello, 1)[0] == (0, 1)  # every rank answered each time: still usable
     with pytest.raises(ValueError):
-        group.call_per_rank("hello", [(1,)])
-    assert group.call("bye") == ["bye", "bye"]
+        group.call_per_rank(_Thing.hello, [(1,)])
+    assert group.call(_Thing.bye) == ["bye", "bye"]
     with pytest.raises(WorkerCrashedError):  # they left: the next call sees it before sending
+        group.call(_Thing.hello, 1)
+    group.close()
+
+
+def test_methods_are_named_by_function():
+    """A request names the function on the served class; a string, a bound method or a plain
+    function is refused in the controller, before anything is sent."""
+    assert method_name(_Thing.hello) == "hello"
+    for bad in ("hello", _Thing(0).hello, _pair):
+        with pytest.raises(TypeError, match=r"Worker\.ping"):
+            method_name(bad)
+    group, _ = _group()
+    with pytest.raises(TypeError):
         group.call("hello", 1)
+    with pytest.raises(TypeError):
+        group.submit("hello", 1)
+    assert group.call(_Thing.hello, 2) == [(0, 2), (1, 2)]  # nothing was sent: still in step
     group.close()
 
 
@@ -167,34 +186,18 @@ def test_stuck_rank_after_an_error_breaks_the_group():
     group, _ = _group(error_grace_s=0.3)
     start = time.monotonic()
     with pytest.raises(RemoteError, match=r"rank\(s\) \[1\] never answered"):
-        group.call("boom_or_slow")  # rank 0 raises, rank 1 is "inside a collective" for 2 s
+        group.call(_Thing.boom_or_slow)  # rank 0 raises, rank 1 is "inside a collective" for 2 s
     assert time.monotonic() - start < 1.5
     with pytest.raises(GroupBrokenError):
-        group.call("hello", 1)
+        group.call(_Thing.hello, 1)
     group.close()
 
 
 def test_deadline():
     group, _ = _group()
     with pytest.raises(RPCTimeoutError) as info:
-        group.call("slow", 2.0, rpc_timeout=0.2)
+        group.call(_Thing.slow, 2.0, rpc_timeout=0.2)
     assert info.value.pending == [0, 1]
     with pytest.raises(GroupBrokenError):
-        group.call("hello", 1)
+        group.call(_Thing.hello, 1)
     group.close()
-
-
-def test_import_object_and_loss_spec():
-    assert import_object("tandem.train:sft_loss") is import_object("tandem.train.sft_loss")
-    assert import_object("tandem.launch.rpc:WorkerGroup.call") is WorkerGroup.call
-    fn, weight = LossSpec("tandem.algo.losses:make_policy_loss", {"cfg": _ppo()}, factory=True,
-                          weight_fn="tandem.algo.losses:policy_loss_weight").resolve()
-    assert callable(fn) and callable(weight)
-    with pytest.raises(ValueError, match="factory=False"):
-        LossSpec("tandem.train:sft_loss", {"x": 1}).resolve()
-
-
-def _ppo():
-    from tandem.algo.config import PPOConfig
-
-    return PPOConfig()

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from tandem.launch import LocalScheduler
+from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import CHILD_ENV, REPO, SHM, Marked, alive, cmdline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 GONE_WITHIN_S = 10.0
 START_S = 240.0  # until the first training step is logged (2 shared cores, other work beside)
-H = "tests.launch.helpers"
 
 
 def _default_sigint() -> None:
@@ -128,7 +128,7 @@ def test_run_leaves_nothing(tmp_path, tiny_model, how, sync, workers):
         # Not vacuous: the run is all there, reward pool included, and holds the objects in question.
         assert run.proc.pid in run.marked.pids
         assert sum("tandem.cli serve" in c for c in commands) == 2
-        assert sum("tandem.launch.worker" in c for c in commands) == 2
+        assert sum("tandem.train.worker" in c for c in commands) == 2
         assert any("multiprocessing.forkserver" in c for c in commands), commands
         assert any("multiprocessing.resource_tracker" in c for c in commands), commands
         assert any(o.startswith("sem.mp-") for o in run.marked.objects), run.marked.objects
@@ -148,7 +148,7 @@ def test_sigkill_while_starting_leaves_nothing(tmp_path, tiny_model):
     run = Run(tmp_path, tiny_model, "distributed", 0, steps=30)
     try:
         run.wait_for("the trainer ranks' processes",
-                     lambda: sum("tandem.launch.worker" in cmdline(p) for p in run.marked.scan()) == 2)
+                     lambda: sum("tandem.train.worker" in cmdline(p) for p in run.marked.scan()) == 2)
         _, exited = run.end("sigkill", timeout=30)
         run.assert_nothing_left("sigkill while starting", exited)
     finally:
@@ -161,9 +161,9 @@ def test_teardown_removes_segments_a_killed_trainer_left(tmp_path):
     Here the tracker is killed first (the race lost every time) and the trainer never closes."""
     sched = LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=5)
     try:
-        group = sched.start_workers(1, timeout_s=120)
-        names = group.call("call", f"{H}:make_segments", 2)[0]
-        tracker = group.call("call", f"{H}:resource_tracker_pid")[0]
+        group = sched.start_workers(1, HELPERS, args=CPU, timeout_s=120)
+        names = group.call(HelperWorker.make_segments, 2)[0]
+        tracker = group.call(HelperWorker.resource_tracker_pid)[0]
         assert names and all((SHM / n).exists() for n in names)
         if tracker is not None:
             os.kill(tracker, signal.SIGKILL)

@@ -63,7 +63,7 @@ def _trainer_rank(pids: set[int], rank: int) -> int:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"tandem.launch.worker" in cmd and f"RANK={rank}".encode() in env:
+        if b"tandem.train.worker" in cmd and f"RANK={rank}".encode() in env:
             return pid
     raise AssertionError(f"no trainer rank {rank} among {sorted(pids)}")
 

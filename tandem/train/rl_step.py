@@ -1,12 +1,12 @@
-"""Steps of the RL loop that run on every trainer rank (through `TrainWorker.call`).
+"""The decoupled-PPO update of one trainer rank (`TrainWorker.ppo_update`).
 
-Each function takes the worker first (`worker.engine` is the rank's `TrainEngine`) and is called
-on all ranks with their own shard; everything inside is collective over the data-parallel group.
+Called on every rank with its own shard; everything inside is collective over the data-parallel
+group.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,17 +21,19 @@ from tandem.algo.losses import (
 )
 from tandem.algo.mismatch import batch_logprob_mismatch
 from tandem.train.batch import SequenceBatch
-from tandem.train.losses import sft_loss
+
+if TYPE_CHECKING:
+    from tandem.train.engine import TrainEngine
 
 
 def ppo_update(
-    worker: Any, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float, n_minibatches: int = 1
+    engine: TrainEngine, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float,
+    n_minibatches: int = 1,
 ) -> dict[str, float]:
     """Decoupled PPO on this rank's shard: proximal logprobs with the weights of `version`, then
     one optimizer step per minibatch. With one minibatch the training forward itself runs those
     weights, so it supplies the proximal logprobs (no extra pass); with several, a separate forward
     pass computes them first. Returns stats reduced over all ranks."""
-    engine = worker.engine
     stats: dict[str, float] = {}
     fused = algo.ppo.prox_logp == "recompute" and n_minibatches == 1
     if algo.ppo.prox_logp == "recompute" and not fused:
@@ -59,11 +61,6 @@ def ppo_update(
     return stats
 
 
-def sft_step(worker: Any, shard: SequenceBatch) -> dict[str, float]:
-    """One supervised step (loss on the completion tokens)."""
-    return worker.engine.train_batch(shard, sft_loss)
-
-
 def _minibatches(shard: SequenceBatch, n: int) -> list[SequenceBatch]:
     """`n` contiguous minibatches (each rank's shard is already balanced; order is arbitrary)."""
     size = -(-len(shard) // n)
@@ -83,7 +80,7 @@ def _fused_mismatch(summary: dict[str, float]) -> dict[str, float]:
     }
 
 
-def _reduce_mismatch(local: dict[str, float], engine: Any) -> dict[str, float]:
+def _reduce_mismatch(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:
     """Token-weighted means and maxima of the logprob mismatch (`mismatch/[current_]{mean,max,
     n_tokens}`) over all data-parallel ranks."""
     out: dict[str, float] = {}

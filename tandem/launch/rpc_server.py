@@ -1,0 +1,114 @@
+"""The worker side of the RPC layer: a worker process's life, and serving one object.
+
+`serve_from_environment(build)` is the whole life of a worker process a scheduler started: it
+applies the CPU pinning (`TANDEM_CPUS`), arms the parent-death signal (`TANDEM_PARENT_PID`), takes
+the run's RPC key (`TANDEM_RPC_AUTHKEY`) and the ready pipe (`TANDEM_RPC_READY_FD`) out of the
+environment, calls `build()` (e.g. joining torch.distributed: the port is announced only after
+it, so a scheduler's start waits for the whole group), listens on an ephemeral 127.0.0.1 port,
+writes it to the pipe, accepts the controller's authenticated connection and serves the object
+until the controller disconnects or a method returns `ExitAfterReply`; then `os._exit(0)`
+(interpreter teardown after collectives sometimes aborts; the reply has been sent by then).
+
+`serve(conn, obj)` answers the controller's requests with `obj`'s public methods, one at a time,
+in the calling (main) thread. See `rpc.py` for the controller side, `rpc_wire.py` for messages.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
+from multiprocessing.context import AuthenticationError
+from typing import Any, NoReturn
+
+from tandem.launch.affinity import apply_cpu_affinity_from_env
+from tandem.launch.guard import die_with_parent
+from tandem.launch.rpc_wire import ERR, OK, Channel, dumps, failure_of
+
+# What a scheduler puts in a worker's environment (read by `serve_from_environment`).
+ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"  # hex of the run's key; removed from the environment once read
+ENV_READY_FD = "TANDEM_RPC_READY_FD"  # a pipe to write the listening port to, then close
+ENV_PARENT_PID = "TANDEM_PARENT_PID"  # the controller: SIGKILL when it dies
+ENV_NAME = "TANDEM_RPC_NAME"  # the process's name in its log lines (e.g. actor-rank0)
+
+
+@dataclass
+class ExitAfterReply:
+    """Return this from a served method to send `value` and then leave the serve loop."""
+
+    value: Any = None
+
+
+def serve(conn: Connection, obj: Any) -> None:
+    """Answer requests on `conn` with `obj`'s public methods until the controller disconnects or
+    a method returns `ExitAfterReply`. Runs in the calling (main) thread."""
+    channel = Channel(conn)
+    while True:
+        try:
+            call_id, method, args, kwargs = channel.recv()
+        except (EOFError, OSError):
+            return  # the controller is gone
+        leave = False
+        try:
+            if method.startswith("_"):
+                raise AttributeError(f"{method!r} is private; only public methods are served")
+            fn = getattr(obj, method, None)
+            if not callable(fn):
+                raise AttributeError(f"{type(obj).__name__} has no method {method!r}")
+            value = fn(*args, **kwargs)
+            if isinstance(value, ExitAfterReply):
+                value, leave = value.value, True
+            try:
+                reply = dumps((call_id, OK, value))
+            except Exception as exc:
+                raise TypeError(f"the result of {method!r} cannot be sent: {exc}") from exc
+        except BaseException as exc:  # reported to the controller, which decides
+            reply = dumps((call_id, ERR, failure_of(exc)))
+            if isinstance(exc, SystemExit | KeyboardInterrupt):
+                leave = True
+        try:
+            channel.send(reply)
+        except OSError:
+            return
+        if leave:
+            return
+
+
+
+def serve_from_environment(build: Callable[[], object]) -> NoReturn:
+    """Run a worker process as the module docstring says: `build()` makes the object to serve.
+    An exception from `build` ends the process with it (the scheduler reports a failed start)."""
+    apply_cpu_affinity_from_env()
+    if (parent := os.environ.get(ENV_PARENT_PID)) is not None:
+        die_with_parent(int(parent))
+    authkey = bytes.fromhex(os.environ.pop(ENV_AUTHKEY))
+    ready_fd = int(os.environ.pop(ENV_READY_FD))
+    name = os.environ.get(ENV_NAME, f"worker-{os.getpid()}")
+    obj = build()
+    conn = _accept(authkey, ready_fd)
+    print(f"{name}: pid {os.getpid()}, {obj}: serving RPC", flush=True)
+    try:
+        serve(conn, obj)
+    finally:
+        print(f"{name}: leaving", flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _accept(authkey: bytes, ready_fd: int) -> Connection:
+    """Listen on 127.0.0.1, announce the port on `ready_fd`, accept the controller (connections
+    that fail the key's challenge are dropped)."""
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    os.write(ready_fd, f"{listener.address[1]}\n".encode())
+    os.close(ready_fd)
+    while True:
+        try:
+            conn = listener.accept()
+            break
+        except AuthenticationError:
+            continue  # not our controller
+    listener.close()
+    return conn

@@ -1,0 +1,124 @@
+"""`TrainController`: the controller's handle on one trainer group, one method per RPC.
+
+    trainer = TrainController.start(scheduler, "archon:d2", device="cpu")
+    trainer.initialize(engine_config)
+    stats = trainer.ppo_update(shards, algo, version=3, temperature=1.0, n_minibatches=1)
+
+Control plane only: it names `TrainWorker` methods (never strings) over a `WorkerGroup` and
+imports neither the engine nor model code. Methods that take `shards` give rank r `shards[r]`
+(one per rank, e.g. from `tandem.rl.dispatch.split_for_ranks`); the others send every rank the
+same arguments. Every call runs on every rank, and errors are the RPC layer's (`RemoteError`,
+`WorkerCrashedError`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tandem.launch.rpc import WorkerGroup
+from tandem.train.worker import EngineInfo, RankInfo, TrainWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.algo.config import AlgoConfig
+    from tandem.config.alloc import Component
+    from tandem.fleet.protocol import Fleet
+    from tandem.launch.scheduler import Scheduler
+    from tandem.train.batch import SequenceBatch
+    from tandem.train.config import TrainEngineConfig
+    from tandem.train.engine import TokenOutputs
+    from tandem.weights.meta import WeightUpdateMeta
+    from tandem.weights.report import UpdateReport
+
+WORKER_MODULE = "tandem.train.worker"
+
+
+class TrainController:
+    """Drives the ranks of `group`, which serve `TrainWorker` (or a subclass)."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    @classmethod
+    def start(cls, scheduler: Scheduler, alloc: Component | str | int, *, name: str = "actor",
+              device: str = "cpu", backend: str | None = None, env: Mapping[str, str] | None = None,
+              timeout_s: float = 180.0, module: str = WORKER_MODULE) -> TrainController:
+        """Start the group's processes (`python -m module`, default `tandem.train.worker`) and
+        return once every rank has joined the process group and is connected. The engine is not
+        built yet: call `initialize`."""
+        args = ["--device", device, *(["--backend", backend] if backend else [])]
+        return cls(scheduler.start_workers(alloc, module, args=args, name=name, device=device,
+                                           timeout_s=timeout_s, env=env))
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: every rank (the trainer has no tensor or pipeline parallelism),
+        so a batch is split into this many shards."""
+        return self.group.world_size
+
+    def ping(self) -> list[RankInfo]:
+        return self.group.call(TrainWorker.ping)
+
+    def initialize(self, config: TrainEngineConfig) -> list[EngineInfo]:
+        """Build the engine on every rank."""
+        return self.group.call(TrainWorker.initialize, config)
+
+    # ---------------------------------------------------------------------------- training
+
+    def compute_logprobs(self, shards: Sequence[SequenceBatch], temperature: float = 1.0) -> list[TokenOutputs]:
+        """Each rank's `TokenOutputs` of its shard, in rank order."""
+        return self.group.call_per_rank(TrainWorker.compute_logprobs, [(s,) for s in shards],
+                                        {"temperature": temperature})
+
+    def ppo_update(self, shards: Sequence[SequenceBatch], algo: AlgoConfig, version: int, temperature: float,
+                   n_minibatches: int) -> dict[str, float]:
+        """One decoupled-PPO update (`TrainWorker.ppo_update`); the stats, reduced over ranks."""
+        opts = {"algo": algo, "version": version, "temperature": temperature, "n_minibatches": n_minibatches}
+        return self.group.call_per_rank(TrainWorker.ppo_update, [(s,) for s in shards], opts)[0]
+
+    def sft_step(self, shards: Sequence[SequenceBatch]) -> dict[str, float]:
+        """One supervised step; the stats (loss and token counts are global, the same on every rank)."""
+        return self.group.call_per_rank(TrainWorker.sft_step, [(s,) for s in shards])[0]
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def save_hf(self, path: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
+                overwrite: bool = False) -> str:
+        """HF directory of the current weights; its path."""
+        return self.group.call(TrainWorker.save_hf, path, tokenizer_dir=tokenizer_dir, dtype=dtype,
+                               overwrite=overwrite)[0]
+
+    def save(self, path: str) -> str:
+        """Trainer state (weights, optimizer, step, LR schedule) under `path`."""
+        return self.group.call(TrainWorker.save, path)[0]
+
+    def load(self, path: str) -> int:
+        """Resume from `save`; the step it was saved at."""
+        return self.group.call(TrainWorker.load, path)[0]
+
+    # ---------------------------------------------------------------------------- weight sync
+
+    def init_weight_update(self, meta: WeightUpdateMeta, fleet: Fleet, *, verify: bool = False) -> None:
+        """Prepare weight updates to the servers; only rank 0 gets `fleet`."""
+        fleets = [fleet, *([None] * (self.world_size - 1))]
+        self.group.call_per_rank(TrainWorker.init_weight_update, [(meta, f) for f in fleets], {"verify": verify})
+
+    def update_weights(self, version: int) -> UpdateReport:
+        """Move the current weights to every server as `version`; rank 0's report."""
+        return self.group.call(TrainWorker.update_weights, version)[0]
+
+    def close_weight_update(self) -> None:
+        self.group.call(TrainWorker.close_weight_update)
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Ask every rank to leave and wait for the processes (`WorkerGroup.shutdown`)."""
+        return self.group.shutdown(timeout_s)
+
+    def __repr__(self) -> str:
+        return f"TrainController({self.group!r})"

@@ -1,0 +1,192 @@
+"""One trainer rank: a process of the SPMD trainer group, driven by RPC from a `TrainController`.
+
+    python -m tandem.train.worker --device cpu [--backend gloo] [--pg-timeout 1800]
+
+A scheduler starts it (`Scheduler.start_workers(alloc, "tandem.train.worker", ...)`) with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the RPC bootstrap variables in its
+environment. It joins the torch.distributed group (gloo on CPU, NCCL on CUDA, unless --backend
+says otherwise) and hands a `TrainWorker` to `tandem.launch.rpc_server.serve_from_environment`.
+
+Every public method of `TrainWorker` is an RPC; the controller calls each on every rank, because
+most are collectives. Each step of a training loop is a method here, with typed arguments: nothing
+crosses the process boundary as a function path.
+
+Importing this module is cheap (no engine, no model code): the controller imports it to name the
+methods it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from tandem.launch.rpc_server import ExitAfterReply, serve_from_environment
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.algo.config import AlgoConfig
+    from tandem.fleet.protocol import Fleet
+    from tandem.train.batch import SequenceBatch
+    from tandem.train.config import TrainEngineConfig
+    from tandem.train.engine import TokenOutputs, TrainEngine
+    from tandem.weights.meta import WeightUpdateMeta
+    from tandem.weights.report import UpdateReport
+    from tandem.weights.updater import WeightUpdater
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What `ping` says about a rank."""
+
+    rank: int
+    world_size: int
+    pid: int
+    device: str
+    backend: str
+    initialized: bool  # the engine is built
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What `initialize` says about a rank's new engine."""
+
+    rank: int
+    step: int
+    local_params: int  # elements of this rank's parameter shards
+
+
+class TrainWorker:
+    """What the controller can ask a trainer rank to do. Methods marked collective must run on
+    every rank, in the same order (a `TrainController` always calls them so)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str):
+        self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
+        self.engine: TrainEngine | None = None
+        self.updater: WeightUpdater | None = None
+
+    def __str__(self) -> str:
+        return f"trainer rank {self.rank}/{self.world_size}, {self.backend} on {self.device}"
+
+    # ---------------------------------------------------------------------------- basics
+
+    def ping(self) -> RankInfo:
+        return RankInfo(self.rank, self.world_size, os.getpid(), str(self.device), self.backend,
+                        self.engine is not None)
+
+    def initialize(self, config: TrainEngineConfig) -> EngineInfo:
+        """Build the `TrainEngine`. Collective."""
+        from tandem.train.engine import TrainEngine
+
+        if self.engine is not None:
+            raise RuntimeError("the engine is initialised already")
+        self.engine = TrainEngine(config)
+        n_params = sum(p.numel() for p in self.engine.model.parameters())
+        return EngineInfo(self.rank, self.engine.step, int(n_params))
+
+    def _engine(self) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError("no engine on this worker yet: call initialize(config) first")
+        return self.engine
+
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return int(self._engine().step)
+
+    # ---------------------------------------------------------------------------- training
+
+    def compute_logprobs(self, shard: SequenceBatch, temperature: float = 1.0) -> TokenOutputs:
+        """Logprobs and entropies of this rank's shard under the current weights. Collective."""
+        return self._engine().forward_logprobs(shard, temperature=temperature)
+
+    def ppo_update(self, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float,
+                   n_minibatches: int) -> dict[str, float]:
+        """Decoupled PPO on this rank's shard (`tandem.train.rl_step.ppo_update`): proximal
+        logprobs with the weights of `version`, then `n_minibatches` optimizer steps. Stats are
+        reduced over all ranks. Collective."""
+        from tandem.train.rl_step import ppo_update
+
+        return ppo_update(self._engine(), shard, algo, version, temperature, n_minibatches)
+
+    def sft_step(self, shard: SequenceBatch) -> dict[str, float]:
+        """One supervised optimizer step, loss on the shard's loss-mask tokens (the completion).
+        Collective."""
+        from tandem.train.losses import sft_loss
+
+        return self._engine().train_batch(shard, sft_loss)
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def save_hf(self, path: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
+                overwrite: bool = False) -> str:
+        """HF directory of the current weights (`TrainEngine.save_hf`). Collective."""
+        return str(self._engine().save_hf(path, tokenizer_dir=tokenizer_dir, dtype=dtype, overwrite=overwrite))
+
+    def save(self, path: str) -> str:
+        """Weights, optimizer, step, LR schedule (DCP). Collective."""
+        return str(self._engine().save_state(path))
+
+    def load(self, path: str) -> int:
+        """Resume from `save`; returns the step. Collective."""
+        engine = self._engine()
+        engine.load_state(path)
+        return int(engine.step)
+
+    # ---------------------------------------------------------------------------- weight sync
+
+    def init_weight_update(self, meta: WeightUpdateMeta, fleet: Fleet | None, **opts: Any) -> None:
+        """Prepare weight updates to the servers: `fleet` is rank 0's way to them (None on the
+        other ranks), `opts` are `WeightUpdater`'s keyword options (`verify`, ...). Collective."""
+        from tandem.weights.updater import WeightUpdater
+
+        self.close_weight_update()
+        self.updater = WeightUpdater(self._engine(), fleet, meta, **opts)
+
+    def update_weights(self, version: int) -> UpdateReport:
+        """Move the current weights to every server as `version`. Collective."""
+        if self.updater is None:
+            raise RuntimeError("call init_weight_update(meta, fleet) first")
+        return self.updater.update(version)
+
+    def close_weight_update(self) -> None:
+        if self.updater is not None:
+            updater, self.updater = self.updater, None
+            updater.close()
+
+    def shutdown(self) -> ExitAfterReply:
+        """Reply (rank, pid, step), then the process leaves (`os._exit(0)`)."""
+        with contextlib.suppress(Exception):
+            self.close_weight_update()
+        step = None if self.engine is None else int(self.engine.step)
+        return ExitAfterReply({"rank": self.rank, "pid": os.getpid(), "step": step})
+
+
+def main(argv: list[str] | None = None, worker_type: type[TrainWorker] = TrainWorker) -> NoReturn:
+    """Join this rank's process group, then serve a `worker_type` (a subclass may add methods)."""
+    parser = argparse.ArgumentParser(prog="python -m tandem.train.worker")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (LOCAL_RANK picks the GPU)")
+    parser.add_argument("--backend", default=None, help="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
+    parser.add_argument("--pg-timeout", type=float, default=1800.0, help="seconds for rendezvous and each collective")
+    args = parser.parse_args(argv)
+
+    def build() -> TrainWorker:
+        from tandem.train.dist import default_backend, init_from_env, resolve_device
+
+        device = resolve_device(args.device)
+        backend = args.backend or default_backend(device)
+        init_from_env(backend, timedelta(seconds=args.pg_timeout))
+        return worker_type(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, backend)
+
+    serve_from_environment(build)
+
+
+if __name__ == "__main__":
+    # Serve the classes of the imported module, not of this `__main__` copy: results pickle by
+    # module name, and the controller knows them as `tandem.train.worker.*`.
+    from tandem.train.worker import main as imported_main
+
+    imported_main()
