@@ -57,19 +57,19 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
 
 
 @dataclass
-class Fleet:
-    servers: list[str]  # URLs
+class InferenceServers:
+    addresses: list[str]  # URLs
     launched: bool
     api_key: str | None  # what every request to the servers carries
 
 
 def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, *,
-                  weights_dir: Path | None = None) -> Fleet:
+                  weights_dir: Path | None = None) -> InferenceServers:
     """The run's inference servers: launched for `tandem:dN` (each requiring the run's API key,
     `rollout.api_key` or a fresh per-run key, handed over in the environment where other users
     cannot read it; disk updates allowed from `weights_dir`), else the listed addresses."""
     if not cfg.rollout.launched_by_tandem:
-        return Fleet(list(cfg.rollout.servers), launched=False, api_key=cfg.rollout.api_key)
+        return InferenceServers(list(cfg.rollout.servers), launched=False, api_key=cfg.rollout.api_key)
     comp = cfg.rollout.allocation.components[0]
     api_key = cfg.rollout.api_key or secrets.token_urlsafe(32)
     env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
@@ -78,4 +78,4 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         server_args += ["--weights-dir", str(weights_dir)]
     handles = scheduler.start_servers(comp, model_path, server_args=server_args, device=cfg.experiment.device,
                                       env=env, api_key=api_key)
-    return Fleet([h.url for h in handles], launched=True, api_key=api_key)
+    return InferenceServers([h.url for h in handles], launched=True, api_key=api_key)

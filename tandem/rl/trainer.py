@@ -145,9 +145,9 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
          totals: dict[str, float]) -> None:
     start_step = plan.start_step
     meta = weight_update_meta(cfg, plan.run_dir)
-    fleet = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
+    servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
     trainer = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
-    rollout_cfg = dataclasses.replace(cfg.rollout, servers=fleet.servers, api_key=fleet.api_key)
+    rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key)
     workflow = RLVRWorkflow(
         reward_fn=reward_fn,
         params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
@@ -158,7 +158,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
 
     def run_eval(step: int) -> dict[str, float]:
         began = time.monotonic()
-        stats = evaluate(fleet.servers, data.eval, reward_fn, runner, tokenizer, max_new_tokens=cfg.gen.max_new_tokens,
+        stats = evaluate(servers.addresses, data.eval, reward_fn, runner, tokenizer, max_new_tokens=cfg.gen.max_new_tokens,
                          client_config=rollout_cfg.client_config())
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],

@@ -94,13 +94,20 @@ def test_every_adapter_maps_or_refuses_every_operation(kind):
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    """Records every POST and answers like a tandem server that accepts everything."""
+    """Records every request (GET ones with an empty body) and answers like a tandem server that
+    accepts everything."""
 
     calls: ClassVar[list[tuple[str, dict]]] = []
 
+    def do_GET(self):
+        self.calls.append((self.path, {}))
+        self._answer()
+
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-        self.calls.append((self.path, body))
+        self.calls.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")))
+        self._answer()
+
+    def _answer(self):
         answer = {"success": True, "message": "ok", "dtype": "float32", "checksums": {"a": "00"},
                   "weight_version": "7"}
         data = json.dumps(answer).encode()
