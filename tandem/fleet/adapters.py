@@ -43,6 +43,17 @@ class Capabilities:
     shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
     checksums: bool  # per-tensor checksums of the served weights
 
+    def missing_for(self, update_type: str) -> str | None:
+        """What these servers lack for a weight update of `update_type` (disk, distributed, shm;
+        every one stages, then commits), or None."""
+        if not self.staged_commit:
+            return "staged transfers with commit/discard"
+        if update_type == "distributed" and not self.distributed_update:
+            return "weight updates over a transfer group"
+        if update_type == "shm" and not self.shared_memory:
+            return "shared-memory weight updates"
+        return None
+
 
 @dataclass(frozen=True)
 class Answer:

@@ -22,7 +22,7 @@ from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.protocol import run_update
 from tandem.weights.report import UpdateReport, WeightSyncError
 from tandem.weights.source import WeightSource
-from tandem.weights.transports import TransportOptions, make_transport, missing_capability
+from tandem.weights.transports import TransportOptions, make_transport
 from tandem.weights.verify import UpdateVerifier
 
 
@@ -38,7 +38,7 @@ class WeightUpdater:
         if self.rank == 0:
             if fleet is None:
                 raise ValueError("trainer rank 0 needs the fleet")
-            lacking = missing_capability(meta.type, fleet.capabilities)
+            lacking = fleet.capabilities.missing_for(meta.type)
             if lacking is not None:
                 raise WeightSyncError(f"weight_sync={meta.type!r} needs {lacking}, which these servers do not "
                                       "offer; use servers that do (tandem serve) or another train.weight_sync",

@@ -3,7 +3,6 @@ and `shared_memory` (`shm`), each a `Transport` owning its buffers and in-flight
 
 from __future__ import annotations
 
-from tandem.fleet.adapters import Capabilities
 from tandem.fleet.protocol import Fleet
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.source import WeightSource
@@ -16,20 +15,9 @@ _TRANSPORTS: dict[str, type[Transport]] = {
     "disk": DiskTransport, "distributed": BroadcastTransport, "shm": SharedMemoryTransport}
 
 
-def missing_capability(update_type: str, capabilities: Capabilities) -> str | None:
-    """What the servers lack for `update_type` (every transport stages, then commits), or None."""
-    if not capabilities.staged_commit:
-        return "staged transfers with commit/discard"
-    if update_type == "distributed" and not capabilities.distributed_update:
-        return "weight updates over a transfer group"
-    if update_type == "shm" and not capabilities.shared_memory:
-        return "shared-memory weight updates"
-    return None
-
-
 def make_transport(meta: WeightUpdateMeta, source: WeightSource, fleet: Fleet | None, rank: int, world_size: int,
                    options: TransportOptions) -> Transport:
     return _TRANSPORTS[meta.type](source, fleet, rank, world_size, options)
 
 
-__all__ = ["Transport", "TransportOptions", "make_transport", "missing_capability"]
+__all__ = ["Transport", "TransportOptions", "make_transport"]
