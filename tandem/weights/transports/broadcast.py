@@ -17,17 +17,18 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import call
+from tandem.fleet.protocol import Fleet, call
 from tandem.weights.calls import InFlight, wait_for
 from tandem.weights.group import WeightGroup, WeightGroupError, host_store, init_weight_group
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.packing import FlatBuffers, Packed, specs_of
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
 from tandem.weights.shm import layout, tensor_views
-from tandem.weights.source import Bucket
-from tandem.weights.transports.base import StreamingTransport
+from tandem.weights.source import Bucket, WeightSource
+from tandem.weights.transports.base import StreamingTransport, TransportOptions
 
 
 def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s: float) -> float:
@@ -39,10 +40,11 @@ def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s
 
 
 class BroadcastTransport(StreamingTransport):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, source: WeightSource, fleet: Fleet | None, rank: int, world_size: int,
+                 options: TransportOptions):
+        super().__init__(source, fleet, rank, world_size, options)
         self.group: WeightGroup | None = None
-        self._store: object | None = None
+        self._store: dist.TCPStore | None = None
         self._buffers = FlatBuffers()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if self.rank == 0 else None
         self._in_flight: InFlight | None = None

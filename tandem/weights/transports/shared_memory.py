@@ -18,18 +18,20 @@ import time
 import torch
 
 from tandem.fleet import ops
+from tandem.fleet.protocol import Fleet
 from tandem.weights.calls import InFlight
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.packing import Packed, merge_packed, specs_of
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
 from tandem.weights.shm import ShmWriter, cuda_ipc_handle, remove_stale_segments, tensor_views
-from tandem.weights.source import Bucket
-from tandem.weights.transports.base import StreamingTransport
+from tandem.weights.source import Bucket, WeightSource
+from tandem.weights.transports.base import StreamingTransport, TransportOptions
 
 
 class SharedMemoryTransport(StreamingTransport):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, source: WeightSource, fleet: Fleet | None, rank: int, world_size: int,
+                 options: TransportOptions):
+        super().__init__(source, fleet, rank, world_size, options)
         self._sets: list[ShmWriter | None] = [None, None]
         self._live: int | None = None  # the set the servers serve from
         self._current = 0  # the set this update writes
