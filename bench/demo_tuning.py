@@ -38,7 +38,7 @@ from tandem.algo import (
     shape_rewards,
     summarize_stats,
 )
-from tandem.config.schema import OptimizerConfig
+from tandem.config.optimizer import OptimizerConfig
 from tandem.data.tasks import get_task
 from tandem.data.tasks.chat import encode_prompt, sft_example
 from tandem.data.trajectory import Trajectory

@@ -49,7 +49,7 @@ def nll_sum(logprobs, entropy, mb):
 def bench_preset(preset: str, warmup: int, iters: int) -> dict[str, float]:
     import transformers
 
-    from tandem.config.schema import OptimizerConfig
+    from tandem.config.optimizer import OptimizerConfig
     from tandem.models.tiny import init_model
     from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
 

@@ -14,30 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config.alloc import parse_allocation_of_kind
-from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.rpc import WorkerGroup
-from tandem.train import MicroBatchConfig, TrainEngineConfig
+from tandem.rl.config import TandemConfig
 
 logger = logging.getLogger("tandem.run")
-
-
-def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> TrainEngineConfig:
-    actor = cfg.actor
-    return TrainEngineConfig(
-        path=model_path,
-        device=cfg.experiment.device,
-        dtype=actor.dtype,
-        seed=cfg.experiment.seed,
-        deterministic=actor.deterministic,
-        activation_checkpoint=actor.activation_checkpoint,
-        ac_every=actor.ac_every,
-        compile=actor.compile,
-        total_train_steps=total_steps,
-        optimizer=actor.optimizer,
-        mb=MicroBatchConfig(max_tokens_per_mb=actor.max_tokens_per_mb),
-    )
 
 
 def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> WorkerGroup:
@@ -50,7 +32,7 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         env[ENV_CPUS] = cfg.actor.cpus
     workers = scheduler.start_workers(comp, name="actor", device=cfg.experiment.device, env=env)
     began = time.monotonic()
-    ranks = workers.call("initialize", engine_config(cfg, model_path, total_steps))
+    ranks = workers.call("initialize", cfg.actor)
     logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),
                 cfg.actor.dtype, f"{ranks[0]['local_params']:,}", time.monotonic() - began)
     return workers

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.loader import to_yaml
-from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.cluster import start_servers, start_workers
+from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks

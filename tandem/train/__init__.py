@@ -4,12 +4,22 @@
     stats = engine.train_batch(SequenceBatch.from_token_lists(ids, loss_mask=masks), sft_loss)
 """
 
-from tandem.train.batch import MicroBatch, SequenceBatch, shift_to_next_token
-from tandem.train.config import MicroBatchConfig, TrainEngineConfig
-from tandem.train.engine import TokenOutputs, TrainEngine
-from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens, loss_mask_of, sft_loss
-from tandem.train.microbatch import plan_micro_batches, restore_order
-from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
+from tandem.lazy import lazy_attributes
+
+# Loaded on first use: `TrainEngineConfig` is the run config's `actor` section, whose loading
+# (`show-config`, the checks before a run) must not import torch.
+_LAZY = {
+    "MicroBatch": "tandem.train.batch", "SequenceBatch": "tandem.train.batch",
+    "shift_to_next_token": "tandem.train.batch",
+    "MicroBatchConfig": "tandem.train.config", "TrainEngineConfig": "tandem.train.config",
+    "TokenOutputs": "tandem.train.engine", "TrainEngine": "tandem.train.engine",
+    "LossFn": "tandem.train.losses", "LossWeightFn": "tandem.train.losses",
+    "count_loss_tokens": "tandem.train.losses", "loss_mask_of": "tandem.train.losses", "sft_loss": "tandem.train.losses",
+    "plan_micro_batches": "tandem.train.microbatch", "restore_order": "tandem.train.microbatch",
+    "LRSchedule": "tandem.train.optim", "build_optimizer": "tandem.train.optim", "clip_grad_norm": "tandem.train.optim",
+}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "LRSchedule",
