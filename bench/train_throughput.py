@@ -49,9 +49,9 @@ def nll_sum(logprobs, entropy, mb):
 def bench_preset(preset: str, warmup: int, iters: int) -> dict[str, float]:
     import transformers
 
-    from tandem.config.optimizer import OptimizerConfig
     from tandem.models.tiny import init_model
     from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
+    from tandem.train.config import OptimizerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         path = init_model(Path(tmp) / preset, preset=preset, seed=0)

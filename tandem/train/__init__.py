@@ -11,7 +11,8 @@ from tandem.lazy import lazy_attributes
 _LAZY = {
     "MicroBatch": "tandem.train.batch", "SequenceBatch": "tandem.train.batch",
     "shift_to_next_token": "tandem.train.batch",
-    "MicroBatchConfig": "tandem.train.config", "TrainEngineConfig": "tandem.train.config",
+    "MicroBatchConfig": "tandem.train.config", "OptimizerConfig": "tandem.train.config",
+    "TrainEngineConfig": "tandem.train.config",
     "TokenOutputs": "tandem.train.engine", "TrainEngine": "tandem.train.engine",
     "LossFn": "tandem.train.losses", "LossWeightFn": "tandem.train.losses",
     "count_loss_tokens": "tandem.train.losses", "loss_mask_of": "tandem.train.losses", "sft_loss": "tandem.train.losses",
@@ -27,6 +28,7 @@ __all__ = [
     "LossWeightFn",
     "MicroBatch",
     "MicroBatchConfig",
+    "OptimizerConfig",
     "SequenceBatch",
     "TokenOutputs",
     "TrainEngine",

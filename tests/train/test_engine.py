@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from tandem.config.optimizer import OptimizerConfig
 from tandem.errors import ConfigError
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.parallel import ParallelizeConfig
 from tandem.train import LRSchedule, MicroBatchConfig, TrainEngine
+from tandem.train.config import OptimizerConfig
 from tests.train.helpers import (
     engine_config,
     full_params,
