@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--prompts", type=int, default=2, help="prompts per training batch (rollout.consumer_batch_size)")
     a("--samples", type=int, default=8, help="samples per prompt (gen.n_samples)")
     a("--max-new-tokens", type=int, default=384)
-    a("--mb-tokens", type=int, default=512, help="actor.max_tokens_per_mb")
+    a("--mb-tokens", type=int, default=512, help="actor.mb.max_tokens_per_mb")
     a("--steps", type=int, default=10, help="train.total_steps of each run")
     a("--skip", type=int, default=2, help="steps left out of the steady-state window (warm-up)")
     a("--staleness", type=int, default=2, help="max_head_offpolicyness of the asynchronous run")
@@ -213,7 +213,7 @@ def run_train(args: argparse.Namespace, model: Path, root: Path, staleness: int,
         f"rollout.consumer_batch_size={args.prompts}",
         f"gen.n_samples={args.samples}",
         f"gen.max_new_tokens={args.max_new_tokens}",
-        f"actor.max_tokens_per_mb={args.mb_tokens}",
+        f"actor.mb.max_tokens_per_mb={args.mb_tokens}",
         "actor.optimizer.lr=1e-4",
         "task.name=arithmetic",
         "task.options={difficulty: add2, instruction: false}",
@@ -358,7 +358,7 @@ def main() -> None:
         f"{args.staleness}: preset {args.preset} (random init), arithmetic add2 without the instruction "
         f"sentence (23-token prompts), {args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} "
         f"new tokens per step (= {args.prompts * args.samples} trained samples), fp32, "
-        f"`actor.max_tokens_per_mb={args.mb_tokens}`; one server (`tandem:d1`, `--num-threads 1`, "
+        f"`actor.mb.max_tokens_per_mb={args.mb_tokens}`; one server (`tandem:d1`, `--num-threads 1`, "
         f"`rollout.cpus=0`), one trainer rank (`archon:d1`, `actor.num_threads=1`, `actor.cpus=1`), "
         f"controller unpinned. {args.steps} steps per run, steps 1-{args.skip} excluded; median of "
         f"{args.repeats} runs per mode, alternated. \"Busy\" = CPU seconds of that role's processes / "

@@ -38,13 +38,13 @@ from tandem.algo import (
     shape_rewards,
     summarize_stats,
 )
-from tandem.config.schema import OptimizerConfig
 from tandem.data.tasks import get_task
 from tandem.data.tasks.chat import encode_prompt, sft_example
 from tandem.data.trajectory import Trajectory
 from tandem.inference import LLMEngine, SamplingParams
 from tandem.models.tiny import init_model
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig, sft_loss
+from tandem.train.config import OptimizerConfig
 
 BUCKET_BYTES = 64 << 20
 

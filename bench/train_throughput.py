@@ -49,9 +49,9 @@ def nll_sum(logprobs, entropy, mb):
 def bench_preset(preset: str, warmup: int, iters: int) -> dict[str, float]:
     import transformers
 
-    from tandem.config.schema import OptimizerConfig
     from tandem.models.tiny import init_model
     from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
+    from tandem.train.config import OptimizerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         path = init_model(Path(tmp) / preset, preset=preset, seed=0)
@@ -61,7 +61,8 @@ def bench_preset(preset: str, warmup: int, iters: int) -> dict[str, float]:
         n_tokens = sum(len(s) for s in seqs)
         batch = SequenceBatch([{"input_ids": s, "loss_mask": torch.ones_like(s)} for s in seqs])
 
-        engine = TrainEngine(TrainEngineConfig(path=str(path), optimizer=OptimizerConfig(lr=1e-5)))
+        one_mb = MicroBatchConfig(max_tokens_per_mb=None)  # the whole batch in one micro-batch, like HF
+        engine = TrainEngine(TrainEngineConfig(path=str(path), optimizer=OptimizerConfig(lr=1e-5), mb=one_mb))
 
         def tandem_fwd_bwd(engine: TrainEngine) -> None:
             engine.optimizer.zero_grad(set_to_none=True)

@@ -182,7 +182,7 @@ def run_tandem(args: argparse.Namespace, root: Path, preset: str, model: Path, s
         f"rollout.consumer_batch_size={args.prompts}", f"gen.n_samples={args.samples}",
         f"gen.max_new_tokens={args.max_new_tokens}", "gen.temperature=1.0", "gen.top_p=1.0", "gen.top_k=-1",
         f"actor.optimizer.lr={args.lr}", "actor.optimizer.weight_decay=0.01", "actor.optimizer.lr_scheduler=constant",
-        "actor.optimizer.gradient_clipping=1.0", "actor.max_tokens_per_mb=2048",
+        "actor.optimizer.gradient_clipping=1.0", "actor.mb.max_tokens_per_mb=2048",
         "algo.advantage.unbiased_std=true", "algo.advantage.eps=1e-4", "algo.ppo.eps_clip=0.2", "algo.ppo.kl_ctl=0",
         f"train.total_steps={args.steps}", "task.eval_size=4", f"task.train_size={args.steps * args.prompts}",
     ], root / f"{trial}.log", args.timeout)
@@ -223,7 +223,7 @@ def trl_worker(settings: dict) -> None:
     import trl
     from transformers import AutoTokenizer, TrainerCallback
 
-    from tandem.config.schema import TandemConfig
+    from tandem.rl.config import TandemConfig
     from tandem.rl.data import load_task_data
 
     out = Path(settings["out"])
@@ -465,7 +465,7 @@ def main() -> None:
         "server (`tandem:d1`, core 0) + one trainer rank (`archon:d1`, core 1), one thread each, "
         f"`rollout.max_head_offpolicyness` {args.staleness} (one run each: 0 is on-policy like TRL, 1 overlaps "
         "generation with training), "
-        "`actor.max_tokens_per_mb=2048` (one micro-batch per step). TRL: `GRPOTrainer` (CPU, HF `generate` in process, no vLLM), "
+        "`actor.mb.max_tokens_per_mb=2048` (one micro-batch per step). TRL: `GRPOTrainer` (CPU, HF `generate` in process, no vLLM), "
         f"{args.trl_threads} torch threads. Versions: {version_line}. Tokens/s and s/step over steps "
         f"{args.skip + 1}-{args.steps} (the step's own timers: Tandem's `time/*`, a TRL callback around each "
         f"optimizer step); reward = batch mean, smoothed over {args.smooth} steps (full windows only); time to reach = training time "

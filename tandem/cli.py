@@ -114,14 +114,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace):
-    """The validated config of a command: schema checks (`load_config`), then the flags given to
-    launched servers (`rollout.server_args`), which only this module's `serve` parser knows."""
-    from tandem.config.loader import load_config
+def config_from_args(args: argparse.Namespace, command: str = "train"):
+    """The validated run config of `tandem <command>` (train or sft): schema checks
+    (`load_run_config`), then the flags given to launched servers (`rollout.server_args`), which
+    only this module's `serve` parser knows."""
+    from tandem.rl.config import load_run_config
 
     items = list(args.config)
     path = items.pop(0) if items and "=" not in items[0] else None
-    cfg = load_config(path, items)
+    cfg = load_run_config(path, items, command)
     check_server_args(cfg.rollout.server_args, "rollout.server_args")
     return cfg
 
@@ -198,7 +199,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, "sft")
     require_model_path(cfg)
     from tandem.rl.console import setup_console
 

@@ -1,9 +1,9 @@
 """Algorithm configuration: reward shaping, advantages, the PPO-family loss, and named recipes.
 
-The sections follow `tandem.config.schema`'s conventions (field metadata carries help text,
-`choices` and `min`; `check(prefix)` validates what metadata cannot), so they can be mounted in
-the top-level config as they are. `recipe("grpo")` and friends return a ready `AlgoConfig`;
-`docs/algorithms.md` explains every field and formula.
+The sections follow the config conventions of `tandem.config.fields` (field metadata carries help
+text, `choices` and bounds; `check(prefix)` validates what metadata cannot), so they are mounted in
+the run config (`tandem.rl.config`) as they are. `recipe("grpo")` and friends return a ready
+`AlgoConfig`; `docs/algorithms.md` explains every field and formula.
 """
 
 from __future__ import annotations

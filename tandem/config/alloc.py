@@ -19,18 +19,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.config.alloc_rules import check_colocation, check_names, resolve_layout
+from tandem.config.alloc_rules import check_colocation, check_names, resolve_sizes
 from tandem.config.alloc_syntax import INFERENCE_BACKENDS, parse_syntax
+from tandem.config.parallel_sizes import ParallelSizes
 from tandem.errors import AllocationError, ConfigError
 
-__all__ = ["AllocationMode", "Component", "parse_allocation", "parse_allocation_of_kind"]
+__all__ = ["AllocationMode", "Component", "ParallelSizes", "parse_allocation", "parse_allocation_of_kind"]
 
 MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
 )
-_JSON_KEYS = (
-    "backend", "name", "dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size", "scheduling", "target",
-)  # fmt: skip
+_SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size")  # JSON keys read from `sizes`
 
 
 @dataclass(frozen=True)
@@ -39,14 +38,7 @@ class Component:
 
     backend: str
     name: str | None
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    edp: int  # expert data parallel size; equals dp without experts
-    world_size: int  # dp * tp * pp * cp
+    sizes: ParallelSizes
     scheduling: str  # "separation" | "colocation"
     target: str | None  # label of the component whose devices a colocated one shares
     devices: range
@@ -70,13 +62,14 @@ class Component:
         `launch_error` (the grammar's rule): parallelism `tandem serve` and the trainer lack so far."""
         if self.launch_error:
             return self.launch_error
-        if self.backend == "tandem" and self.tp * self.pp * self.cp > 1:
-            dims = "".join(f"{k}{v}" for k, v in (("t", self.tp), ("p", self.pp), ("c", self.cp)) if v > 1)
-            return (f"`tandem serve` runs one device per server; tandem:d{self.dp}{dims} asks for "
-                    f"{self.world_size // self.dp} devices per server (use tandem:d{self.world_size})")
-        if not self.is_inference and self.tp * self.pp * self.cp * self.ep > 1:
+        s = self.sizes
+        if self.backend == "tandem" and s.tp * s.pp * s.cp > 1:
+            dims = "".join(f"{k}{v}" for k, v in (("t", s.tp), ("p", s.pp), ("c", s.cp)) if v > 1)
+            return (f"`tandem serve` runs one device per server; tandem:d{s.dp}{dims} asks for "
+                    f"{s.world_size // s.dp} devices per server (use tandem:d{s.world_size})")
+        if not self.is_inference and s.tp * s.pp * s.cp * s.ep > 1:
             return (f"only data parallelism (d) is applied by the trainer so far; tensor/pipeline/context/expert "
-                    f"parallel training is not available yet (use {self.backend}:d{self.world_size})")
+                    f"parallel training is not available yet (use {self.backend}:d{s.world_size})")
         return None
 
     @property
@@ -85,7 +78,10 @@ class Component:
         return self.name or self.backend
 
     def to_json(self) -> dict[str, object]:
-        return {key: getattr(self, key) for key in _JSON_KEYS}
+        """backend, name, the sizes (dp ... edp, world_size), scheduling, target: in this order."""
+        sizes = {key: getattr(self.sizes, key) for key in _SIZE_KEYS}
+        return {"backend": self.backend, "name": self.name, **sizes, "scheduling": self.scheduling,
+                "target": self.target}
 
     def explain(self) -> str:
         kind = "inference" if self.is_inference else "training"
@@ -93,9 +89,10 @@ class Component:
         first, last = self.devices[0], self.devices[-1]
         where = f"device {first}" if first == last else f"devices {first}-{last}"
         sched = f"colocation with {self.target}" if self.scheduling == "colocation" else "separation"
+        s = self.sizes
         text = (
-            f"{head} ({kind}): dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep} "
-            f"etp={self.etp}, expert dp={self.edp}, world size {self.world_size}, {where}, {sched}"
+            f"{head} ({kind}): dp={s.dp} tp={s.tp} pp={s.pp} cp={s.cp} ep={s.ep} "
+            f"etp={s.etp}, expert dp={s.edp}, world size {s.world_size}, {where}, {sched}"
         )
         if self.launch_error:
             text += f"\n  note: {self.launch_error}"
@@ -145,31 +142,24 @@ def parse_allocation(spec: str) -> AllocationMode:
     if not isinstance(spec, str):
         raise AllocationError(f"allocation mode must be a string, got {type(spec).__name__}")
     groups = parse_syntax(spec)
-    layouts = [[resolve_layout(raw, spec) for raw in group] for group in groups]
+    sizes = [[resolve_sizes(raw, spec) for raw in group] for group in groups]
     check_names(groups, spec)
-    for group, group_layouts in zip(groups, layouts, strict=True):
-        check_colocation(group, group_layouts, spec)
+    for group, group_sizes in zip(groups, sizes, strict=True):
+        check_colocation(group, group_sizes, spec)
 
     components: list[Component] = []
     next_device = 0
-    for group, group_layouts in zip(groups, layouts, strict=True):
+    for group, group_sizes in zip(groups, sizes, strict=True):
         # The whole group lives on the first member's devices, right after the previous group.
-        devices = range(next_device, next_device + group_layouts[0].world_size)
+        devices = range(next_device, next_device + group_sizes[0].world_size)
         next_device = devices.stop
         anchor = group[0].name or group[0].backend
-        for index, (raw, lay) in enumerate(zip(group, group_layouts, strict=True)):
+        for index, (raw, member_sizes) in enumerate(zip(group, group_sizes, strict=True)):
             components.append(
                 Component(
                     backend=raw.backend,
                     name=raw.name,
-                    dp=lay.dp,
-                    tp=lay.tp,
-                    pp=lay.pp,
-                    cp=lay.cp,
-                    ep=lay.ep,
-                    etp=lay.etp,
-                    edp=lay.edp,
-                    world_size=lay.world_size,
+                    sizes=member_sizes,
                     scheduling="colocation" if index else "separation",
                     target=anchor if index else None,
                     devices=devices,

@@ -1,41 +1,25 @@
-"""Rules of allocation modes beyond syntax: parallel layout arithmetic and component naming."""
+"""Rules of allocation modes beyond syntax: parallel size arithmetic and component naming."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tandem.config.alloc_syntax import INFERENCE_BACKENDS, Dims, RawComponent
+from tandem.config.alloc_syntax import INFERENCE_BACKENDS, Dim, RawComponent
+from tandem.config.parallel_sizes import ParallelSizes
 from tandem.errors import AllocationError
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Resolved parallel sizes of one component; absent dimensions are 1."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    edp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-
-def _size(dims: Dims, letter: str) -> int:
+def _size(dims: dict[str, Dim], letter: str) -> int:
     return dims[letter].size if letter in dims else 1
 
 
-def resolve_layout(raw: RawComponent, spec: str) -> Layout:
+def resolve_sizes(raw: RawComponent, spec: str) -> ParallelSizes:
+    """The parallel sizes `raw` asks for; raises `AllocationError` at the offending letter when
+    the expert layout does not tile the devices."""
     if raw.attn is not None:
-        return _hybrid_layout(raw, spec)
+        return _hybrid_sizes(raw, spec)
     dims = raw.dims
     dp, tp, pp, cp, ep = (_size(dims, k) for k in "dtpce")
     if ep == 1:
-        return Layout(dp, tp, pp, cp, ep=1, etp=1, edp=dp)
+        return ParallelSizes(dp, tp, pp, cp)
     # Plain form with experts: like AReaL, expert tensor parallelism stays off (etp = 1) and the
     # experts are split over ep * pp devices, replicated edp = world / (ep * pp) times. Use the
     # hybrid attn/ffn form to set etp.
@@ -48,10 +32,10 @@ def resolve_layout(raw: RawComponent, spec: str) -> Layout:
             spec,
             dims["e"].pos,
         )
-    return Layout(dp, tp, pp, cp, ep, etp, edp=world // group)
+    return ParallelSizes(dp, tp, pp, cp, ep)  # edp = world / (ep * pp)
 
 
-def _hybrid_layout(raw: RawComponent, spec: str) -> Layout:
+def _hybrid_sizes(raw: RawComponent, spec: str) -> ParallelSizes:
     assert raw.attn is not None and raw.ffn is not None and raw.ffn_pos is not None
     attn, ffn = raw.attn, raw.ffn
     dp, tp, pp, cp = (_size(attn, k) for k in "dtpc")
@@ -73,7 +57,7 @@ def _hybrid_layout(raw: RawComponent, spec: str) -> Layout:
                 spec,
                 raw.ffn_pos,
             )
-        return Layout(dp, tp, pp, cp, ep, etp, edp=world // group)
+        return ParallelSizes(dp, tp, pp, cp, ep, etp, edp=world // group)
     edp = ffn["d"].size
     if edp * group != world:
         raise AllocationError(
@@ -83,7 +67,7 @@ def _hybrid_layout(raw: RawComponent, spec: str) -> Layout:
             spec,
             raw.ffn_pos,
         )
-    return Layout(dp, tp, pp, cp, ep, etp, edp)
+    return ParallelSizes(dp, tp, pp, cp, ep, etp, edp)
 
 
 def check_names(groups: list[list[RawComponent]], spec: str) -> None:
@@ -118,14 +102,14 @@ def check_names(groups: list[list[RawComponent]], spec: str) -> None:
             seen.add(comp.name)
 
 
-def check_colocation(group: list[RawComponent], layouts: list[Layout], spec: str) -> None:
+def check_colocation(group: list[RawComponent], sizes: list[ParallelSizes], spec: str) -> None:
     """Members of a '|' group share the first member's devices, so they need as many."""
-    first, want = group[0], layouts[0].world_size
-    for member, layout in zip(group[1:], layouts[1:], strict=True):
-        if layout.world_size != want:
+    first, want = group[0], sizes[0].world_size
+    for member, member_sizes in zip(group[1:], sizes[1:], strict=True):
+        if member_sizes.world_size != want:
             raise AllocationError(
                 f"colocated components must have equal world sizes: {first.name or first.backend!r} "
-                f"uses {want} devices but {member.name!r} uses {layout.world_size}; change the dims "
+                f"uses {want} devices but {member.name!r} uses {member_sizes.world_size}; change the dims "
                 f"so both use {want}",
                 spec,
                 member.start,

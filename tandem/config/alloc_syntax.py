@@ -40,24 +40,24 @@ _BARE_DIMS = re.compile(r"(?:[a-z][0-9]+)+\Z")  # 'd4t2' written without a backe
 
 @dataclass(frozen=True)
 class Dim:
+    """One dimension letter as written: its size, and where the letter is (for error carets)."""
+
     size: int
     pos: int  # index of the dimension letter in the original string
 
 
-Dims = dict[str, Dim]
-
-
 @dataclass
 class RawComponent:
-    """One `backend[name]:dims` as written; `attn`/`ffn` are set instead of `dims` for the hybrid form."""
+    """One `backend[name]:dims` as written, letters mapped to `Dim`; `attn`/`ffn` are set instead of
+    `dims` for the hybrid form. `alloc_rules.resolve_sizes` turns it into `ParallelSizes`."""
 
     backend: str
     start: int
     name: str | None = None
     name_pos: int | None = None
-    dims: Dims = field(default_factory=dict)
-    attn: Dims | None = None
-    ffn: Dims | None = None
+    dims: dict[str, Dim] = field(default_factory=dict)
+    attn: dict[str, Dim] | None = None
+    ffn: dict[str, Dim] | None = None
     ffn_pos: int | None = None
 
 
@@ -233,12 +233,12 @@ def _hybrid(cur: _Cursor, comp: RawComponent) -> None:
         cur.i += 1
 
 
-def _dims(cur: _Cursor, allowed: tuple[str, ...], where: str) -> Dims:
+def _dims(cur: _Cursor, allowed: tuple[str, ...], where: str) -> dict[str, Dim]:
     """Read `(letter size)+`; `where` names the backend or section for messages."""
     allowed_text = ", ".join(allowed)
     if not _is_letter(cur.peek()):
         cur.fail(f"expected dimensions for {where}, such as '{allowed[0]}2' (allowed: {allowed_text})")
-    dims: Dims = {}
+    dims: dict[str, Dim] = {}
     while _is_letter(cur.peek()):
         letter, at = cur.peek(), cur.i
         if letter not in allowed:

@@ -1,4 +1,5 @@
-"""The one helper every config dataclass uses to declare a field with its documentation and range."""
+"""Field metadata of config dataclasses: `config_field` declares a field with its documentation,
+choices and range; `validate` enforces them (and each section's `check`) on a whole config."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ _BOUNDS = ("min", "gt", "max", "lt")
 def config_field(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with a default and metadata: `help` text, and optionally `choices` (the
     allowed values) and bounds, `min` / `max` (inclusive) and `gt` / `lt` (exclusive), which
-    `tandem.config.loader.validate` enforces and the keys table documents."""
+    `validate` enforces and the keys table documents."""
     unknown = set(meta) - {"choices", *_BOUNDS}
     if unknown:
         raise TypeError(f"config_field: unknown metadata {sorted(unknown)}")
@@ -48,7 +49,7 @@ def range_problem(value: Any, meta: Any) -> str | None:
 def check_field_metadata(section: Any, prefix: str = "") -> None:
     """Enforce `choices` and bounds on a section's own fields (not its sub-sections), and refuse
     NaN and infinities in float fields; raises `ConfigError` naming the field, its allowed values
-    and how to fix it. `tandem.config.loader.validate` applies it to every section."""
+    and how to fix it. `validate` applies it to every section."""
     from tandem.errors import ConfigError
 
     for f in dataclasses.fields(section):
@@ -64,3 +65,17 @@ def check_field_metadata(section: Any, prefix: str = "") -> None:
         problem = range_problem(value, f.metadata)
         if problem is not None:
             raise ConfigError(f"{key}: {problem}; set {key} to a value in {describe_range(f.metadata)}")
+
+
+def validate(cfg: Any, prefix: str = "") -> None:
+    """Check field metadata (`choices`, bounds) and run each section's `check(prefix)`, depth
+    first, on a config dataclass and every section nested in it; raises `ConfigError` naming the
+    dotted key. The loader runs it on what it loads; components run it on configs built in code."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, prefix=f"{prefix}{f.name}.")
+    check_field_metadata(cfg, prefix)
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check(prefix)

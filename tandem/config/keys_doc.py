@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from tandem.config.fields import describe_range
-from tandem.config.loader import schema_keys
+from tandem.config.loader import derived_keys, schema_keys
 
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
 
@@ -21,7 +21,8 @@ def _type_name(schema: type, dotted: str) -> str:
     for part in dotted.split("."):
         ftype = typing.get_type_hints(ftype)[part]
     names = {int: "int", float: "float", bool: "bool", str: "str"}
-    return names.get(ftype) or str(ftype).replace("typing.", "")
+    name = names.get(ftype) or str(ftype).replace("typing.", "")
+    return name.replace("|", "\\|")  # a bare | would split the table cell
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -31,10 +32,13 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def keys_markdown(schema: type, defaults: Any = None) -> str:
-    """One row per leaf key; defaults are read from `defaults` (an instance) when given, so
-    recipe-derived defaults show as they apply."""
+    """One row per leaf key a user can set (the schema's derived keys are left out); defaults are
+    read from `defaults` (an instance) when given, so recipe-derived defaults show as they apply."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    derived = derived_keys(schema)
     for key, f in schema_keys(schema):
+        if key in derived:
+            continue
         value = defaults
         if value is not None:
             for part in key.split("."):

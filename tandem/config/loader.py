@@ -1,10 +1,17 @@
 """Load a config: schema defaults <- YAML file <- `key.sub=value` overrides, then validate.
 
-OmegaConf does the merging and type conversion. Before merging we walk the user's keys against the
-schema ourselves, so an unknown key is reported with its full dotted path and the closest valid
-keys anywhere in the schema (a user who writes `lr=1e-5` at the top level learns about
-`actor.optimizer.lr`). After merging, field metadata (`choices`, `min`) and each section's optional
-`check()` method validate values. Every failure is a `ConfigError` naming the field.
+Generic over the schema, a dataclass whose fields are values or nested section dataclasses (the
+run config is `tandem.rl.config.TandemConfig`). OmegaConf does the merging and type conversion.
+Before merging we walk the user's keys against the schema ourselves, so an unknown key is reported
+with its full dotted path and the closest valid keys anywhere in the schema (a user who writes
+`lr=1e-5` at the top level learns about `actor.optimizer.lr`). After merging, field metadata
+(`choices`, bounds) and each section's optional `check()` method validate values
+(`tandem.config.fields.validate`). Every failure is a `ConfigError` naming the field.
+
+Optional hooks on the schema class: `defaults_for(user_data)` builds the defaults from what the
+user wrote (e.g. an algorithm recipe), and `DERIVED`, a mapping of dotted keys that the schema's
+`check` fills from other keys to what to set instead: the loader refuses those keys in files and
+overrides, and `to_yaml` leaves them out so that a written config loads again.
 """
 
 from __future__ import annotations
@@ -20,14 +27,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tandem.config.fields import check_field_metadata
-from tandem.config.schema import TandemConfig
+from tandem.config.fields import validate
 from tandem.errors import ConfigError
 
 T = TypeVar("T")
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), schema: type[T] = TandemConfig) -> T:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
     """Return a validated `schema` instance from an optional YAML file and dotted overrides."""
     layers: list[tuple[str, dict]] = []
     if path is not None:
@@ -74,21 +80,22 @@ def _deep_merge(base: dict, update: Mapping) -> dict:
     return out
 
 
+def derived_keys(schema: type) -> Mapping[str, str]:
+    """The schema's `DERIVED` keys (dotted key -> what to set instead); empty without."""
+    return getattr(schema, "DERIVED", {})
+
+
 def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML (what a run records next to its outputs)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def validate(cfg: Any, prefix: str = "") -> None:
-    """Check field metadata (`choices`, `min`) and run each section's `check()`, depth first."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            validate(value, prefix=f"{prefix}{f.name}.")
-    check_field_metadata(cfg, prefix)
-    check = getattr(cfg, "check", None)
-    if callable(check):
-        check(prefix)
+    """The resolved config as YAML (what a run records next to its outputs), without its derived
+    keys, so that `load_config` reads it back to an equal config."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for key in derived_keys(type(cfg)):
+        *sections, leaf = key.split(".")
+        node = data
+        for part in sections:
+            node = node[part]  # type: ignore[index]
+        del node[leaf]  # type: ignore[union-attr]
+    return OmegaConf.to_yaml(data)
 
 
 def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
@@ -136,26 +143,33 @@ def _parse_overrides(overrides: Sequence[str]) -> dict:
 def _check_keys(schema: type, data: Mapping, prefix: str, source: str, root: type) -> None:
     hints = typing.get_type_hints(schema)
     fields = [f.name for f in dataclasses.fields(schema)]
+    derived = derived_keys(root)
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in fields:
             raise ConfigError(_unknown_key_message(str(key), prefix, fields, source, root))
+        if full in derived:
+            raise ConfigError(f"{full} is derived, not set: set {derived[full]} instead (found {full} in {source})")
         ftype = hints[key]
         if dataclasses.is_dataclass(ftype):
             if isinstance(value, Mapping):
                 _check_keys(ftype, value, prefix=f"{full}.", source=source, root=root)
             elif value is not None:
+                keys = [f.name for f in dataclasses.fields(ftype) if f"{full}.{f.name}" not in derived]
                 raise ConfigError(
-                    f"{full}: expected a section (a mapping of keys such as "
-                    f"{', '.join(f.name for f in dataclasses.fields(ftype))}), got {value!r} in {source}"
+                    f"{full}: expected a section (a mapping of keys such as {', '.join(keys)}), got {value!r} "
+                    f"in {source}"
                 )
 
 
 def _unknown_key_message(key: str, prefix: str, siblings: list[str], source: str, root: type) -> str:
     # Near-misses among the siblings first, then the same name in another section (a key written
-    # in the wrong place), as full dotted paths.
+    # in the wrong place), as full dotted paths; derived keys are not offered (they cannot be set).
+    derived = derived_keys(root)
+    siblings = [name for name in siblings if prefix + name not in derived]
     suggestions = [prefix + c for c in difflib.get_close_matches(key, siblings, n=3, cutoff=0.6)]
-    suggestions += [p for p, _ in schema_keys(root) if p.rsplit(".", 1)[-1] == key and p not in suggestions]
+    suggestions += [p for p, _ in schema_keys(root)
+                    if p.rsplit(".", 1)[-1] == key and p not in suggestions and p not in derived]
     msg = f"unknown config key {prefix + key!r} in {source}"
     if suggestions:
         msg += f"; did you mean {' or '.join(map(repr, suggestions))}?"

@@ -89,7 +89,7 @@ def server_layout(alloc: Component | str | int) -> list[list[int]]:
     if comp.run_error:
         raise LaunchError(comp.run_error)
     devs = list(comp.devices)
-    return [[devs[i]] for i in range(comp.dp)]
+    return [[devs[i]] for i in range(comp.sizes.dp)]
 
 
 def worker_layout(alloc: Component | str | int) -> tuple[int, list[int]]:
@@ -103,7 +103,7 @@ def worker_layout(alloc: Component | str | int) -> tuple[int, list[int]]:
         raise LaunchError(f"{comp.label!r} is an inference component; start it with start_servers")
     if comp.run_error:
         raise LaunchError(comp.run_error)
-    return comp.world_size, list(comp.devices)
+    return comp.sizes.world_size, list(comp.devices)
 
 
 class Scheduler(abc.ABC):

@@ -1,11 +1,21 @@
 """Parallelism building blocks: parallel dims and device meshes, FSDP2, activation checkpointing,
 per-block compile. Model families combine them in their `parallelize` function."""
 
-from tandem.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_module
-from tandem.parallel.compile import apply_compile
-from tandem.parallel.config import AC_MODES, RESHARD_POLICIES, ParallelizeConfig
-from tandem.parallel.dims import MESH_ORDER, ParallelDims
-from tandem.parallel.fsdp import apply_fsdp, fsdp_units
+from tandem.lazy import lazy_attributes
+
+# Loaded on first use: `ParallelizeConfig` is part of the run config, whose loading (`show-config`,
+# the checks before a run) must not import torch.distributed.
+_LAZY = {
+    "apply_activation_checkpointing": "tandem.parallel.activation_checkpoint",
+    "checkpoint_module": "tandem.parallel.activation_checkpoint",
+    "apply_compile": "tandem.parallel.compile",
+    "AC_MODES": "tandem.parallel.config", "RESHARD_POLICIES": "tandem.parallel.config",
+    "ParallelizeConfig": "tandem.parallel.config",
+    "MESH_ORDER": "tandem.parallel.dims", "ParallelDims": "tandem.parallel.dims",
+    "apply_fsdp": "tandem.parallel.fsdp", "fsdp_units": "tandem.parallel.fsdp",
+}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "AC_MODES",

@@ -13,75 +13,72 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tandem.config.parallel_sizes import ParallelSizes
 from tandem.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelDims:
-    """Sizes per dimension; `dp_shard=-1` takes whatever the others leave of `world_size`.
-
-    `ep` (expert parallel) does not add ranks: experts are sharded over a slice of the
-    dp_shard x cp ranks, so it must divide their product.
+    """A job's `ParallelSizes` with its data-parallel size split into `dp_replicate` (HSDP
+    replicas) x `dp_shard` (FSDP shards). Raises `ConfigError` when `dp_replicate` does not divide
+    `sizes.dp`, or `ep` does not divide `dp_shard * cp` (experts are sharded over a slice of those
+    ranks; `ep` adds none).
     """
 
-    dp_shard: int = -1
+    sizes: ParallelSizes
     dp_replicate: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    world_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "world_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel dim {name} must be >= 1, got {getattr(self, name)}")
-        others = self.dp_replicate * self.tp * self.pp * self.cp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ConfigError(
-                    f"world size {self.world_size} is not divisible by dp_replicate*tp*pp*cp = {others}"
-                )
-            self.dp_shard = self.world_size // others
-        if self.dp_shard < 1:
-            raise ConfigError(f"parallel dim dp_shard must be >= 1 (or -1 to fill), got {self.dp_shard}")
-        if others * self.dp_shard != self.world_size:
-            raise ConfigError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * "
-                f"tp({self.tp}) * pp({self.pp}) = {others * self.dp_shard} != world size {self.world_size}"
-            )
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ConfigError(f"ep ({self.ep}) must divide dp_shard * cp ({self.dp_shard * self.cp})")
+        if self.dp_replicate < 1 or self.sizes.dp % self.dp_replicate:
+            raise ConfigError(f"dp_replicate ({self.dp_replicate}) must be >= 1 and divide the data-parallel "
+                              f"size {self.sizes.dp}")
+        if (self.dp_shard * self.sizes.cp) % self.sizes.ep:
+            raise ConfigError(f"ep ({self.sizes.ep}) must divide dp_shard * cp ({self.dp_shard * self.sizes.cp})")
+
+    @classmethod
+    def data_parallel(cls, world_size: int, dp_replicate: int = 1) -> ParallelDims:
+        """Every rank a data-parallel rank (what the trainer applies today)."""
+        return cls(ParallelSizes(dp=world_size), dp_replicate)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.sizes.dp // self.dp_replicate
 
     @property
     def dp_size(self) -> int:
         """Ranks that see different data (the loss is normalised over them)."""
-        return self.dp_replicate * self.dp_shard
+        return self.sizes.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world_size
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1
+        return self.dp_shard * self.sizes.cp > 1
 
     @property
     def only_data_parallel(self) -> bool:
-        return self.tp == self.pp == self.cp == self.ep == 1
+        return self.sizes.only_data_parallel
 
-    def sizes(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in MESH_ORDER}
+    def mesh_sizes(self) -> dict[str, int]:
+        """Size of every mesh dimension, in `MESH_ORDER`."""
+        s = self.sizes
+        return {"pp": s.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": s.cp, "tp": s.tp}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A mesh over all ranks with a named dim for every size > 1 (`dp_shard` always, so
         FSDP has a mesh even on one rank). Needs an initialised default process group."""
-        dims = [(n, s) for n, s in self.sizes().items() if s > 1 or n == "dp_shard"]
+        dims = [(n, s) for n, s in self.mesh_sizes().items() if s > 1 or n == "dp_shard"]
         return init_device_mesh(
             device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
         )
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards over: `dp_shard`, or (`dp_replicate`, `dp_shard`) for HSDP."""
-        if self.cp > 1:
+        if self.sizes.cp > 1:
             raise NotImplementedError("context parallelism is not implemented yet (cp must be 1)")
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -27,11 +28,17 @@ def _reshard_block(policy: str, is_last: bool) -> bool:
 
 
 def apply_fsdp(
-    root: nn.Module, blocks: Mapping[str, nn.Module], mesh: DeviceMesh, config: ParallelizeConfig
+    root: nn.Module,
+    blocks: Mapping[str, nn.Module],
+    mesh: DeviceMesh,
+    config: ParallelizeConfig,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> list[FSDPModule]:
     """Shard each of `blocks`, then `root` (the module whose forward is the training entry point,
-    which must contain the blocks). Returns the FSDP modules, root last."""
-    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    which must contain the blocks). Returns the FSDP modules, root last. FSDP casts parameters to
+    `param_dtype` for compute (master weights keep theirs) and reduces gradients in `reduce_dtype`."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units: list[FSDPModule] = []
     names = list(blocks)
     for i, name in enumerate(names):

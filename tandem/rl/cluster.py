@@ -14,33 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config.alloc import parse_allocation_of_kind
-from tandem.config.schema import TandemConfig
 from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
-from tandem.train.config import MicroBatchConfig, TrainEngineConfig
+from tandem.rl.config import TandemConfig
 from tandem.train.controller import TrainController
 
 logger = logging.getLogger("tandem.run")
 
 
-def engine_config(cfg: TandemConfig, model_path: str, total_steps: int) -> TrainEngineConfig:
-    actor = cfg.actor
-    return TrainEngineConfig(
-        path=model_path,
-        device=cfg.experiment.device,
-        dtype=actor.dtype,
-        seed=cfg.experiment.seed,
-        deterministic=actor.deterministic,
-        activation_checkpoint=actor.activation_checkpoint,
-        ac_every=actor.ac_every,
-        compile=actor.compile,
-        total_train_steps=total_steps,
-        optimizer=actor.optimizer,
-        mb=MicroBatchConfig(max_tokens_per_mb=actor.max_tokens_per_mb),
-    )
-
-
-def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, total_steps: int) -> TrainController:
+def start_workers(cfg: TandemConfig, scheduler: LocalScheduler) -> TrainController:
     """The trainer group for `actor.backend`, with the engine initialised on every rank."""
     comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
     env = {}
@@ -50,7 +32,7 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         env[ENV_CPUS] = cfg.actor.cpus
     trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env)
     began = time.monotonic()
-    ranks = trainer.initialize(engine_config(cfg, model_path, total_steps))
+    ranks = trainer.initialize(cfg.actor)
     logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),
                 cfg.actor.dtype, f"{ranks[0].local_params:,}", time.monotonic() - began)
     return trainer

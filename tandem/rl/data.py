@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config.schema import TandemConfig
 from tandem.data.tasks import Task, get_task
 from tandem.data.tasks.chat import with_input_ids
+from tandem.rl.config import TandemConfig
 
 logger = logging.getLogger(__name__)
 

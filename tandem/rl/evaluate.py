@@ -12,10 +12,10 @@ import logging
 from typing import Any, cast
 
 from tandem import aio
-from tandem.config.schema import TandemConfig
 from tandem.data.tasks import Task
 from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
+from tandem.rl.config import TandemConfig
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest

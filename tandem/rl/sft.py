@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.config.loader import to_yaml
-from tandem.config.schema import TandemConfig
 from tandem.data.tasks.chat import sft_example
 from tandem.launch import LocalScheduler
 from tandem.rl.cluster import start_workers
+from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
@@ -22,7 +22,7 @@ from tandem.rollout.reward import RewardRunner
 from tandem.train.batch import SequenceBatch
 
 
-def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
+def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     """Train, save, evaluate; returns the HF directory and the eval stats."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -39,7 +39,7 @@ def run_sft(cfg: TandemConfig) -> tuple[Path, dict[str, float]]:
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
     try:
         with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
-            trainer = start_workers(cfg, scheduler, cfg.actor.path, cfg.sft.steps)
+            trainer = start_workers(cfg, scheduler)
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
                 chunk = [next(examples) for _ in range(cfg.sft.batch_size)]
                 batch = SequenceBatch.from_token_lists(

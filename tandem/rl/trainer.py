@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.loader import to_yaml
-from tandem.config.schema import TandemConfig
 from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.protocol import call
@@ -34,6 +33,7 @@ from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.cluster import start_servers, start_workers
+from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
@@ -146,7 +146,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
     start_step = plan.start_step
     meta = weight_update_meta(cfg, plan.run_dir)
     servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
-    trainer = start_workers(cfg, scheduler, cfg.actor.path, cfg.train.total_steps * cfg.train.n_minibatches)
+    trainer = start_workers(cfg, scheduler)
     rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key)
     workflow = RLVRWorkflow(
         reward_fn=reward_fn,

@@ -23,8 +23,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config.schema import TandemConfig
 from tandem.errors import ConfigError
+from tandem.rl.config import TandemConfig
 
 LOOP_STATE = "loop_state.json"
 CHECKPOINTS = "checkpoints"

@@ -8,12 +8,13 @@ rank's RPC surface (`TrainWorker`) and the controller's handle on a trainer grou
 
 from tandem.lazy import lazy_attributes
 
-# Loaded on first use: a controller imports `tandem.train.controller` (and the configs) without
-# the engine and model code behind it.
+# Loaded on first use: `TrainEngineConfig` is the run config's `actor` section, whose loading
+# (`show-config`, the checks before a run) must not import torch.
 _LAZY = {
     "MicroBatch": "tandem.train.batch", "SequenceBatch": "tandem.train.batch",
     "shift_to_next_token": "tandem.train.batch",
-    "MicroBatchConfig": "tandem.train.config", "TrainEngineConfig": "tandem.train.config",
+    "MicroBatchConfig": "tandem.train.config", "OptimizerConfig": "tandem.train.config",
+    "TrainEngineConfig": "tandem.train.config",
     "TrainController": "tandem.train.controller",
     "TokenOutputs": "tandem.train.engine", "TrainEngine": "tandem.train.engine",
     "LossFn": "tandem.train.losses", "LossWeightFn": "tandem.train.losses",
@@ -31,6 +32,7 @@ __all__ = [
     "LossWeightFn",
     "MicroBatch",
     "MicroBatchConfig",
+    "OptimizerConfig",
     "SequenceBatch",
     "TokenOutputs",
     "TrainController",

@@ -1,44 +1,68 @@
-"""Configuration of the training engine (one dataclass per concern)."""
+"""Configuration of the training engine: `TrainEngineConfig` with its `OptimizerConfig` and
+`MicroBatchConfig`.
+
+The run config mounts `TrainEngineConfig` as its `actor` section as it is (with the launch-level
+fields added), so every field carries `config_field` metadata; `tandem.config.fields.validate`
+checks a whole config, and `TrainEngine` runs it on the one it is given.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from tandem.config.optimizer import OptimizerConfig
+from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
-from tandem.parallel import ParallelizeConfig
+from tandem.parallel.config import ParallelizeConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    """The torch dtype called `name`, one of `DTYPES` (torch is imported here: config loading
+    stays torch-free)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (`actor.optimizer` in the run config)."""
+
+    type: str = _f("adamw", "Optimizer.", choices=("adamw",))
+    lr: float = _f(1e-6, "Peak learning rate.", min=0.0)
+    weight_decay: float = _f(0.01, "Decoupled weight decay.", min=0.0)
+    beta1: float = _f(0.9, "Adam beta1.", min=0.0, lt=1.0)
+    beta2: float = _f(0.999, "Adam beta2.", min=0.0, lt=1.0)
+    eps: float = _f(1e-8, "Adam epsilon.", min=0.0)
+    gradient_clipping: float = _f(1.0, "Max global grad norm (0 disables clipping).", min=0.0)
+    lr_scheduler: str = _f(
+        "constant", "Learning-rate schedule after warmup.", choices=("constant", "linear", "cosine")
+    )
+    warmup_steps_proportion: float = _f(0.0, "Fraction of total steps spent in linear warmup.", min=0.0, max=1.0)
+    min_lr_ratio: float = _f(0.0, "Floor of the decayed learning rate, as a fraction of lr.", min=0.0, max=1.0)
 
 
 @dataclass
 class MicroBatchConfig:
     """How a rank splits its batch. The micro-batch count is the largest of: what
     `max_tokens_per_mb` needs, `n_mbs`, and every other DP rank's count; then rounded up to a
-    multiple of `n_mbs_divisor` (e.g. the pipeline depth). `packing`: first-fit decreasing (fewest
-    micro-batches under the budget) or Karmarkar–Karp (most even token counts)."""
+    multiple of `n_mbs_divisor` (e.g. the pipeline depth)."""
 
-    max_tokens_per_mb: int | None = None
-    n_mbs: int = 1
-    n_mbs_divisor: int = 1
-    packing: str = "ffd"
-
-    def __post_init__(self) -> None:
-        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
-            raise ConfigError(f"max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
-        if self.n_mbs < 1 or self.n_mbs_divisor < 1:
-            raise ConfigError(f"n_mbs and n_mbs_divisor must be >= 1, got {self.n_mbs}, {self.n_mbs_divisor}")
-        if self.packing not in PACKING:
-            raise ConfigError(f"packing={self.packing!r}; choose one of {', '.join(PACKING)}")
+    max_tokens_per_mb: int | None = _f(
+        2048, "Token budget of one micro-batch on a trainer rank (CPU attention costs grow with its square; "
+        "None: no budget).", min=1)
+    n_mbs: int = _f(1, "At least this many micro-batches per rank.", min=1)
+    n_mbs_divisor: int = _f(1, "The micro-batch count is rounded up to a multiple of this.", min=1)
+    packing: str = _f("ffd", "Packing of sequences into micro-batches: first-fit decreasing (fewest under the "
+                             "budget) or Karmarkar-Karp (most even token counts).", choices=PACKING)
 
 
 @dataclass
@@ -46,41 +70,20 @@ class TrainEngineConfig:
     """Everything a `TrainEngine` needs besides the process group.
 
     `dtype` is the compute (FSDP param) dtype; master weights and optimizer state are float32.
-    `device`: "cpu", "cuda", ... ; `backend`: None picks gloo for CPU, nccl for CUDA.
-    `dp_shard=-1` shards over every rank; `dp_replicate > 1` gives HSDP.
+    Every rank is a data-parallel rank; `dp_replicate > 1` gives HSDP (replicas of FSDP groups).
     """
 
-    path: str = ""
-    dtype: str = "float32"
-    device: str = "cpu"
-    backend: str | None = None
-    seed: int = 1
-    deterministic: bool = False
-    dp_shard: int = -1
-    dp_replicate: int = 1
-    activation_checkpoint: str = "none"
-    ac_every: int = 1
-    compile: bool = False
-    reshard_after_forward: str = "default"
-    total_train_steps: int = 1  # for the LR schedule's decay
-    logprob_chunk_size: int = 1024  # tokens per output-head chunk in log-prob computation
+    path: str = _f("", "HF model directory (config.json + safetensors) the engine starts from.")
+    dtype: str = _f("float32", "Compute dtype of the training engine (master weights stay float32).",
+                    choices=DTYPES)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
-
-    def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if self.total_train_steps < 1:
-            raise ConfigError(f"total_train_steps must be >= 1, got {self.total_train_steps}")
-        if self.logprob_chunk_size < 1:
-            raise ConfigError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
-        self.parallelize_config()  # validates the AC / reshard choices early
-
-    def parallelize_config(self) -> ParallelizeConfig:
-        return ParallelizeConfig(
-            param_dtype=parse_dtype(self.dtype),
-            reduce_dtype=torch.float32,
-            activation_checkpoint=self.activation_checkpoint,
-            ac_every=self.ac_every,
-            compile=self.compile,
-            reshard_after_forward=self.reshard_after_forward,
-        )
+    parallelize: ParallelizeConfig = field(default_factory=ParallelizeConfig)
+    dp_replicate: int = _f(1, "HSDP: replicas of the FSDP group (must divide the trainer ranks).", min=1)
+    deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
+    logprob_chunk_size: int = _f(1024, "Tokens per output-head chunk when computing log-probs.", min=1)
+    dist_backend: str | None = _f(None, "torch.distributed backend of the trainer ranks (None: gloo on CPU, "
+                                        "nccl on CUDA).")
+    device: str = _f("cpu", "Device of the ranks: cpu, cuda, ...")
+    seed: int = _f(1, "Seed of Python, NumPy and torch RNGs.", min=0)
+    total_train_steps: int = _f(1, "Optimizer steps the LR schedule spans.", min=1)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.config.fields import validate
 from tandem.models import build_model, read_hf_config
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.parallel import ParallelDims, fsdp_units
@@ -46,15 +47,15 @@ class TokenOutputs:
 
 class TrainEngine:
     def __init__(self, config: TrainEngineConfig):
+        """Raises `ConfigError` naming the field for a value outside its choices or range."""
+        validate(config)
         self.config = config
         device = torch.device(config.device)
-        self._owns_group = init_distributed(device, config.backend)
+        self._owns_group = init_distributed(device, config.dist_backend)
         self.device = resolve_device(config.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(config.seed, config.deterministic)
-        self.parallel_dims = ParallelDims(
-            dp_shard=config.dp_shard, dp_replicate=config.dp_replicate, world_size=self.world_size
-        )
+        self.parallel_dims = ParallelDims.data_parallel(self.world_size, config.dp_replicate)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dp_group = self.parallel_dims.dp_group(self.mesh)
         self.param_dtype = parse_dtype(config.dtype)
@@ -67,9 +68,8 @@ class TrainEngine:
         parallelize = self.model.spec.parallelize
         if parallelize is None:
             raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")
-        parallelize(
-            self.model, self.parallel_dims, mesh=self.mesh, config=config.parallelize_config(), root=self.module
-        )
+        parallelize(self.model, self.parallel_dims, mesh=self.mesh, config=config.parallelize, root=self.module,
+                    param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         # Gradients are SUMMED over DP ranks (not averaged): each rank's loss is already divided
         # by the global loss-token count, so the sum is the gradient of the global token mean.
         for unit in fsdp_units(self.module):

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from tandem.config.optimizer import OptimizerConfig
+from tandem.train.config import OptimizerConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 

@@ -21,12 +21,12 @@ from tandem.algo import (
     summarize_stats,
 )
 from tandem.algo.losses import PROX_LOGPROBS
-from tandem.config.optimizer import OptimizerConfig
 from tandem.data.trajectory import Trajectory
 from tandem.inference.engine import LLMEngine
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models.tiny import init_model
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
+from tandem.train.config import OptimizerConfig
 from tandem.train.rl_step import ppo_update
 
 

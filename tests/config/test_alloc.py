@@ -31,7 +31,7 @@ def fail(spec: str, fragment: str, at: str | int | None) -> AllocationError:
 
 
 def dims(comp: Component) -> tuple[int, ...]:
-    return (comp.dp, comp.tp, comp.pp, comp.cp, comp.ep, comp.etp, comp.edp, comp.world_size)
+    return (comp.sizes.dp, comp.sizes.tp, comp.sizes.pp, comp.sizes.cp, comp.sizes.ep, comp.sizes.etp, comp.sizes.edp, comp.sizes.world_size)
 
 
 # --- shape of the result -----------------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_backend_errors(spec, fragment, at):
 def test_omitted_dims_are_one_and_order_is_free():
     assert dims(parse_allocation("archon:t2").components[0]) == (1, 2, 1, 1, 1, 1, 1, 2)
     assert parse_allocation("sglang:t2d4").to_json() == parse_allocation("sglang:d4t2").to_json()
-    assert parse_allocation("sglang:d10").components[0].dp == 10
+    assert parse_allocation("sglang:d10").components[0].sizes.dp == 10
 
 
 @pytest.mark.parametrize(
@@ -294,9 +294,9 @@ def test_size_errors(spec, fragment, at):
 
 def test_plain_expert_parallelism_derives_edp_with_etp_one():
     (comp,) = parse_allocation("archon:d4t2e4").components
-    assert (comp.ep, comp.etp, comp.edp, comp.world_size) == (4, 1, 2, 8)
+    assert (comp.sizes.ep, comp.sizes.etp, comp.sizes.edp, comp.sizes.world_size) == (4, 1, 2, 8)
     (comp,) = parse_allocation("archon:d2p2e2").components
-    assert (comp.ep, comp.etp, comp.edp, comp.world_size) == (2, 1, 1, 4)
+    assert (comp.sizes.ep, comp.sizes.etp, comp.sizes.edp, comp.sizes.world_size) == (2, 1, 1, 4)
     assert not comp.hybrid
 
 
@@ -319,7 +319,7 @@ def test_hybrid_layout_with_and_without_parentheses():
 
 def test_hybrid_expert_tensor_parallel_and_derived_expert_dp():
     (comp,) = parse_allocation("archon:(attn:d8t2|ffn:e4t2)").components
-    assert (comp.ep, comp.etp, comp.edp, comp.pp, comp.world_size) == (4, 2, 2, 1, 16)
+    assert (comp.sizes.ep, comp.sizes.etp, comp.sizes.edp, comp.sizes.pp, comp.sizes.world_size) == (4, 2, 2, 1, 16)
 
 
 def test_hybrid_expert_pp_is_inherited_or_must_match():
@@ -339,19 +339,19 @@ def test_hybrid_expert_dp_must_divide_or_match():
         "ffn",
     )
     (comp,) = parse_allocation("archon:(attn:d4|ffn:d2e2)").components
-    assert comp.edp == 2
+    assert comp.sizes.edp == 2
 
 
 def test_hybrid_then_colocation():
     actor, ref = parse_allocation("archon[actor]:attn:d2t2|ffn:e2|archon[ref]:d4").components
-    assert (actor.ep, actor.edp, ref.target, ref.devices) == (2, 2, "actor", range(4))
+    assert (actor.sizes.ep, actor.sizes.edp, ref.target, ref.devices) == (2, 2, "actor", range(4))
     paren = parse_allocation("archon[actor]:(attn:d2t2|ffn:e2)|archon[ref]:d4")
     assert paren.to_json() == parse_allocation("archon[actor]:attn:d2t2|ffn:e2|archon[ref]:d4").to_json()
 
 
 def test_megatron_hybrid_parses():
     (comp,) = parse_allocation("megatron:(attn:d1p12t4|ffn:d1p12e4)").components
-    assert (comp.pp, comp.ep, comp.edp, comp.world_size, comp.launchable) == (12, 4, 1, 48, False)
+    assert (comp.sizes.pp, comp.sizes.ep, comp.sizes.edp, comp.sizes.world_size, comp.launchable) == (12, 4, 1, 48, False)
 
 
 @pytest.mark.parametrize(
@@ -478,13 +478,13 @@ def test_property_world_size_is_the_product_of_dims(component):
     backend, sizes = component
     (comp,) = parse_allocation(render(backend, sizes)).components
     get = sizes.get
-    assert comp.world_size == get("d", 1) * get("t", 1) * get("p", 1) * get("c", 1)
-    assert comp.devices == range(comp.world_size)
-    assert (comp.ep, comp.etp) == (get("e", 1), 1)
-    if comp.ep > 1:
-        assert comp.edp * comp.ep * comp.etp * comp.pp == comp.world_size
+    assert comp.sizes.world_size == get("d", 1) * get("t", 1) * get("p", 1) * get("c", 1)
+    assert comp.devices == range(comp.sizes.world_size)
+    assert (comp.sizes.ep, comp.sizes.etp) == (get("e", 1), 1)
+    if comp.sizes.ep > 1:
+        assert comp.sizes.edp * comp.sizes.ep * comp.sizes.etp * comp.sizes.pp == comp.sizes.world_size
     else:
-        assert comp.edp == comp.dp
+        assert comp.sizes.edp == comp.sizes.dp
 
 
 @given(
@@ -499,7 +499,7 @@ def test_property_hybrid_expert_world_matches_attention_world(attn, ep, etp):
         fail(spec, "cannot derive the expert dp", "ffn")
         return
     (comp,) = parse_allocation(spec).components
-    assert comp.edp * comp.ep * comp.etp * comp.pp == comp.world_size == world
+    assert comp.sizes.edp * comp.sizes.ep * comp.sizes.etp * comp.sizes.pp == comp.sizes.world_size == world
 
 
 @given(st.lists(plain_component(), min_size=1, max_size=5))
@@ -508,7 +508,7 @@ def test_property_separated_components_tile_the_devices(components):
     mode = parse_allocation(spec)
     starts = [c.devices.start for c in mode.components]
     assert starts == [0, *[c.devices.stop for c in mode.components[:-1]]]
-    assert mode.total_devices == sum(c.world_size for c in mode.components)
+    assert mode.total_devices == sum(c.sizes.world_size for c in mode.components)
 
 
 VALID_SPECS = [

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from tandem.cli import main
-from tandem.config.loader import load_config, to_yaml
-from tandem.config.schema import TandemConfig
+from tandem.config.loader import to_yaml
 from tandem.errors import ConfigError
 from tandem.models.tiny import init_model
+from tandem.rl.config import TandemConfig, load_run_config
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -22,7 +22,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_defaults_without_file():
-    cfg = load_config(None)
+    cfg = load_run_config(None)
     assert isinstance(cfg, TandemConfig)
     assert cfg.actor.optimizer.lr == 1e-6
     assert cfg.rollout.backend == "tandem:d1"
@@ -30,7 +30,7 @@ def test_defaults_without_file():
 
 def test_yaml_then_overrides_win(tmp_path):
     path = write(tmp_path, "experiment:\n  name: gsm\n  seed: 3\nactor:\n  optimizer:\n    lr: 2.0e-5\n")
-    cfg = load_config(path, ["actor.optimizer.lr=3e-5", "rollout.backend=tandem:d2"])
+    cfg = load_run_config(path, ["actor.optimizer.lr=3e-5", "rollout.backend=tandem:d2"])
     assert cfg.experiment.name == "gsm"
     assert cfg.experiment.seed == 3
     assert cfg.actor.optimizer.lr == 3e-5
@@ -39,12 +39,12 @@ def test_yaml_then_overrides_win(tmp_path):
 
 def test_interpolation_resolves(tmp_path):
     path = write(tmp_path, "experiment:\n  name: gsm\n  trial: ${experiment.name}-a\n")
-    assert load_config(path).experiment.trial == "gsm-a"
+    assert load_run_config(path).experiment.trial == "gsm-a"
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = load_config(None, ["actor.dtype=bfloat16", "experiment.seed=7", "actor.backend=archon:d4"])
-    again = load_config(write(tmp_path, to_yaml(cfg)))
+    cfg = load_run_config(None, ["actor.dtype=bfloat16", "experiment.seed=7", "actor.backend=archon:d4"])
+    again = load_run_config(write(tmp_path, to_yaml(cfg)))
     assert again == cfg
 
 
@@ -59,7 +59,7 @@ def test_yaml_round_trip(tmp_path):
 )
 def test_unknown_key_names_key_and_closest(overrides, fragments):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load_run_config(None, overrides)
     for fragment in fragments:
         assert fragment in str(err.value)
 
@@ -67,7 +67,7 @@ def test_unknown_key_names_key_and_closest(overrides, fragments):
 def test_unknown_key_in_file_names_the_file(tmp_path):
     path = write(tmp_path, "actor:\n  optimzer:\n    lr: 1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'actor.optimzer' in config file .*cfg.yaml.*'actor.optimizer'"):
-        load_config(path)
+        load_run_config(path)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +79,14 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
 )
 def test_wrong_type_names_field_value_and_type(override, fragments):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_run_config(None, [override])
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 def test_section_given_a_scalar(tmp_path):
-    with pytest.raises(ConfigError, match=r"actor: expected a section .*path, dtype, backend, optimizer.*got 3"):
-        load_config(write(tmp_path, "actor: 3\n"))
+    with pytest.raises(ConfigError, match=r"actor: expected a section .*path, dtype, optimizer, mb, parallelize.*backend.*got 3"):
+        load_run_config(write(tmp_path, "actor: 3\n"))
 
 
 @pytest.mark.parametrize(
@@ -99,31 +99,31 @@ def test_section_given_a_scalar(tmp_path):
 )
 def test_choices_and_minimum(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, [override])
+        load_run_config(None, [override])
 
 
 def test_allocation_fields_are_checked():
     with pytest.raises(ConfigError, match=r"actor.backend: 'sglang' is an inference backend but actor.backend takes a training allocation \(archon or fsdp\)"):
-        load_config(None, ["actor.backend=sglang:d2"])
+        load_run_config(None, ["actor.backend=sglang:d2"])
     with pytest.raises(ConfigError, match=r"rollout.backend: 'archon' is a training backend but rollout.backend takes an inference allocation"):
-        load_config(None, ["rollout.backend=archon:d2"])
+        load_run_config(None, ["rollout.backend=archon:d2"])
     with pytest.raises(ConfigError, match=r"rollout.backend: invalid allocation mode 'tandem:d0'"):
-        load_config(None, ["rollout.backend=tandem:d0"])
+        load_run_config(None, ["rollout.backend=tandem:d0"])
 
 
 @pytest.mark.parametrize("override", ["actor.lr", "=3", "actor..lr=1"])
 def test_malformed_override(override):
     with pytest.raises(ConfigError, match=r"must look like key.sub=value"):
-        load_config(None, [override])
+        load_run_config(None, [override])
 
 
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match=r"does not exist"):
-        load_config(tmp_path / "nope.yaml")
+        load_run_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match=r"not valid YAML"):
-        load_config(write(tmp_path, "actor: [unclosed\n"))
+        load_run_config(write(tmp_path, "actor: [unclosed\n"))
     with pytest.raises(ConfigError, match=r"must hold a mapping"):
-        load_config(write(tmp_path, "- 1\n- 2\n"))
+        load_run_config(write(tmp_path, "- 1\n- 2\n"))
 
 
 def test_every_schema_key_is_documented():
@@ -133,7 +133,7 @@ def test_every_schema_key_is_documented():
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     assert BEGIN in doc and END in doc
     documented = doc.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert documented == keys_markdown(TandemConfig, load_config(None)), (
+    assert documented == keys_markdown(TandemConfig, load_run_config(None)), (
         "docs/configuration.md is out of date: paste the output of `tandem show-config --keys` between the markers"
     )
 
@@ -174,32 +174,40 @@ def test_console_script_exit_code(tmp_path):
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load(path, tmp_path):
     model = init_model(tmp_path / "model", preset="tiny", seed=0)  # actor.path must name a model directory
-    load_config(path, [f"actor.path={model}"])
+    load_run_config(path, [f"actor.path={model}"])
 
 
 def test_algo_recipe_sets_defaults_and_overrides_win():
-    cfg = load_config(None, ["algo.name=dapo", "gen.max_new_tokens=64"])
+    cfg = load_run_config(None, ["algo.name=dapo", "gen.max_new_tokens=64"])
     assert cfg.algo.ppo.eps_clip_higher == 0.28  # DAPO's clip-higher
     assert cfg.algo.ppo.dynamic_filtering
     assert cfg.algo.reward.overlong_penalty.enabled
     assert cfg.algo.reward.max_new_tokens == 64
-    cfg = load_config(None, ["algo.name=dapo", "algo.ppo.eps_clip_higher=0.3"])
+    cfg = load_run_config(None, ["algo.name=dapo", "algo.ppo.eps_clip_higher=0.3"])
     assert cfg.algo.ppo.eps_clip_higher == 0.3
-    assert load_config(None, ["algo.name=dr_grpo"]).algo.advantage.std_level == "none"
+    assert load_run_config(None, ["algo.name=dr_grpo"]).algo.advantage.std_level == "none"
     with pytest.raises(ConfigError, match=r"algo.name: 'ppo2' is not one of grpo"):
-        load_config(None, ["algo.name=ppo2"])
+        load_run_config(None, ["algo.name=ppo2"])
 
 
 def test_async_without_off_policy_correction_is_refused():
     """Staleness comes from the rollout section; the refusal from the algorithm's rules."""
-    load_config(None, ["rollout.max_head_offpolicyness=0", "algo.ppo.behave_imp_weight_mode=off"])
+    load_run_config(None, ["rollout.max_head_offpolicyness=0", "algo.ppo.behave_imp_weight_mode=off"])
     with pytest.raises(ConfigError, match=r"algo.ppo.behave_imp_weight_mode"):
-        load_config(None, ["rollout.max_head_offpolicyness=2", "algo.ppo.behave_imp_weight_mode=off"])
+        load_run_config(None, ["rollout.max_head_offpolicyness=2", "algo.ppo.behave_imp_weight_mode=off"])
 
 
 def test_external_servers_must_be_listed():
     with pytest.raises(ConfigError, match=r"rollout.servers is empty: Tandem does not start sglang servers"):
-        load_config(None, ["rollout.backend=sglang:d2"])
-    cfg = load_config(None, ["rollout.backend=vllm:d1", "rollout.servers=[127.0.0.1:8000]"])
+        load_run_config(None, ["rollout.backend=sglang:d2"])
+    cfg = load_run_config(None, ["rollout.backend=vllm:d1", "rollout.servers=[127.0.0.1:8000]"], command="sft")
     assert cfg.rollout.server_kind == "vllm"
-    assert load_config(None).rollout.launched_by_tandem
+    assert load_run_config(None).rollout.launched_by_tandem
+
+
+@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("sglang:d1", "disk")])
+def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
+    """Caught when the config loads, naming both keys, instead of when the first update starts."""
+    overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]
+    with pytest.raises(ConfigError, match=rf"train.weight_sync='{sync}' needs .*\(rollout.backend='{backend}'\)"):
+        load_run_config(None, overrides)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config.loader import load_config
 from tandem.errors import ConfigError
 from tandem.models.tiny import init_model
+from tandem.rl.config import load_run_config
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -56,42 +56,43 @@ def model_dir(tmp_path_factory) -> Path:
 )
 def test_refused_at_load_naming_the_key(override, fragments):
     with pytest.raises(ConfigError) as info:
-        load_config(None, [override])
+        load_run_config(None, [override])
     for fragment in fragments:
         assert fragment in str(info.value)
 
 
 def test_range_is_in_the_keys_table():
     from tandem.config.keys_doc import keys_markdown
-    from tandem.config.schema import TandemConfig
+    from tandem.rl.config import TandemConfig
 
     row = next(r for r in keys_markdown(TandemConfig).splitlines() if r.startswith("| `gen.top_p`"))
     assert "Range (0.0, 1.0]." in row
 
 
 def test_listed_servers_may_use_any_layout():
-    """Servers started elsewhere are used by address: their layout is theirs."""
-    load_config(None, ["rollout.backend=sglang:d2t2", "rollout.servers=[127.0.0.1:1]"])
+    """Servers started elsewhere are used by address: their layout is theirs (for `tandem train`,
+    their kind must also take its weight sync, tests/config/test_loader.py)."""
+    load_run_config(None, ["rollout.backend=sglang:d2t2", "rollout.servers=[127.0.0.1:1]"], command="sft")
 
 
 def test_actor_path_must_be_a_model_directory(tmp_path, model_dir):
-    load_config(None, [f"actor.path={model_dir}"])
+    load_run_config(None, [f"actor.path={model_dir}"])
     with pytest.raises(ConfigError, match=r"actor.path: .*nope.* does not exist"):
-        load_config(None, [f"actor.path={tmp_path / 'nope'}"])
+        load_run_config(None, [f"actor.path={tmp_path / 'nope'}"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"actor.path: .*empty.* has no config.json"):
-        load_config(None, [f"actor.path={tmp_path / 'empty'}"])
+        load_run_config(None, [f"actor.path={tmp_path / 'empty'}"])
     weightless = tmp_path / "weightless"
     weightless.mkdir()
     (weightless / "config.json").write_text((model_dir / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"actor.path: .*weightless.* has no \*.safetensors"):
-        load_config(None, [f"actor.path={weightless}"])
+        load_run_config(None, [f"actor.path={weightless}"])
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (odd / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"actor.path: .*odd/config.json' names no model_type"):
-        load_config(None, [f"actor.path={odd}"])
+        load_run_config(None, [f"actor.path={odd}"])
 
 
 def test_server_args_are_checked(capsys):

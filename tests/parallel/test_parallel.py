@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from tandem.config.fields import validate
+from tandem.config.parallel_sizes import ParallelSizes
 from tandem.errors import ConfigError
 from tandem.models import build_model, get_model_spec
 from tandem.models.qwen import parallelize_qwen
@@ -24,24 +26,24 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_parallel_dims_fill_and_validate():
-    dims = ParallelDims(world_size=8, dp_replicate=2)
+def test_parallel_dims_split_and_validate():
+    dims = ParallelDims.data_parallel(8, dp_replicate=2)
     assert dims.dp_shard == 4 and dims.dp_size == 8 and dims.fsdp_enabled and dims.only_data_parallel
-    assert ParallelDims(world_size=8, tp=2, pp=2).dp_shard == 2
-    with pytest.raises(ConfigError, match="not divisible"):
-        ParallelDims(world_size=6, tp=4)
-    with pytest.raises(ConfigError, match="!= world size 8"):
-        ParallelDims(world_size=8, dp_shard=3)
-    with pytest.raises(ConfigError, match="ep"):
-        ParallelDims(world_size=4, ep=3)
+    assert dims.mesh_sizes() == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 1}
+    assert ParallelDims(ParallelSizes(dp=2, tp=2, pp=2)).dp_shard == 2
+    assert ParallelDims(ParallelSizes(dp=2, tp=2, pp=2)).world_size == 8
+    with pytest.raises(ConfigError, match="must be >= 1 and divide the data-parallel size 6"):
+        ParallelDims.data_parallel(6, dp_replicate=4)
+    with pytest.raises(ConfigError, match=r"ep \(3\) must divide dp_shard \* cp \(2\)"):
+        ParallelDims(ParallelSizes(dp=2, tp=3, ep=3))
     with pytest.raises(ConfigError, match="tp must be >= 1"):
-        ParallelDims(tp=0)
+        ParallelSizes(tp=0)
     with pytest.raises(ConfigError, match="activation_checkpoint"):
-        ParallelizeConfig(activation_checkpoint="some")
+        validate(ParallelizeConfig(activation_checkpoint="some"))
 
 
 def test_mesh_on_one_rank(one_rank_group):
-    dims = ParallelDims(world_size=1)
+    dims = ParallelDims.data_parallel(1)
     mesh = dims.build_mesh("cpu")
     assert mesh.mesh_dim_names == ("dp_shard",) and dims.fsdp_mesh(mesh).size() == 1
     assert not dims.fsdp_enabled and dims.dp_group(mesh) is None
@@ -63,13 +65,13 @@ def test_activation_checkpointing_keeps_names_and_values():
 def test_qwen_plan_shards_blocks_and_root(one_rank_group):
     assert get_model_spec("qwen3").parallelize is parallelize_qwen
     model = build_model(CONFIG, device="meta")
-    dims = ParallelDims(world_size=1)
+    dims = ParallelDims.data_parallel(1)
     parallelize_qwen(model, dims, config=ParallelizeConfig(activation_checkpoint="full"))
     units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     assert units == ["", "layers.0", "layers.1"]
     assert model.output.weight is model.tok_embeddings.weight  # tied: one parameter, sharded once
     with pytest.raises(NotImplementedError, match="only data parallelism"):
-        parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(world_size=2, tp=2))
+        parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(ParallelSizes(tp=2)))
 
 
 def _hsdp_worker(rank: int, world_size: int, path: str) -> list[float]:

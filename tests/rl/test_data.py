@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.config.loader import load_config
 from tandem.models.tiny import build_tokenizer
+from tandem.rl.config import load_run_config
 from tandem.rl.data import CursorLoader, load_task_data
 
 
@@ -15,7 +15,7 @@ def test_cursor_loader_cycles_and_counts():
 
 def test_eval_set_has_no_repeated_problem():
     """add1 has ~20 eval problems; asking for 100 must not count repeats twice."""
-    cfg = load_config(None, ["task.options={difficulty: add1, instruction: false}", "task.eval_size=100",
+    cfg = load_run_config(None, ["task.options={difficulty: add1, instruction: false}", "task.eval_size=100",
                              "task.train_size=50"])
     data = load_task_data(cfg, build_tokenizer(vocab_size=512))
     prompts = [tuple(item["input_ids"]) for item in data.eval]

@@ -6,15 +6,15 @@ import time
 
 import pytest
 
-from tandem.config.loader import load_config
 from tandem.errors import ConfigError
+from tandem.rl.config import load_run_config
 from tandem.rl.trial import checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
 
 
 @pytest.fixture
 def cfg(tmp_path):
     def make(*overrides: str):
-        return load_config(None, [f"experiment.fileroot={tmp_path}", "experiment.name=e", "experiment.trial=t",
+        return load_run_config(None, [f"experiment.fileroot={tmp_path}", "experiment.name=e", "experiment.trial=t",
                                   "train.total_steps=10", *overrides])
     return make
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.config.optimizer import OptimizerConfig
 from tandem.data.balance import karmarkar_karp
 from tandem.train import MicroBatchConfig, TrainEngine, plan_micro_batches
+from tandem.train.config import OptimizerConfig
 from tests.train.helpers import engine_config, full_params, make_batch, train_steps
 
 SCHEDULE = dict(

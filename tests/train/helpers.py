@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from tandem.config.optimizer import OptimizerConfig
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
+from tandem.train.config import OptimizerConfig
 
 LENGTHS = [5, 17, 3, 30, 9, 12, 24, 2, 40, 7, 15, 11]
 

@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
-from tandem.config.optimizer import OptimizerConfig
+from tandem.errors import ConfigError
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
+from tandem.parallel import ParallelizeConfig
 from tandem.train import LRSchedule, MicroBatchConfig, TrainEngine
+from tandem.train.config import OptimizerConfig
 from tests.train.helpers import (
     engine_config,
     full_params,
@@ -74,8 +76,10 @@ def test_ffd_vs_kk_packing(tiny_dir):
 
 @pytest.mark.slow
 def test_activation_checkpointing_modes_match(tiny_dir, reference):
-    _assert_same_run(reference, _run(tiny_dir, activation_checkpoint="full"), "AC full")
-    _assert_same_run(reference, _run(tiny_dir, activation_checkpoint="selective", ac_every=2), "AC sel/2")
+    full = ParallelizeConfig(activation_checkpoint="full")
+    _assert_same_run(reference, _run(tiny_dir, parallelize=full), "AC full")
+    selective = ParallelizeConfig(activation_checkpoint="selective", ac_every=2)
+    _assert_same_run(reference, _run(tiny_dir, parallelize=selective), "AC sel/2")
 
 
 def test_deterministic_mode_is_bit_identical(tiny_dir):
@@ -180,7 +184,7 @@ def test_compiled_blocks_match_eager(tiny_dir, reference, monkeypatch):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config, "compile_threads", 1)
-    _assert_same_run(reference, _run(tiny_dir, compile=True), "compile")
+    _assert_same_run(reference, _run(tiny_dir, parallelize=ParallelizeConfig(compile=True)), "compile")
 
 
 def test_weight_export_gathers_lazily(tiny_dir, monkeypatch):
@@ -198,3 +202,9 @@ def test_weight_export_gathers_lazily(tiny_dir, monkeypatch):
     engine.close()
     assert gathered == [len(first)] + [len(b) for b in rest] and sum(gathered) == 24
     assert all(t.dtype == torch.float32 for b in rest for _, t in b)  # the compute dtype by default
+
+
+def test_engine_refuses_an_invalid_config_naming_the_key(tiny_dir):
+    with pytest.raises(ConfigError, match=r"parallelize.ac_every: 0 is below the minimum 1"):
+        TrainEngine(engine_config(str(tiny_dir), parallelize=ParallelizeConfig(activation_checkpoint="selective",
+                                                                                ac_every=0)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.config.fields import validate
 from tandem.errors import ConfigError
 from tandem.train import MicroBatchConfig, SequenceBatch, plan_micro_batches, restore_order
 from tandem.train.batch import pack_sequences, shift_to_next_token
@@ -55,8 +56,8 @@ def test_more_micro_batches_than_sequences_pads():
 def test_sequence_over_budget_is_an_error():
     with pytest.raises(ValueError, match="sequence 1 has 50 tokens"):
         plan_micro_batches([10, 50], MicroBatchConfig(max_tokens_per_mb=40))
-    with pytest.raises(ConfigError, match="packing"):
-        MicroBatchConfig(packing="zigzag")
+    with pytest.raises(ConfigError, match="packing: 'zigzag' is not one of 'ffd', 'kk'"):
+        validate(MicroBatchConfig(packing="zigzag"))
 
 
 def test_pack_and_restore_order():

@@ -30,17 +30,20 @@ def parallelize_qwen(
     mesh: DeviceMesh | None = None,
     config: ParallelizeConfig | None = None,
     root: nn.Module | None = None,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Apply the layout of `parallel_dims` to `model` (on the meta device) in place; return it.
 
     `mesh`: from `parallel_dims.build_mesh` (default: built here for the current accelerator, or
     CPU). `root` is the module whose forward the trainer calls (e.g. a wrapper computing log-probs
     around `model`); FSDP's root unit goes there so that its forward hooks fire. Default: `model`.
+    `param_dtype` / `reduce_dtype`: FSDP's compute and gradient-reduction dtypes.
     """
     config = config or ParallelizeConfig()
     if not parallel_dims.only_data_parallel:
         raise NotImplementedError(
-            f"only data parallelism is implemented; got {parallel_dims.sizes()} (ep={parallel_dims.ep})"
+            f"only data parallelism is implemented; got {parallel_dims.sizes}"
         )
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
@@ -49,5 +52,6 @@ def parallelize_qwen(
     apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
     if config.compile:
         apply_compile(blocks)
-    apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config)
+    apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
+               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model

@@ -1,27 +1,37 @@
-"""Configuration schemas: one dataclass per section of a Tandem YAML file.
+"""The run config of `tandem train` and `tandem sft`: one dataclass per section of a Tandem YAML file.
 
-Every field has a default, so a config file only states what differs. Field metadata carries the
-help text shown in docs and, where a field takes one of a fixed set of values, its `choices`, and
-`min` for a numeric floor; `tandem.config.loader` checks both and names the field on failure.
-The `rollout` and `algo` sections live next to the code they configure (`tandem.rollout.config`,
-`tandem.algo.config`); `algo.name` picks a recipe whose settings become the defaults that the
-file and overrides then adjust.
+Every field has a default, so a config file only states what differs; field metadata carries the
+help text shown in docs, `choices` and bounds (`tandem.config.fields`). Components own their
+sections and are mounted here as they are: `actor` is the training engine's `TrainEngineConfig`
+(plus where its ranks run), `rollout` is `tandem.rollout.config`, `algo` is `tandem.algo.config`,
+whose `algo.name` picks a recipe that becomes the defaults the file and overrides then adjust.
+Keys one section takes from another are derived in one place, `TandemConfig.derive`, and refused
+when set (`TandemConfig.DERIVED`). Load with `load_run_config(path, overrides)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 from tandem.algo.config import RECIPES, AlgoConfig, recipe
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
-from tandem.config.optimizer import OptimizerConfig
+from tandem.config.loader import load_config
 from tandem.errors import ConfigError
-from tandem.launch.affinity import parse_cpus
+from tandem.rl.config_checks import (
+    check_cpus,
+    check_model_dir,
+    check_reward_fn,
+    check_runnable_algo,
+    check_weight_sync,
+)
 from tandem.rollout.config import RolloutConfig
+from tandem.train.config import TrainEngineConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+COMMANDS = ("train", "sft")
 
 
 @dataclass
@@ -42,25 +52,21 @@ class ExperimentConfig:
 
 
 @dataclass
-class ActorConfig:
-    path: str = _f("", "HF model directory (config.json + safetensors) the actor starts from.")
-    dtype: str = _f("float32", "Parameter dtype of the training engine.", choices=DTYPES)
+class ActorConfig(TrainEngineConfig):
+    """The `actor` section: the training engine's own config, handed to every trainer rank as it
+    is, plus where the ranks run. Its `device`, `seed` and `total_train_steps` are derived."""
+
     backend: str = _f("archon:d1", "Training allocation, e.g. 'archon:d2' or 'archon:d2t2' (see tandem alloc).")
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    max_tokens_per_mb: int = _f(
-        2048, "Token budget of one micro-batch on a trainer rank (CPU attention costs grow with its square).", min=1
-    )
-    activation_checkpoint: str = _f("none", "Recompute activations in backward.", choices=("none", "full", "selective"))
-    ac_every: int = _f(1, "With selective checkpointing: every N-th block.", min=1)
-    compile: bool = _f(False, "torch.compile each transformer block.")
-    deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
     num_threads: int = _f(0, "torch threads per trainer rank (0: torch's default).", min=0)
     cpus: str = _f("", "Pin trainer ranks to these cores, e.g. '1' or '2-3' (empty: no pinning).")
 
-    def check(self, prefix: str) -> None:
+    def check(self, prefix: str = "") -> None:
         comp = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False).components[0]
         if comp.run_error:
             raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
+        if comp.sizes.dp % self.dp_replicate:
+            raise ConfigError(f"{prefix}dp_replicate={self.dp_replicate} must divide the data-parallel size "
+                              f"{comp.sizes.dp} of {prefix}backend={self.backend!r}")
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")
@@ -142,6 +148,19 @@ class StatsConfig:
 
 @dataclass
 class TandemConfig:
+    """The config of `tandem train`; `SFTRunConfig` is the same sections for `tandem sft`."""
+
+    command: ClassVar[str] = "train"
+    # Keys `derive` fills from other sections -> what to set instead (the loader refuses them).
+    DERIVED: ClassVar[dict[str, str]] = {
+        "actor.device": "experiment.device",
+        "actor.seed": "experiment.seed",
+        "actor.total_train_steps": "train.total_steps (tandem train: times train.n_minibatches) or sft.steps "
+                                   "(tandem sft)",
+        "algo.ppo.max_head_offpolicyness": "rollout.max_head_offpolicyness",
+        "algo.reward.max_new_tokens": "gen.max_new_tokens",
+    }
+
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -161,67 +180,36 @@ class TandemConfig:
         max_new_tokens = (data.get("gen") or {}).get("max_new_tokens", GenerationConfig.max_new_tokens)
         return cls(algo=recipe(name, max_new_tokens=int(max_new_tokens)))
 
-    def check(self, prefix: str = "") -> None:
-        # Derived fields: the algorithm validates against the rollout's bound and budget.
+    def derive(self) -> None:
+        """Copy into each section the values it takes from another: the one place they are set."""
+        self.actor.device = self.experiment.device
+        self.actor.seed = self.experiment.seed
+        if self.command == "sft":
+            self.actor.total_train_steps = self.sft.steps
+        else:  # one optimizer step per minibatch
+            self.actor.total_train_steps = self.train.total_steps * self.train.n_minibatches
         self.algo.ppo.max_head_offpolicyness = self.rollout.max_head_offpolicyness
         self.algo.reward.max_new_tokens = self.gen.max_new_tokens
+
+    def check(self, prefix: str = "") -> None:
+        # Derived first: the algorithm validates against the rollout's bound and budget.
+        self.derive()
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
+        if self.command == "train":
+            check_weight_sync(self.train.weight_sync, self.rollout, prefix)
 
 
-def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
-    """Refuse settings whose model does not exist in `tandem train` yet, instead of training
-    without it: a critic (PPO's value model) and a reference model (the KL term)."""
-    if algo.name == "ppo" or algo.ppo.use_critic:
-        key = f"{prefix}name: 'ppo'" if algo.name == "ppo" else f"{prefix}ppo.use_critic=true"
-        raise ConfigError(f"{key} trains a critic (value model), which `tandem train` does not have yet: its "
-                          "values would be 0 and the advantages meaningless. Use a critic-free recipe "
-                          "(algo.name=grpo, dr_grpo, rloo, dapo or gspo)")
-    if algo.ppo.kl_ctl > 0:
-        raise ConfigError(f"{prefix}ppo.kl_ctl={algo.ppo.kl_ctl:g} needs a reference model, which `tandem train` "
-                          f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
+@dataclass
+class SFTRunConfig(TandemConfig):
+    """The config of `tandem sft`: the same sections; the LR schedule spans `sft.steps`."""
+
+    command: ClassVar[str] = "sft"
 
 
-def check_reward_fn(path: str, key: str) -> None:
-    """`path` ('package.module:function') imports and names a callable."""
-    from tandem.user_code import import_user_object as import_object
-
-    if ":" not in path:
-        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
-    try:
-        fn = import_object(path)
-    except Exception as exc:  # ImportError, or whatever importing the user's module raised
-        raise ConfigError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
-
-
-def check_model_dir(path: str, key: str) -> None:
-    """`path` looks like an HF model directory: config.json naming a model_type, and safetensors
-    weights. Reads only config.json (whether that model_type is supported is known once the model
-    registry is imported, which costs seconds; the loader says so with the supported list)."""
-    import json
-    from pathlib import Path
-
-    where = Path(path)
-    if not where.exists():
-        raise ConfigError(f"{key}: {path!r} does not exist; pass an HF model directory (config.json + "
-                          "*.safetensors), e.g. one made by `tandem init-model DIR`")
-    if not (where / "config.json").is_file():
-        raise ConfigError(f"{key}: {path!r} has no config.json; it must be an HF model directory")
-    try:
-        model_type = json.loads((where / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"{key}: cannot read {str(where / 'config.json')!r}: {exc}") from None
-    if not isinstance(model_type, str) or not model_type:
-        raise ConfigError(f"{key}: {str(where / 'config.json')!r} names no model_type; it must be an HF model config")
-    if not any(where.glob("*.safetensors")):
-        raise ConfigError(f"{key}: {path!r} has no *.safetensors weights")
-
-
-def check_cpus(spec: str, key: str) -> None:
-    if spec:
-        try:
-            parse_cpus(spec)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), command: str = "train") -> TandemConfig:
+    """The validated run config of `tandem <command>` (train or sft) from an optional YAML file
+    and dotted overrides; raises `ConfigError` naming the key for any mistake."""
+    if command not in COMMANDS:
+        raise ValueError(f"command must be one of {COMMANDS}, got {command!r}")
+    return load_config(path, overrides, schema=SFTRunConfig if command == "sft" else TandemConfig)

@@ -1,0 +1,57 @@
+"""`ParallelSizes`: the one representation of a job's parallel sizes.
+
+The allocation grammar produces it (`Component.sizes`) and the trainer builds its device mesh
+from it (`tandem.parallel.ParallelDims`). Expert parallelism adds no ranks: experts are laid out
+over the same `world_size` devices, `ep * etp * pp` per expert replica, `edp` replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.errors import ConfigError
+
+SIZE_NAMES = ("dp", "tp", "pp", "cp", "ep", "etp")
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Data, tensor, pipeline, context, expert and expert-tensor parallel sizes (absent = 1).
+
+    `edp` (expert data parallel size) is derived when left at -1: `dp` without experts (ep = etp
+    = 1), else `world_size / (ep * etp * pp)`. Given explicitly (the hybrid attn/ffn layout), it
+    must satisfy `edp * ep * etp * pp == world_size`. Raises `ConfigError` for sizes below 1 or
+    an expert layout that does not tile the devices.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    edp: int = -1
+
+    def __post_init__(self) -> None:
+        for name in SIZE_NAMES:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel size {name} must be >= 1, got {getattr(self, name)}")
+        group = self.ep * self.etp * self.pp
+        if self.edp == -1:
+            if self.ep == self.etp == 1:
+                object.__setattr__(self, "edp", self.dp)
+                return
+            if self.world_size % group:
+                raise ConfigError(f"ep*etp*pp = {group} must divide the world size {self.world_size}")
+            object.__setattr__(self, "edp", self.world_size // group)
+        elif self.edp < 1 or self.edp * group != self.world_size:
+            raise ConfigError(f"edp*ep*etp*pp = {self.edp}*{group} must equal the world size {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        """Devices of the job: dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def only_data_parallel(self) -> bool:
+        return self.tp == self.pp == self.cp == self.ep == self.etp == 1

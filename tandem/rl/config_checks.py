@@ -1,0 +1,83 @@
+"""Checks of run-config values that need more than field metadata: a model directory, a reward
+function's import path, core lists, and algorithm settings `tandem train` cannot run yet. Each
+raises `ConfigError` naming the key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tandem.algo.config import AlgoConfig
+from tandem.errors import ConfigError
+from tandem.launch.affinity import parse_cpus
+
+if TYPE_CHECKING:
+    from tandem.rollout.config import RolloutConfig
+
+
+def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
+    """Refuse settings whose model does not exist in `tandem train` yet, instead of training
+    without it: a critic (PPO's value model) and a reference model (the KL term)."""
+    if algo.name == "ppo" or algo.ppo.use_critic:
+        key = f"{prefix}name: 'ppo'" if algo.name == "ppo" else f"{prefix}ppo.use_critic=true"
+        raise ConfigError(f"{key} trains a critic (value model), which `tandem train` does not have yet: its "
+                          "values would be 0 and the advantages meaningless. Use a critic-free recipe "
+                          "(algo.name=grpo, dr_grpo, rloo, dapo or gspo)")
+    if algo.ppo.kl_ctl > 0:
+        raise ConfigError(f"{prefix}ppo.kl_ctl={algo.ppo.kl_ctl:g} needs a reference model, which `tandem train` "
+                          f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
+
+
+def check_reward_fn(path: str, key: str) -> None:
+    """`path` ('package.module:function') imports and names a callable."""
+    from tandem.user_code import import_user_object as import_object
+
+    if ":" not in path:
+        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
+    try:
+        fn = import_object(path)
+    except Exception as exc:  # ImportError, or whatever importing the user's module raised
+        raise ConfigError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """`path` looks like an HF model directory: config.json naming a model_type, and safetensors
+    weights. Reads only config.json (whether that model_type is supported is known once the model
+    registry is imported, which costs seconds; the loader says so with the supported list)."""
+    import json
+    from pathlib import Path
+
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"{key}: {path!r} does not exist; pass an HF model directory (config.json + "
+                          "*.safetensors), e.g. one made by `tandem init-model DIR`")
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"{key}: {path!r} has no config.json; it must be an HF model directory")
+    try:
+        model_type = json.loads((where / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{key}: cannot read {str(where / 'config.json')!r}: {exc}") from None
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{key}: {str(where / 'config.json')!r} names no model_type; it must be an HF model config")
+    if not any(where.glob("*.safetensors")):
+        raise ConfigError(f"{key}: {path!r} has no *.safetensors weights")
+
+
+def check_cpus(spec: str, key: str) -> None:
+    if spec:
+        try:
+            parse_cpus(spec)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str) -> None:
+    """The servers' kind can take weight updates of `update_type` (see docs/fleet.md)."""
+    from tandem.fleet.adapters import adapter_for
+
+    missing = adapter_for(rollout.server_kind).capabilities.missing_for(update_type)
+    if missing is not None:
+        raise ConfigError(f"{prefix}train.weight_sync={update_type!r} needs {missing}, which "
+                          f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not offer; "
+                          "use tandem servers (rollout.backend=tandem:dN)")
