@@ -1,0 +1,23 @@
+"""Rules the code keeps (issue 18): small modules, and no code named by a 'package.module:function'
+string (the trainer is driven by typed methods; only a user's own `task.reward_fn` is a path)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tandem"
+MAX_LINES = 400
+FUNCTION_PATH = re.compile(r'"tandem\.[a-z_.]+:[a-z_]+"')
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_no_function_is_named_by_a_string():
+    hits = [f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}" for p in PACKAGE.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if FUNCTION_PATH.search(line)]
+    assert not hits, "call code through typed methods, not 'tandem.x:y' strings:\n" + "\n".join(hits)
