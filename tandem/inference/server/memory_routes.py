@@ -5,8 +5,6 @@ it. The work runs on the engine thread (`memory.py`); both hold the weight-updat
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -21,26 +19,28 @@ from tandem.inference.server.protocol import (
     read_json,
 )
 from tandem.inference.server.routes import state_of
+from tandem.inference.server.state import ServerState
 
 router = APIRouter()
 
 
-def _tags(body: dict[str, Any]) -> list[str]:
+async def _memory_request(request: Request) -> tuple[ServerState, list[str]]:
+    """The server's state (ready) and the request's `tags` (default: all), each a known tag."""
+    state = state_of(request)
+    state.check_ready()
+    body = await read_json(request)
+    check_fields(body, {"tags"})
     tags = get_field(body, "tags", list, list(MEMORY_TAGS))
     bad = [t for t in tags if t not in MEMORY_TAGS]
     if bad:
         raise ApiError(f"unknown memory tag(s) {bad}; valid tags: {list(MEMORY_TAGS)}")
-    return tags
+    return state, tags
 
 
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request) -> Response:
     """`{"tags"?: ["kv_cache", "weights"]}` (default both). 400 while requests are in flight."""
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request)
-    check_fields(body, {"tags"})
-    tags = _tags(body)
+    state, tags = await _memory_request(request)
     async with state.weights.lock:
         before = set(state.released)
         state.released |= set(tags)
@@ -59,11 +59,7 @@ async def release_memory_occupation(request: Request) -> Response:
 
 @router.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: Request) -> Response:
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request)
-    check_fields(body, {"tags"})
-    tags = _tags(body)
+    state, tags = await _memory_request(request)
     async with state.weights.lock:
         await state.engine_loop.call(lambda e: resume_memory(e, tags, state.host_memory))
         state.released -= set(tags)
