@@ -119,7 +119,8 @@ class TaskConfig:
 class TrainConfig:
     total_steps: int = _f(20, "RL steps (one batch and one weight update each).", min=1)
     n_minibatches: int = _f(1, "Optimizer steps per batch (PPO minibatches).", min=1)
-    weight_sync: str = _f("distributed", "How new weights reach the servers.", choices=("disk", "distributed", "shm"))
+    weight_sync: str = _f("distributed", "How new weights reach the servers (every kind stages, then commits: tandem "
+                                         "servers; see docs/fleet.md).", choices=("disk", "distributed", "shm"))
     bucket_mb: int = _f(64, "Weight-sync bucket size in MiB.", min=1)
     verify_weights: bool = _f(False, "After each update, compare per-tensor checksums with every server.")
     eval_every: int = _f(0, "Evaluate every N steps (0: only before and after training).", min=0)
