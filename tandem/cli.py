@@ -8,10 +8,12 @@ errors; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tandem.errors import ConfigError, TandemError
 
@@ -52,13 +54,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C before a command set up its own handling: nothing to resume
         print(f"\ntandem {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        _leave_without_finalizing(EXIT_INTERRUPTED)
     finally:
         # The interpreter's last garbage collection walks every object torch and transformers
         # made (~3 s on 2 busy cores after a run): nothing is left to collect, so skip it.
         import gc
 
         gc.freeze()
+
+
+def _leave_without_finalizing(code: int) -> NoReturn:
+    """Exit at once, skipping the interpreter's finalization. A Ctrl-C that lands while torch or
+    transformers is half imported can leave their extension state such that finalization aborts
+    (SIGABRT, "Python runtime state: finalizing", seen about once in 30 interrupted starts under
+    load); nothing has been started yet that finalization would clean up, so logs and streams are
+    flushed and the process leaves."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _build_parser() -> argparse.ArgumentParser:
