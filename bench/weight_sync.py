@@ -293,8 +293,11 @@ def run_size(size: str, root: Path, log_dir: Path, bucket_mib: float | None = No
     # deployment that uses one transport; sharing a server, every switch of transport would cost
     # fresh pages (and shm's commit would pay for freeing shm_fresh's segments).
     kinds = {server_of(label) for label in labels}
+    # The disk server may load the trainer's versioned copies (`run_updates` writes them under
+    # `{root}/run-{size}/versions`); servers refuse other directories than --model and --weights-dir.
     servers = {kind: ServerProcess(model_dir, log_dir, "--dtype", "bfloat16", "--kv-cache-tokens", "1024",
-                                   "--weight-sync-timeout", "300", timeout=600) for kind in sorted(kinds)}
+                                   "--weight-sync-timeout", "300", "--weights-dir", f"{root}/run-{size}/versions",
+                                   timeout=600) for kind in sorted(kinds)}
     engine = TrainEngine(TrainEngineConfig(path=str(model_dir), dtype="bfloat16"))
     payload = sum(p.numel() for p in engine.model.parameters()) * 2
     bucket = int(bucket_mib * 2**20) if bucket_mib else max(4 << 20, payload // 16)
