@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -15,15 +16,21 @@ from tandem.fleet.results import FleetError
 from tandem.weights.report import UpdateReport, WeightSyncError
 
 
-def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | None:
-    """`op` on every server, waiting for all; the failure, if any."""
+def failure_of(phase: str, step: Callable[[], object], what: str | None = None) -> WeightSyncError | None:
+    """Run `step` (fleet calls, checksum comparisons); the failure it raised, if any, as a value
+    under `phase` (`what` names the step in the message; default: the phase)."""
     try:
-        call(fleet, op, request)
+        step()
     except FleetError as exc:
         return WeightSyncError.from_fleet(exc)
     except Exception as exc:  # a fleet that is not HTTP may raise anything
-        return WeightSyncError(f"fleet operation {op.name!r} failed: {type(exc).__name__}: {exc}", op.name)
+        return WeightSyncError(f"{what or phase} failed: {type(exc).__name__}: {exc}", phase)
     return None
+
+
+def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | None:
+    """`op` on every server, waiting for all; the failure, if any."""
+    return failure_of(op.name, lambda: call(fleet, op, request), f"fleet operation {op.name!r}")
 
 
 def wait_for(future: Future, phase: str, timeout: float) -> WeightSyncError | None:

@@ -11,12 +11,9 @@ weights. Returns rank 0's failure (other ranks return None; the caller agrees on
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tandem.fleet import ops
 from tandem.fleet.protocol import Fleet
-from tandem.fleet.results import FleetError
-from tandem.weights.calls import fleet_call
+from tandem.weights.calls import failure_of, fleet_call
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
 from tandem.weights.transports import Transport
@@ -34,7 +31,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
     paused = failure is None
     try:
         if failure is None and verifier is not None:
-            failure = _verify_step(verifier.prepare, "verify")
+            failure = failure_of("verify", verifier.prepare)
         if failure is None:
             failure = transport.open(meta, clock, report)
         with timed(report, "transfer"):
@@ -44,7 +41,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
                 failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version))
         if failure is None and verifier is not None:
             with timed(report, "verify"):
-                failure = _verify_step(verifier.check, "verify")
+                failure = failure_of("verify", verifier.check)
                 report.verified = failure is None
         if failure is None:
             failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
@@ -66,12 +63,3 @@ def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet) -> Non
     fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
     transport.rollback(meta)
 
-
-def _verify_step(step: Callable[[], None], phase: str) -> WeightSyncError | None:
-    try:
-        step()
-    except FleetError as exc:
-        return WeightSyncError.from_fleet(exc)
-    except Exception as exc:
-        return WeightSyncError(f"{phase} failed: {type(exc).__name__}: {exc}", phase)
-    return None

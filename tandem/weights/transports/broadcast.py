@@ -50,6 +50,7 @@ class BroadcastTransport(StreamingTransport):
         self._in_flight: InFlight | None = None
         self._stuck: list[Future] = []  # trainer-side broadcasts that outlived their deadline
         self._meta: WeightUpdateMeta | None = None  # the update that formed the group (its name, deadlines)
+        self._flat = False  # this update's buckets go as one flat broadcast each (the servers take them)
 
     # -- group lifecycle (rank 0) ---------------------------------------------------------------------
     def open(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport) -> WeightSyncError | None:
@@ -103,6 +104,9 @@ class BroadcastTransport(StreamingTransport):
         self._stuck.clear()
 
     # -- buckets (rank 0) ------------------------------------------------------------------------------
+    def begin(self, meta: WeightUpdateMeta, wire_dtype: torch.dtype | None) -> None:
+        self._flat = self.fleet.capabilities.flat_buckets  # read once an update, not per bucket
+
     def _device(self, meta: WeightUpdateMeta, device: torch.device) -> torch.device:
         return torch.device("cpu") if meta.backend == "gloo" else device
 
@@ -136,11 +140,10 @@ class BroadcastTransport(StreamingTransport):
                 failure = self._settle(report)
             if failure is not None:
                 return failure
-        flat = self.fleet.capabilities.flat_buckets
-        request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False,
-                                        flat=ops.FlatLayout(tuple(packed.offsets), packed.nbytes) if flat else None)
+        flat = ops.FlatLayout(tuple(packed.offsets), packed.nbytes) if self._flat else None
+        request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False, flat=flat)
         fleet_future = self.fleet.send(ops.STAGE_DISTRIBUTED, request)
-        sends = [packed.flat] if flat else packed.tensor_views()
+        sends = [packed.flat] if self._flat else packed.tensor_views()
         local = self._pool.submit(broadcast_all, self.group, sends, meta.deadlines.bucket_s)
         deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
         self._in_flight = InFlight(f"stage_distributed (bucket {k})", fleet_future, local, deadline)
