@@ -118,6 +118,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the inference server (SGLang-compatible HTTP protocol)")
     _add_serve_arguments(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("fleet", help="the inference servers of a running `tandem train`: state, version, load")
+    p.add_argument("run_dir", help="the run directory (it holds controller.json while the run goes on)")
+    p.add_argument("--json", action="store_true", help="a JSON list of objects with keys address, pid, state, "
+                                                       "version, in_flight, tokens_served, last_error")
+    p.set_defaults(func=_cmd_fleet)
     return parser
 
 
@@ -274,6 +280,34 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="/update_weights_from_disk may load from DIR and below (repeatable); the --model "
                         "directory always; any other path is refused (403)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--join", default=None, metavar="RUN_DIR",
+                   help="join the running `tandem train` of RUN_DIR (its controller.json): the run warms this "
+                        "server to its current weights and gives it traffic (docs/fleet.md)")
+
+
+FLEET_KEYS = ("address", "pid", "state", "version", "in_flight", "tokens_served", "last_error")
+
+
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    from tandem.fleet.run_file import ControllerClient, read_controller_file
+
+    members = ControllerClient(read_controller_file(args.run_dir)).members()
+    servers = [{k: s.get(k) for k in FLEET_KEYS} for s in members["servers"]]
+    if args.json:
+        print(json.dumps(servers, indent=2))
+        return 0
+    print(f"group generation {members.get('generation')}, fleet at weight version {members.get('version')}, "
+          f"{sum(s['state'] == 'healthy' for s in servers)} of {len(servers)} server(s) healthy")
+    rows = [["ADDRESS", "PID", "STATE", "VERSION", "IN FLIGHT", "TOKENS", "LAST ERROR"]]
+    for s in servers:
+        error = str(s["last_error"] or "")
+        rows.append([str(s["address"]), "-" if s["pid"] is None else str(s["pid"]), str(s["state"]),
+                     "-" if s["version"] is None else str(s["version"]), str(s["in_flight"]),
+                     str(s["tokens_served"]), error if len(error) <= 60 else error[:57] + "..."])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -1,12 +1,14 @@
 """`HttpFleet`: the `Fleet` interface straight to a list of server addresses over HTTP.
 
-Every operation fans out to all servers at once from one background event-loop thread (aiohttp,
+Every operation fans out to its targets (default: every address) at once from one background event-loop thread (aiohttp,
 one session, kept-alive connections, no polling) through the servers' `ServerAdapter`, and collects
 one `ServerResult` per server: its answer, that it could not be reached, or that it did not answer
 within the operation's deadline (`Deadlines.seconds(op.deadline)`).
 
-`set_version(v)` right after a commit to `v` that every server acknowledged costs nothing: the
-commit set the version together with the weights, so nothing is sent.
+`set_version(v)` right after a commit to `v` that the targets acknowledged costs nothing: the
+commit set the version together with the weights, so nothing is sent. Its membership is fixed:
+`topology()` names every address as a member and nothing warms (the controller's fleet is the
+elastic one).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import aiohttp
 from tandem.aio import new_event_loop
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter, TandemAdapter
-from tandem.fleet.results import FleetResult, ServerResult
+from tandem.fleet.protocol import Topology
+from tandem.fleet.results import FleetError, FleetResult, ServerResult
 
 
 def normalize_address(address: str) -> str:
@@ -45,9 +48,9 @@ class HttpFleet:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-fleet", daemon=True)
         self._thread.start()
         self._closed = False
-        # The version every server holds as far as this fleet knows: set by a commit or version
-        # call every server acknowledged, forgotten when any other operation but a query starts.
-        self._known_version: int | None = None
+        # The version each server holds as far as this fleet knows: set by a commit or version
+        # call it acknowledged, forgotten when any other operation but a query starts on it.
+        self._known_version: dict[str, int] = {}
 
     @property
     def world_size(self) -> int:
@@ -61,28 +64,43 @@ class HttpFleet:
     def deadlines(self) -> ops.Deadlines:
         return self._deadlines
 
-    def send(self, op: ops.FleetOp, request: Any) -> Future[FleetResult]:
+    def topology(self) -> Topology:
+        return Topology(0, tuple(self.addresses))
+
+    def admit(self, addresses: Sequence[str], version: int) -> None:
+        return None  # a fixed list: every address is a member already
+
+    def send(self, op: ops.FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
+        """`op` on `targets` (any addresses; default: this fleet's); server i of them is index i
+        for the adapter (its rank in a transfer group)."""
         if self._closed:
             raise RuntimeError("this HttpFleet is closed")
-        if op is ops.SET_VERSION and self._known_version == request.version:
+        addresses = self.addresses if targets is None else [normalize_address(a) for a in targets]
+        if op is ops.SET_VERSION and addresses and all(self._known_version.get(a) == request.version
+                                                       for a in addresses):
             done: Future[FleetResult] = Future()
             done.set_result(FleetResult(op.name, tuple(
                 ServerResult(a, True, f"weight version is already {request.version}", ops.Acknowledged())
-                for a in self.addresses)))
+                for a in addresses)))
             return done
-        calls = [self.adapter.request(op, request, i) for i in range(len(self.addresses))]  # may raise Unsupported
+        if not addresses:
+            raise FleetError(op.name, [])  # "no server answered"
+        calls = [self.adapter.request(op, request, i) for i in range(len(addresses))]  # may raise Unsupported
         if not op.query:
-            self._known_version = None
+            for a in addresses:
+                self._known_version.pop(a, None)
         timeout = self._deadlines.seconds(op.deadline)
-        return asyncio.run_coroutine_threadsafe(self._fanout(op, request, calls, timeout), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._fanout(op, request, addresses, calls, timeout), self._loop)
 
-    async def _fanout(self, op: ops.FleetOp, request: Any, calls: list[Any], timeout: float) -> FleetResult:
+    async def _fanout(self, op: ops.FleetOp, request: Any, addresses: list[str], calls: list[Any],
+                      timeout: float) -> FleetResult:
         answers = await asyncio.gather(*(self._post(op, a, c, timeout)
-                                         for a, c in zip(self.addresses, calls, strict=True)))
-        result = FleetResult(op.name, tuple(answers)).raise_for_failures()
+                                         for a, c in zip(addresses, calls, strict=True)))
         if op is ops.COMMIT or op is ops.SET_VERSION:
-            self._known_version = request.version  # reached only when every server acknowledged
-        return result
+            for answer in answers:
+                if answer.success:
+                    self._known_version[answer.address] = request.version
+        return FleetResult(op.name, tuple(answers)).raise_for_failures()
 
     async def _post(self, op: ops.FleetOp, address: str, call: Any, timeout: float) -> ServerResult:
         if self._session is None:
@@ -100,9 +118,9 @@ class HttpFleet:
                 answer = self.adapter.answer(op, resp.status, data, text)
                 return ServerResult(address, answer.success, answer.message, answer.value)
         except TimeoutError:
-            return ServerResult(address, False, f"no answer within {timeout:.1f}s")
+            return ServerResult(address, False, f"no answer within {timeout:.1f}s", no_answer=True)
         except aiohttp.ClientError as exc:
-            return ServerResult(address, False, f"unreachable: {type(exc).__name__}: {exc}")
+            return ServerResult(address, False, f"unreachable: {type(exc).__name__}: {exc}", no_answer=True)
 
     def close(self) -> None:
         if self._closed:

@@ -171,21 +171,25 @@ class FleetOp(Generic[Req, Ans]):
     marks_unhealthy: bool  # a server that fails it may be paused or serve other weights: stop routing to it
     idempotent: bool  # sending it twice has the effect of sending it once
     query: bool = False  # changes nothing on the servers (a fleet may keep what it knows of their state)
+    # The servers act together (one transfer group): a failure on one spoils the outcome on all, so
+    # a fleet cannot drop the failing server and keep the others' results (see `FleetView`).
+    collective: bool = False
 
 
 def _op(name: str, request: type, answer: type, deadline: Deadline, *, unhealthy: bool, idempotent: bool,
-        query: bool = False) -> FleetOp:
-    return FleetOp(name, request, answer, deadline, unhealthy, idempotent, query)
+        query: bool = False, collective: bool = False) -> FleetOp:
+    return FleetOp(name, request, answer, deadline, unhealthy, idempotent, query, collective)
 
 
 PAUSE = _op("pause_generation", PauseGeneration, Acknowledged, Deadline.CONTROL, unhealthy=True, idempotent=True)
 CONTINUE = _op("continue_generation", ContinueGeneration, Acknowledged, Deadline.CONTROL, unhealthy=True,
                idempotent=True)
 SET_VERSION = _op("set_version", SetVersion, Acknowledged, Deadline.CONTROL, unhealthy=True, idempotent=True)
-JOIN_GROUP = _op("join_group", JoinGroup, Acknowledged, Deadline.GROUP, unhealthy=False, idempotent=False)
+JOIN_GROUP = _op("join_group", JoinGroup, Acknowledged, Deadline.GROUP, unhealthy=False, idempotent=False,
+                 collective=True)
 LEAVE_GROUP = _op("leave_group", LeaveGroup, Acknowledged, Deadline.CONTROL, unhealthy=False, idempotent=False)
 STAGE_DISTRIBUTED = _op("stage_distributed", DistributedBucket, Acknowledged, Deadline.BUCKET, unhealthy=True,
-                        idempotent=False)
+                        idempotent=False, collective=True)
 STAGE_SHM = _op("stage_shm", SharedMemoryBucket, Acknowledged, Deadline.BUCKET, unhealthy=True, idempotent=False)
 LOAD_DISK = _op("load_disk", DiskLoad, Acknowledged, Deadline.LOAD, unhealthy=True, idempotent=True)
 COMMIT = _op("commit", CommitStaged, Acknowledged, Deadline.COMMIT, unhealthy=True, idempotent=False)

@@ -27,6 +27,7 @@ class ServerResult:
     success: bool
     message: str = ""
     value: Any = None
+    no_answer: bool = False  # it could not be reached or did not answer in time (vs answering an error)
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,20 @@ class FleetResult:
         return {r.address: r.value for r in self.results if r.success}
 
     def raise_for_failures(self) -> FleetResult:
-        if self.failures or not self.results:
-            raise FleetError(self.phase, self.failures)
+        """Raise `FleetError` if any server failed (a call to no server at all is the sender's to
+        refuse: the controller's fleet answers a version change with no member, for instance)."""
+        if self.failures:
+            raise FleetError(self.phase, self.failures, self.results)
         return self
 
 
 class FleetError(TandemError, RuntimeError):
-    def __init__(self, phase: str, failures: Sequence[ServerResult]):
+    """`failures`: the servers that failed; `results`: every server's outcome when known (the
+    survivors' answers too, so a caller may go on with them)."""
+
+    def __init__(self, phase: str, failures: Sequence[ServerResult], results: Sequence[ServerResult] = ()):
         self.phase = phase
         self.failures = tuple(failures)
+        self.results = tuple(results) or self.failures
         detail = "; ".join(f"{f.address}: {f.message}" for f in self.failures) or "no server answered"
         super().__init__(f"fleet operation {phase!r} failed on {len(self.failures)} server(s): {detail}")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
+from tandem.launch.scheduler import ServerHandle
 from tandem.rl.config import TandemConfig
 from tandem.train.controller import TrainController
 
@@ -43,6 +44,8 @@ class InferenceServers:
     addresses: list[str]  # URLs
     launched: bool
     api_key: str | None  # what every request to the servers carries
+    handles: list[ServerHandle] = field(default_factory=list)  # the launched ones
+    server_args: list[str] = field(default_factory=list)  # what they were started with
 
 
 def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, *,
@@ -60,4 +63,5 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         server_args += ["--weights-dir", str(weights_dir)]
     handles = scheduler.start_servers(comp, model_path, server_args=server_args, device=cfg.experiment.device,
                                       env=env, api_key=api_key)
-    return InferenceServers([h.url for h in handles], launched=True, api_key=api_key)
+    return InferenceServers([h.url for h in handles], launched=True, api_key=api_key, handles=handles,
+                            server_args=server_args)

@@ -17,6 +17,7 @@ from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.config import TandemConfig
 from tandem.rollout.client import ClientConfig, InferenceClient
+from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflows.rlvr import reward_fields
@@ -70,12 +71,12 @@ def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:
     return task.reward_fn()
 
 
-def evaluate(servers: list[str], items: list[dict[str, Any]], reward_fn: RewardFn, runner: RewardRunner,
+def evaluate(servers: list[str] | ServerPool, items: list[dict[str, Any]], reward_fn: RewardFn, runner: RewardRunner,
              tokenizer: Any, *, max_new_tokens: int, client_config: ClientConfig,
              concurrency: int = 64) -> dict[str, float]:
     """Mean reward of greedy completions (the accuracy, for 0/1 task rewards); runs on its own event
     loop and client, next to the rollout executor (the servers batch both)."""
     if not items:
         return {}
-    client = InferenceClient(list(servers), client_config)
+    client = InferenceClient(servers if isinstance(servers, ServerPool) else list(servers), client_config)
     return aio.run(_evaluate(client, items, reward_fn, runner, tokenizer, max_new_tokens, concurrency))

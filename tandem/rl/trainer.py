@@ -18,8 +18,10 @@ launches with its log and readiness time, the first evaluation, then the progres
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,15 +31,17 @@ from tandem.config.loader import to_yaml
 from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.protocol import call
+from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
-from tandem.rl.cluster import start_servers, start_workers
+from tandem.rl.cluster import InferenceServers, start_servers, start_workers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
@@ -88,11 +92,15 @@ class RunSummary:
 
 
 def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
+    """The run's weight update: versioned copies (disk sync) and joiners' warm-up copies both go
+    to `run_dir/weights`, which launched servers may load from."""
+    weights = run_dir / "weights"
     return WeightUpdateMeta(
         type=cfg.train.weight_sync,  # type: ignore[arg-type]
-        path=str(run_dir / "weights") if cfg.train.weight_sync == "disk" else None,
+        path=str(weights) if cfg.train.weight_sync == "disk" else None,
         bucket_bytes=cfg.train.bucket_mb * 1024**2,
         backend="nccl" if cfg.experiment.device == "cuda" else "gloo",
+        warmup_dir=str(weights),
     )
 
 
@@ -145,7 +153,8 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
          totals: dict[str, float]) -> None:
     start_step = plan.start_step
     meta = weight_update_meta(cfg, plan.run_dir)
-    servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.path) if meta.path else None)
+    Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
+    servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
     trainer = start_workers(cfg, scheduler)
     rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key)
     workflow = RLVRWorkflow(
@@ -156,10 +165,10 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
     )
     loader = CursorLoader(data.train, cursor=plan.cursor)
 
-    def run_eval(step: int) -> dict[str, float]:
+    def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
         began = time.monotonic()
-        stats = evaluate(servers.addresses, data.eval, reward_fn, runner, tokenizer, max_new_tokens=cfg.gen.max_new_tokens,
-                         client_config=rollout_cfg.client_config())
+        stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
+                         max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)
@@ -167,7 +176,9 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
 
     # Shut down before the reward pool closes: in-flight episodes and their reward calls are
     # cancelled and awaited first, so the run ends without stray tasks.
-    with RolloutController(rollout_cfg) as controller:
+    with RolloutController(rollout_cfg) as controller, _keep_servers(cfg, scheduler, controller, servers), \
+            controller_file(plan.run_dir, ControllerFile(controller.callback_address(), controller.join_token,
+                                                         servers.api_key, os.getpid())):
         trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
             trainer.load(str(plan.resume_from / "trainer"))
@@ -175,7 +186,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
             controller.recover_version(start_step)
         else:
             call(controller, ops.SET_VERSION, ops.SetVersion(0))
-        first = run_eval(start_step)
+        first = run_eval(start_step, controller)
         summary.eval_before = first.get("eval/accuracy")
         if not metrics.has_step(start_step):  # a resumed trial keeps the row it had for this step
             metrics.log(start_step, first)
@@ -185,7 +196,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                 stats = _rl_step(cfg, controller, trainer, workflow, loader, step, totals)
                 done = summary.end_step = step + 1
                 if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
-                    last_eval = run_eval(done)
+                    last_eval = run_eval(done, controller)
                     stats.update(last_eval)
                 metrics.log(done, stats)
                 progress.update(stats, last_eval.get("eval/accuracy"))
@@ -193,6 +204,16 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                     _save_checkpoint(checkpoint_dir(plan.run_dir, done), trainer, done, loader.cursor)
         summary.eval_after = last_eval.get("eval/accuracy")
         trainer.close_weight_update()
+
+
+def _keep_servers(cfg: TandemConfig, scheduler: LocalScheduler, controller: RolloutController,
+                  servers: InferenceServers) -> contextlib.AbstractContextManager:
+    """Evict launched servers the moment they exit (and replace them with `rollout.replace_dead`)."""
+    if not servers.launched:
+        return contextlib.nullcontext()
+    return ServerKeeper(scheduler, controller, servers.handles, model_path=cfg.actor.path,
+                        server_args=servers.server_args, device=cfg.experiment.device, api_key=servers.api_key,
+                        replace_dead=cfg.rollout.replace_dead)
 
 
 def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainController, workflow: RLVRWorkflow,
@@ -222,6 +243,8 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     stats.update({f"time/{k}": v for k, v in times.items()})
     stats.update({"sync/seconds": report.seconds, "sync/gb_per_s": report.gb_per_s, "version": float(step + 1)})
     stats.update({f"rollout/{k}": float(v) for k, v in controller.stats().items() if isinstance(v, int | float)})
+    stats.update(controller.step_metrics())
+    stats.update({"sync/servers": float(len(report.servers)), "sync/attempts": float(report.attempts)})
     return stats
 
 

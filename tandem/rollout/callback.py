@@ -1,8 +1,9 @@
 """`RolloutCallback`: the trainer workers' `Fleet`, reached through the rollout controller.
 
-`send(op, request)` POSTs the request (`tandem.fleet.wire`) to the controller's
-`/fleet/{op.name}` with the run's secret; the controller runs it on its own fleet (every server it
-knows) and answers with the per-server results. Deadlines and capabilities come from the
+`send(op, request, targets)` POSTs `{"request": ..., "targets": ...}` (`tandem.fleet.wire`) to the
+controller's `/fleet/{op.name}` with the run's secret; the controller runs it on its own fleet (the
+targets, or its members) and answers with the per-server results. `topology()` and `admit()` are
+`GET /fleet/topology` and `POST /fleet/admit`. Deadlines and capabilities come from the
 controller (`GET /fleet/info`, fetched once), so this side never gives up before the controller's
 per-server timeouts, which name the server. Failures raise `FleetError` naming the phase and each
 failing server, or the controller when it could not be reached or refused the secret.
@@ -18,12 +19,13 @@ import os
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from tandem.fleet.adapters import Capabilities
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import MARGIN_S
+from tandem.fleet.protocol import MARGIN_S, Topology
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
 from tandem.fleet.wire import WireError, from_json, to_json
 
@@ -62,12 +64,27 @@ class RolloutCallback:
         return f"RolloutCallback({self.address!r})"  # never the secret
 
     # -- Fleet ------------------------------------------------------------------------------------
-    def send(self, op: FleetOp, request: Any) -> Future[FleetResult]:
+    def send(self, op: FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="rollout-callback")
             pool = self._pool
-        return pool.submit(self._call, op, request)
+        return pool.submit(self._call, op, request, None if targets is None else list(targets))
+
+    def topology(self) -> Topology:
+        status, data = self._request("GET", "/fleet/topology", None, self.control_timeout_s)
+        if status != 200 or not isinstance(data, dict):
+            self._raise("topology", status, data)
+        try:
+            return from_json(Topology, data)
+        except WireError as exc:
+            self._raise("topology", status, f"malformed answer: {exc}")
+
+    def admit(self, addresses: Sequence[str], version: int) -> None:
+        body = {"addresses": list(addresses), "version": version}
+        status, data = self._request("POST", "/fleet/admit", body, self.control_timeout_s)
+        if status != 200:
+            self._raise("admit", status, data)
 
     @property
     def world_size(self) -> int:
@@ -107,15 +124,16 @@ class RolloutCallback:
             pool.shutdown(wait=False)
 
     # -- mechanics --------------------------------------------------------------------------------
-    def _call(self, op: FleetOp, request: Any) -> FleetResult:
+    def _call(self, op: FleetOp, request: Any, targets: list[str] | None) -> FleetResult:
         timeout = self.deadlines.seconds(op.deadline)
-        status, data = self._request("POST", f"/fleet/{op.name}", to_json(request), timeout + MARGIN_S)
+        body = {"request": to_json(request), "targets": targets}
+        status, data = self._request("POST", f"/fleet/{op.name}", body, timeout + MARGIN_S)
         if status != 200 or not isinstance(data, dict):
             self._raise(op.name, status, data)
         try:
             result = from_json(FleetResult, data)
             results = tuple(ServerResult(r.address, r.success, r.message,
-                                         from_json(op.answer, r.value) if r.success else None)
+                                         from_json(op.answer, r.value) if r.success else None, r.no_answer)
                             for r in result.results)
         except WireError as exc:
             self._raise(op.name, status, f"malformed answer: {exc}")

@@ -4,12 +4,18 @@ reach over HTTP with the run's secret. Control plane only.
 
 | route | caller | effect |
 |---|---|---|
-| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | every operation of `tandem.fleet.ops.OPS`: the body is the request (`tandem.fleet.wire`), the answer the `FleetResult` |
+| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | every operation of `tandem.fleet.ops.OPS`: the body is `{"request": <the request, tandem.fleet.wire>, "targets": [addresses] or null}`, the answer the `FleetResult` |
 | `GET /fleet/info` | `RolloutCallback` | servers, health, world size, version, capabilities, the fleet's deadlines |
+| `GET /fleet/topology` | `RolloutCallback` | the `Topology` a weight update works with |
+| `POST /fleet/admit` | `RolloutCallback` | `{"addresses": [...], "version": int}`: warmed servers joined the group |
+| `GET /fleet/members` | `tandem fleet` (join token) | every server's state, version, load and last error |
+| `POST /fleet/join` | `tandem serve --join` (join token) | `{"address": str, "pid": int or null}`: a new server |
 | `POST /rollout/episode` | rollout worker processes | one finished episode; resolves the future its executor slot awaits |
 | `POST /rollout/worker_ready` | rollout worker processes | a worker is up |
 
-Every route needs `Authorization: Bearer <secret>` (constant-time comparison); 401 otherwise.
+Every route needs `Authorization: Bearer <secret>` (constant-time comparison), the two marked
+with the join token also take `Bearer <join token>` (which `RUN_DIR/controller.json` holds and
+which grants nothing else); 401 otherwise.
 Fleet operations are awaited as futures off the controller's fleet, so a long transfer never
 blocks a worker's report. Nothing polls: uvicorn's main loop here waits on
 an event (its stock one wakes every 0.1 s to check a flag).
@@ -30,6 +36,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.aio import new_event_loop
+from tandem.fleet.http import normalize_address
 from tandem.fleet.ops import OPS, FleetOp
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.fleet.wire import WireError, from_json, to_json
@@ -40,8 +47,8 @@ if TYPE_CHECKING:
 
 
 def build_app(ctl: RolloutController) -> ASGIApp:
-    """The callback routes over `ctl` (its Fleet methods, `fleet_info()` and rollout workers),
-    behind the bearer check with `ctl.secret`."""
+    """The callback routes over `ctl` (its Fleet methods, `fleet_info()`, its membership and
+    rollout workers), behind the bearer check with `ctl.secret` (and `ctl.join_token`)."""
     app = FastAPI(title="tandem rollout controller", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -55,12 +62,14 @@ def build_app(ctl: RolloutController) -> ASGIApp:
 
     def fleet_route(op: FleetOp):
         async def handler(request: Request) -> JSONResponse:
+            body = await body_of(request)
             try:
-                fleet_request = from_json(op.request, await body_of(request))
+                fleet_request = from_json(op.request, body.get("request"), "body.request")
+                targets = from_json(tuple[str, ...] | None, body.get("targets"), "body.targets")
             except WireError as exc:
                 raise _BadRequest(f"/fleet/{op.name}: {exc}") from exc
             try:
-                result = await asyncio.wrap_future(ctl.send(op, fleet_request))
+                result = await asyncio.wrap_future(ctl.send(op, fleet_request, targets))
             except FleetError as exc:
                 result = FleetResult(exc.phase, exc.failures)
             except Exception as exc:  # e.g. an operation these servers do not support
@@ -75,6 +84,35 @@ def build_app(ctl: RolloutController) -> ASGIApp:
     @app.get("/fleet/info")
     async def info() -> JSONResponse:
         return JSONResponse(ctl.fleet_info())
+
+    @app.get("/fleet/topology")
+    async def topology() -> JSONResponse:
+        return JSONResponse(to_json(ctl.topology()))
+
+    @app.post("/fleet/admit")
+    async def admit(request: Request) -> JSONResponse:
+        body = await body_of(request)
+        try:
+            addresses = from_json(tuple[str, ...], body.get("addresses"), "body.addresses")
+            version = from_json(int, body.get("version"), "body.version")
+        except WireError as exc:
+            raise _BadRequest(f"/fleet/admit: {exc}") from exc
+        ctl.admit(addresses, version)
+        return JSONResponse({"success": True})
+
+    @app.get(MEMBERS_ROUTE)
+    async def members() -> JSONResponse:
+        return JSONResponse(ctl.members())
+
+    @app.post(JOIN_ROUTE)
+    async def join(request: Request) -> JSONResponse:
+        body = await body_of(request)
+        try:
+            address = normalize_address(from_json(str, body.get("address"), "body.address"))
+            pid = from_json(int | None, body.get("pid"), "body.pid")
+        except WireError as exc:
+            raise _BadRequest(f"{JOIN_ROUTE}: {exc}") from exc
+        return JSONResponse({"success": True, "state": ctl.join(address, pid)})
 
     @app.post(EPISODE_ROUTE)
     async def episode(request: Request) -> JSONResponse:
@@ -100,7 +138,12 @@ def build_app(ctl: RolloutController) -> ASGIApp:
     async def bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
         return JSONResponse({"success": False, "message": str(exc)}, 400)
 
-    return _BearerAuth(app, ctl.secret)
+    return _BearerAuth(app, ctl.secret, ctl.join_token)
+
+
+MEMBERS_ROUTE = "/fleet/members"
+JOIN_ROUTE = "/fleet/join"
+_JOIN_TOKEN_ROUTES = {MEMBERS_ROUTE, JOIN_ROUTE}
 
 
 class _BadRequest(Exception):
@@ -108,15 +151,19 @@ class _BadRequest(Exception):
 
 
 class _BearerAuth:
-    """Every route needs `Authorization: Bearer <secret>` (constant-time comparison); 401 otherwise."""
+    """Every route needs `Authorization: Bearer <secret>`, the join-token routes take `Bearer
+    <join token>` too (constant-time comparisons); 401 otherwise."""
 
-    def __init__(self, app: ASGIApp, secret: str):
-        self.app, self.expected = app, f"Bearer {secret}".encode()
+    def __init__(self, app: ASGIApp, secret: str, join_token: str):
+        self.app, self.expected, self.join = app, f"Bearer {secret}".encode(), f"Bearer {join_token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            ok = hmac.compare_digest(given, self.expected)
+            if scope["path"] in _JOIN_TOKEN_ROUTES:
+                ok = hmac.compare_digest(given, self.join) or ok
+            if not ok:
                 response = JSONResponse({"success": False, "message": "missing or wrong callback secret"}, 401)
                 await response(scope, receive, send)
                 return

@@ -4,7 +4,9 @@
 budget, append what comes back, tag each new token with the weight version that produced it, and
 resubmit after an `abort` (a weight update paused the server) until the server says stop/length or
 the budget is spent. Transport failures are retried with exponential backoff, on another server when
-the first one is gone, all inside one deadline per request.
+the first one is gone (a *resubmission*: prompt + the tokens received so far, their versions kept),
+all inside one deadline per request; while no server may serve (the fleet is warming up or every
+server was evicted) the request waits, inside the same deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import aiohttp
 
 from tandem.fleet.adapters import adapter_for
 from tandem.fleet.generation import Chunk, FinishReason
-from tandem.rollout.errors import GenerationDeadlineError, PromptTooLongError, ServerRequestError
+from tandem.rollout.errors import (
+    GenerationDeadlineError,
+    NoServerError,
+    PromptTooLongError,
+    ServerRequestError,
+)
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
@@ -61,6 +68,14 @@ class InferenceClient:
             weakref.WeakKeyDictionary()
         )
         self._sessions_lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._resubmitted = 0  # calls that failed on a server and went again (elsewhere) with their partial
+
+    @property
+    def resubmitted_total(self) -> int:
+        """Generation calls resubmitted after their server failed (connection lost, no answer, 5xx)."""
+        with self._counts_lock:
+            return self._resubmitted
 
     # -- sessions -------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -148,7 +163,13 @@ class InferenceClient:
             left = state.deadline - time.monotonic()
             if left <= 0:
                 raise state.deadline_error()
-            server = self.pool.choose(req.rid)
+            try:
+                server = self.pool.choose(req.rid)
+            except NoServerError as exc:  # nobody may serve right now: wait for the fleet
+                state.last_error = str(exc)
+                await asyncio.sleep(self._backoff(attempt, state))
+                attempt += 1
+                continue
             state.tried.setdefault(server, None)
             timeout = left if self.config.call_timeout_s is None else min(left, self.config.call_timeout_s)
             try:
@@ -156,7 +177,7 @@ class InferenceClient:
                     state.calls += 1
                     data = await self._post(server, body, timeout)
                 chunk = self.adapter.parse_generate(data)
-                self.pool.mark_success(server)
+                self.pool.mark_success(server, len(chunk.output_ids))
                 return chunk, server
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError) as exc:
                 state.last_error = f"{server}: {type(exc).__name__}: {exc}".rstrip(": ")
@@ -165,6 +186,8 @@ class InferenceClient:
                     raise state.deadline_error() from exc
                 # Connection failures and hung calls take the server out of routing at once.
                 self.pool.mark_error(server, connection_failed=not isinstance(exc, _TransientHTTPError))
+                with self._counts_lock:
+                    self._resubmitted += 1
                 delay = self._backoff(attempt, state)
                 logger.debug("request %s: %s; retry in %.2fs", req.rid, state.last_error, delay)
                 attempt += 1

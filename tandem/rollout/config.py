@@ -17,6 +17,7 @@ from tandem.errors import ConfigError
 from tandem.launch.affinity import parse_cpus
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
+from tandem.rollout.health import HealthConfig
 
 
 @dataclass
@@ -48,6 +49,13 @@ class RolloutConfig:
     control_timeout_s: float = _f(30.0, "Timeout of one fleet control call (pause, continue, version) per server.",
                                   gt=0.0)
     worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", gt=0.0)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    min_servers: int = _f(1, "Rollouts start only with this many healthy servers at the current weights.", min=1)
+    min_servers_grace_s: float = _f(
+        60.0, "End the run when fewer than min_servers stayed healthy this long.", gt=0.0)
+    topology_cooldown_s: float = _f(
+        30.0, "Joining servers enter the weight-update group at most once per this many seconds.", min=0.0)
+    replace_dead: bool = _f(False, "Restart a launched server that died (it rejoins through warm-up).")
 
     @property
     def allocation(self) -> AllocationMode:

@@ -1,16 +1,18 @@
 """`RolloutController`: the rollout side of the controller process.
 
-It owns the servers as the rollout side sees them (the `ServerPool`, its `InferenceClient`, the
-`WeightVersion`), the `WorkflowExecutor` (episodes, the one `StalenessManager`), optional rollout
-worker processes, and the callback server (`callback_server.py`) through which trainer workers
-(`RolloutCallback`) and rollout workers reach it with the run's secret.
+It owns the servers as the rollout side sees them (the `ElasticFleet`: membership, health
+monitor, routing; the `ServerPool`, its `InferenceClient`, the `WeightVersion`), the
+`WorkflowExecutor` (episodes, the one `StalenessManager`), optional rollout worker processes, and
+the callback server (`callback_server.py`) through which trainer workers (`RolloutCallback`),
+rollout workers, `tandem fleet` and joining servers reach it.
 
-It is a `Fleet` itself: `submit(op, request)` forwards any operation to an `HttpFleet` over the
-pool's servers and takes a server that fails an operation marked `marks_unhealthy` out of routing.
-Three operations get behaviour around them (protocol.md section 5 step 4): `pause_generation`
-stops dispatching new episodes before the servers pause; `continue_generation` resumes dispatch
-after they continue; a successful `set_version` moves the `WeightVersion` (capacity grows) before
-the caller hears of it.
+It is a `Fleet` itself: `send(op, request, targets)` forwards any operation to the elastic fleet
+(which evicts servers that fail). Three operations get behaviour around them (protocol.md section
+5 step 4): `pause_generation` stops dispatching new episodes before the servers pause;
+`continue_generation` resumes dispatch after they continue; a successful `set_version` moves the
+`WeightVersion` (capacity grows) before the caller hears of it. Episodes start only while at least
+`rollout.min_servers` servers are healthy; after `rollout.min_servers_grace_s` below that, the
+rollouts fail with `FleetTooSmall` (the run ends saying why).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 import logging
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,13 +30,14 @@ from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
-from tandem.fleet.http import HttpFleet
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.results import FleetError, FleetResult
+from tandem.fleet.protocol import Topology
+from tandem.fleet.results import FleetResult
 from tandem.rollout.callback import RolloutCallback
 from tandem.rollout.callback_server import CallbackServer, build_app
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.config import RolloutConfig
+from tandem.rollout.elastic import ElasticFleet
 from tandem.rollout.executor import WorkflowExecutor
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.version import WeightVersion
@@ -53,19 +56,23 @@ class RolloutController:
                               "backend the launcher fills them in after starting the servers")
         self.config = config
         self.secret = secret or secrets.token_urlsafe(32)
+        self.join_token = secrets.token_urlsafe(32)  # for `tandem serve --join` and `tandem fleet` only
         self.pool = ServerPool(config.servers)
         self.version = WeightVersion()  # the one copy of the version on the rollout side
         self.client = InferenceClient(self.pool, config.client_config(), self.version)
         self.adapter: ServerAdapter = self.client.adapter
         self.executor = WorkflowExecutor(self.client, config.executor_config())
         self.deadlines = deadlines or Deadlines(http_s=config.control_timeout_s)
-        self._fleet: HttpFleet | None = None
-        self._old_fleets: list[HttpFleet] = []
+        self.fleet = ElasticFleet(
+            config.servers, self.pool, self.adapter, health=config.health, min_servers=config.min_servers,
+            min_servers_grace_s=config.min_servers_grace_s, topology_cooldown_s=config.topology_cooldown_s,
+            deadlines=self.deadlines, api_key=config.api_key)
         self.workers: WorkerPool | None = None
         self._remote: dict[int, tuple[RolloutWorkflow, RemoteWorkflow]] = {}
         self._lock = threading.Lock()
         self._driver_paused = False
         self._fleet_paused = False
+        self._fleet_ready = True
         self._server: CallbackServer | None = None
         self._closed = False
         if start:
@@ -77,6 +84,8 @@ class RolloutController:
             return self
         self._server = CallbackServer(build_app(self), self.config.callback_host, self.config.callback_port)
         self._server.start()
+        self.fleet.watch_ready(self._set_fleet_ready)
+        self.fleet.start(on_too_small=self.executor.fail)
         if self.config.workers > 0:
             self.workers = WorkerPool(self.config.workers, self.pool.addresses, self.config.client_config(),
                                       self.callback_address(), self.secret, self.version)
@@ -86,6 +95,7 @@ class RolloutController:
             except BaseException:
                 self.shutdown()
                 raise
+            self.fleet.membership.watch(self.workers.set_servers)
         return self
 
     def callback_address(self) -> str:
@@ -108,9 +118,8 @@ class RolloutController:
                 self.workers.shutdown(timeout)
             if self._server is not None:
                 self._server.stop(timeout)
-            for fleet in [*self._old_fleets, *([self._fleet] if self._fleet is not None else [])]:
-                with contextlib.suppress(Exception):
-                    fleet.close()
+            with contextlib.suppress(Exception):
+                self.fleet.close()
 
     def __enter__(self) -> RolloutController:
         return self
@@ -152,33 +161,56 @@ class RolloutController:
     def stats(self) -> dict[str, Any]:
         out = self.executor.stats()
         out["servers"] = [{"address": s.address, "healthy": s.healthy, "outstanding": s.outstanding}
-                          for s in self.pool.snapshot()]
+                          for s in self.pool.snapshot() if s.routable]
         return out
+
+    def step_metrics(self) -> dict[str, float]:
+        """The fleet's numbers for the step's metrics row: healthy servers, evictions and joins so
+        far, generation calls resubmitted after a server failed, episodes lost (failed)."""
+        counts = self.executor.stats()
+        resubmitted = self.client.resubmitted_total + (self.workers.resubmitted_total if self.workers else 0)
+        return {**self.fleet.stats(), "rollout/resubmitted_total": float(resubmitted),
+                "rollout/lost_total": float(counts["failed"])}
 
     def fleet_info(self) -> dict[str, Any]:
         """What `GET /fleet/info` answers: servers and health, world size, version, deadlines."""
         return {
-            "world_size": len(self.pool.addresses), "version": self.version.value, "capabilities": dataclasses.asdict(self.capabilities),
-            "deadlines": dataclasses.asdict(self.deadlines),
-            "servers": [{"address": s.address, "healthy": s.healthy} for s in self.pool.snapshot()],
+            "world_size": self.world_size, "version": self.version.value,
+            "capabilities": dataclasses.asdict(self.capabilities), "deadlines": dataclasses.asdict(self.deadlines),
+            "servers": [{"address": r["address"], "state": r["state"]} for r in self.members()["servers"]],
             "workers": 0 if self.workers is None else self.workers.num_workers,
         }
+
+    def members(self) -> dict[str, Any]:
+        """What `GET /fleet/members` answers (`tandem fleet`)."""
+        return self.fleet.members()
+
+    def join(self, address: str, pid: int | None) -> str:
+        """A server asked to join (`tandem serve --join`); -> its state."""
+        return self.fleet.join(address, pid)
 
     # -- Fleet (a trainer in this process calls it; trainer workers reach it via RolloutCallback) --------
     @property
     def world_size(self) -> int:
-        return len(self.pool.addresses)
+        return self.fleet.world_size
 
     @property
     def capabilities(self) -> Capabilities:
         return self.adapter.capabilities
 
-    def send(self, op: FleetOp, request: Any) -> Future[FleetResult]:
-        """`op` on every server in the pool; see the module docstring for what happens around it."""
+    def topology(self) -> Topology:
+        return self.fleet.topology()
+
+    def admit(self, addresses: Sequence[str], version: int) -> None:
+        self.fleet.admit(addresses, version)
+
+    def send(self, op: FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
+        """`op` on `targets` (default: the members); see the module docstring for what happens
+        around it."""
         if op is ops.PAUSE:
             self._set_fleet_paused(True)
         try:
-            inner = self.fleet().send(op, request)
+            inner = self.fleet.send(op, request, targets)
         except BaseException:
             self._after(op, request, failed=True)
             raise
@@ -186,8 +218,6 @@ class RolloutController:
 
         def settle(fut: Future[FleetResult]) -> None:
             exc = fut.exception()
-            if isinstance(exc, FleetError):
-                self._on_failure(op, exc)
             try:
                 self._after(op, request, failed=exc is not None)
             except BaseException as hook_error:
@@ -200,17 +230,6 @@ class RolloutController:
         inner.add_done_callback(settle)
         return outer
 
-    def fleet(self) -> HttpFleet:
-        """The `HttpFleet` over the pool's current servers (rebuilt when the membership changed)."""
-        addresses = self.pool.addresses
-        with self._lock:
-            if self._fleet is None or self._fleet.addresses != addresses:
-                if self._fleet is not None:
-                    self._old_fleets.append(self._fleet)  # calls may be in flight on it: closed at shutdown
-                self._fleet = HttpFleet(addresses, adapter=self.adapter, api_key=self.config.api_key,
-                                        deadlines=self.deadlines)
-            return self._fleet
-
     def _after(self, op: FleetOp, request: Any, failed: bool) -> None:
         if op is ops.CONTINUE:  # the servers go on (or were asked to): so does dispatch
             self._set_fleet_paused(False)
@@ -219,20 +238,19 @@ class RolloutController:
         elif op is ops.PAUSE and failed:
             self._set_fleet_paused(False)
 
-    def _on_failure(self, op: FleetOp, exc: FleetError) -> None:
-        for failure in exc.failures:
-            logger.error("fleet %s failed on %s: %s", op.name, failure.address, failure.message)
-            if op.marks_unhealthy:
-                self.pool.mark_unhealthy(failure.address)
-
     def _set_fleet_paused(self, paused: bool) -> None:
         with self._lock:
             self._fleet_paused = paused
             self._sync_dispatch()
 
+    def _set_fleet_ready(self, ready: bool) -> None:
+        with self._lock:
+            self._fleet_ready = ready
+            self._sync_dispatch()
+
     # -- internals ----------------------------------------------------------------------------------
     def _sync_dispatch(self) -> None:  # under self._lock
-        if self._driver_paused or self._fleet_paused:
+        if self._driver_paused or self._fleet_paused or not self._fleet_ready:
             self.executor.pause()
         else:
             self.executor.resume()

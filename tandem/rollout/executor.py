@@ -39,7 +39,7 @@ from tandem.data.trajectory import Trajectory
 from tandem.log_repeats import RepeatCounter
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.dump import TrajectoryDumper
-from tandem.rollout.errors import EpisodeFailureStorm
+from tandem.rollout.errors import EpisodeFailureStorm, RolloutError
 from tandem.rollout.staleness import StalenessManager
 from tandem.rollout.workflow import RolloutWorkflow, as_trajectories
 
@@ -112,6 +112,14 @@ class WorkflowExecutor:
             self._paused = False
             self._cond.notify_all()
         self._kick()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop starting episodes; every waiter (now and later) gets `error` as the cause (the
+        controller calls it when the fleet stayed too small for too long)."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
 
     # -- submitting and collecting --------------------------------------------------------------
     def submit(self, item: Any, workflow: RolloutWorkflow) -> None:
@@ -221,10 +229,10 @@ class WorkflowExecutor:
         return self._closed or self._error is not None
 
     def _raise_if_dead(self) -> None:
-        if isinstance(self._error, EpisodeFailureStorm):
+        if isinstance(self._error, RolloutError):  # a storm, a fleet too small: says what to do itself
             raise self._error
         if self._error is not None:
-            raise RuntimeError("the rollout executor failed") from self._error
+            raise RuntimeError(f"the rollout executor failed: {self._error}") from self._error
         if self._closed:
             raise RuntimeError("the rollout executor is shut down")
 

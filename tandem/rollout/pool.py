@@ -1,14 +1,18 @@
-"""A pool of inference servers: routing, outstanding-request counts, health marks.
+"""A pool of inference servers: routing, outstanding-request counts, tokens served, health marks.
+
+Which servers may get traffic is the membership's decision (`tandem.rollout.membership`): the
+controller hands the healthy set to `set_routable`, and only those are chosen. Servers that leave
+the set keep their counters (`snapshot`, `tandem fleet`).
 
 Routing: a request id (rid) that already has a server goes back to it while that server is healthy
 (its prefix cache holds the prompt and partial output); otherwise the healthy server with the fewest
 outstanding requests wins (ties: the one that has served fewest requests, then address order).
 
-Health here is only what requests observe: a connection failure marks a server unhealthy at once,
-repeated 5xx answers after `max_consecutive_errors`, any success marks it healthy again. A health
-monitor (eviction, rejoin, discovery) plugs in through `mark_healthy` / `mark_unhealthy` / `add` /
-`remove` later. When every candidate is unhealthy the pool still routes (least outstanding among
-all), so a fleet-wide blip slows requests down instead of failing them all.
+Health here is only what requests observe, between membership probes: a connection failure marks a
+server unhealthy at once, repeated 5xx answers after `max_consecutive_errors`, any success marks
+it healthy again. When every routable server is marked unhealthy the pool still routes (least
+outstanding among them), so a fleet-wide blip slows requests down instead of failing them all;
+with no routable server at all, `choose` raises `NoServerError` (the client waits for one).
 
 Thread-safe (one lock); the lock is never held across I/O.
 """
@@ -31,6 +35,8 @@ class PooledServer:
     served: int = 0
     healthy: bool = True
     consecutive_errors: int = 0
+    routable: bool = True  # the membership lets it serve
+    tokens: int = 0  # tokens it generated for us
 
 
 class ServerPool:
@@ -55,24 +61,40 @@ class ServerPool:
             self._servers.pop(address, None)
             self._affinity = {r: a for r, a in self._affinity.items() if a != address}
 
+    def set_routable(self, addresses: Iterable[str]) -> None:
+        """Route to exactly `addresses` from now on (added when new; the others keep their
+        counters but get no new request, and lose their affinities)."""
+        wanted = [normalize_address(a) for a in addresses]
+        with self._lock:
+            for a in wanted:
+                self._servers.setdefault(a, PooledServer(a))
+            keep = set(wanted)
+            for s in self._servers.values():
+                if s.routable and s.address not in keep:
+                    s.healthy = False
+                elif not s.routable and s.address in keep:
+                    s.healthy, s.consecutive_errors = True, 0
+                s.routable = s.address in keep
+            self._affinity = {r: a for r, a in self._affinity.items() if a in keep}
+
     @property
     def addresses(self) -> list[str]:
+        """The routable servers."""
         with self._lock:
-            return list(self._servers)
+            return [s.address for s in self._servers.values() if s.routable]
 
     # -- routing --------------------------------------------------------------------------------
     def choose(self, rid: str, exclude: Iterable[str] = ()) -> str:
         """The server for `rid`; remembers the choice so a resubmission comes back."""
         excluded = set(exclude)
         with self._lock:
-            if not self._servers:
-                raise NoServerError("the server pool is empty")
+            routable = [s for s in self._servers.values() if s.routable]
+            if not routable:
+                raise NoServerError("no server may serve now (none is healthy at the current weights)")
             sticky = self._servers.get(self._affinity.get(rid, ""))
-            if sticky is not None and sticky.healthy and sticky.address not in excluded:
+            if sticky is not None and sticky.routable and sticky.healthy and sticky.address not in excluded:
                 return sticky.address
-            candidates = [s for s in self._servers.values() if s.address not in excluded] or list(
-                self._servers.values()
-            )
+            candidates = [s for s in routable if s.address not in excluded] or routable
             healthy = [s for s in candidates if s.healthy] or candidates
             best = min(healthy, key=lambda s: (s.outstanding, s.served, s.address))
             self._affinity[rid] = best.address
@@ -100,10 +122,12 @@ class ServerPool:
                     state.outstanding -= 1
 
     # -- health marks ---------------------------------------------------------------------------
-    def mark_success(self, address: str) -> None:
+    def mark_success(self, address: str, tokens: int = 0) -> None:
+        """A call succeeded on `address` and generated `tokens`."""
         with self._lock:
             if (s := self._servers.get(address)) is not None:
                 s.healthy, s.consecutive_errors = True, 0
+                s.tokens += tokens
 
     def mark_error(self, address: str, connection_failed: bool) -> None:
         """A failed call: connection failures take the server out at once, 5xx after a streak."""

@@ -78,6 +78,7 @@ class _Worker:
     process: Any
     conn: Any  # the controller's end of the command pipe
     outstanding: int = 0
+    resubmitted: int = 0  # its client's resubmissions so far (each episode report carries the count)
     alive: bool = True
     workflows: set[str] = field(default_factory=set)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -131,6 +132,19 @@ class WorkerPool:
         for w in self._alive():
             with contextlib.suppress(OSError, ValueError):
                 w.send(("version", version))
+
+    def set_servers(self, addresses: list[str]) -> None:
+        """Each worker's client routes to exactly `addresses` from now on (the membership's
+        healthy set)."""
+        self._args = (list(addresses), *self._args[1:])
+        for w in self._alive():
+            with contextlib.suppress(OSError, ValueError):
+                w.send(("servers", list(addresses)))
+
+    @property
+    def resubmitted_total(self) -> int:
+        with self._lock:
+            return sum(w.resubmitted for w in self._workers)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -194,6 +208,8 @@ class WorkerPool:
         if entry is None:
             return False
         worker, fut = entry
+        with self._lock:
+            worker.resubmitted = max(worker.resubmitted, int(data.get("resubmitted", 0)))
         if fut.done():
             return False
         status = data.get("status")
@@ -307,6 +323,8 @@ class _WorkerProcess:
                 task.cancel()
         elif kind == "version":
             self.client.version.set(msg[1])
+        elif kind == "servers":
+            self.client.pool.set_routable(msg[1])
         elif kind == "stop":
             self.stop.set()
 
@@ -321,6 +339,7 @@ class _WorkerProcess:
             return  # the controller cancelled it (shutdown): nobody waits for a report
         except Exception:
             report = {"task_id": task_id, "status": "failed", "error": traceback.format_exc(limit=20)}
+        report["resubmitted"] = self.client.resubmitted_total
         await self._post(EPISODE_ROUTE, report)
 
     async def _post(self, route: str, body: dict[str, Any]) -> None:

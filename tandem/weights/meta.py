@@ -26,6 +26,7 @@ class WeightUpdateMeta:
     master_port: int = 0  # 0 = pick a free port when the group is formed
     version: int = 0
     deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
+    warmup_dir: str | None = None  # where joining servers' warm-up copies go (None: joiners cannot be warmed)
 
     def __post_init__(self) -> None:
         if self.type not in UPDATE_TYPES:
@@ -45,6 +46,12 @@ class WeightUpdateMeta:
     def version_name(self) -> str:
         """The string servers echo in `meta_info.weight_version`."""
         return str(self.version)
+
+    def warmup_path(self) -> Path:
+        """The HF directory a joining server is warmed from, for this version."""
+        if not self.warmup_dir:
+            raise ConfigError("this weight update has no `warmup_dir`")
+        return Path(self.warmup_dir) / f"warmup-v{self.version:08d}"
 
     def versioned_path(self) -> Path:
         """Disk: the HF directory that holds this version's weights."""

@@ -21,8 +21,8 @@ from tandem.weights.verify import UpdateVerifier
 
 
 def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None, rank: int,
-               verifier: UpdateVerifier | None, report: UpdateReport) -> WeightSyncError | None:
-    clock = Clock(meta.deadlines.update_s)
+               verifier: UpdateVerifier | None, report: UpdateReport, clock: Clock | None = None) -> WeightSyncError | None:
+    clock = clock or Clock(meta.deadlines.update_s)
     transport.prepare(meta, report)  # before the pause: generation goes on while a checkpoint is written
     if rank != 0:
         return transport.stage(meta, clock, report, None, None)

@@ -33,6 +33,10 @@ class UpdateReport:
     in_place: int = 0  # buckets the export gathered straight into their send memory (no pack copy)
     phases: dict[str, float] = field(default_factory=dict)  # rank 0: seconds per phase
     verified: bool = False
+    servers: tuple[str, ...] = ()  # the servers that hold `version` now (every rank: rank 0's list)
+    left_out: dict[str, str] = field(default_factory=dict)  # servers the update went on without, and why
+    attempts: int = 0  # transfers started (more than 1: a server failed and the rest went again)
+    warmed: tuple[str, ...] = ()  # joining servers warmed from disk and admitted
 
     @property
     def gb_per_s(self) -> float:

@@ -146,7 +146,8 @@ def test_every_layer_carries_every_operation_to_the_server(recorder):
                     _Recorder.calls.clear()
                 result = call(layer, op, EXAMPLES[name])
                 expected = adapter.request(op, EXAMPLES[name], 0)
-                assert _Recorder.calls == [(expected.path, expected.body)], (type(layer).__name__, name)
+                calls = [c for c in _Recorder.calls if c[0] != "/health"]  # the controller's health probes
+                assert calls == [(expected.path, expected.body)], (type(layer).__name__, name)
                 assert result.phase == name and [r.address for r in result.results] == [recorder]
                 assert result.values()[recorder] == ANSWERS[op.answer], (type(layer).__name__, name)
         assert ctl.version.value == 7  # set_version through the controller moved the rollout side's version

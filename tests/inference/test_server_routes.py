@@ -63,7 +63,7 @@ def wait_running(server, count=1):
 
 # ------------------------------------------------------------------------------ info routes
 def test_info_routes(server, qwen3_dir):
-    assert server.get("/health") == (200, {"status": "ok"})
+    assert server.get("/health") == (200, {"status": "ok", "weight_version": "0"})
     info = server.ok("/get_model_info", method="GET")
     assert info == {"model_path": str(qwen3_dir), "tokenizer_path": str(qwen3_dir), "is_generation": True,
                     "weight_version": "0"}
@@ -176,7 +176,7 @@ def test_top_k_beyond_the_vocabulary_samples_from_all_of_it(server):
     # Once crashed the engine thread (int64 overflow in the sampler): every later request got 503.
     body = {"input_ids": [11, 12], "sampling_params": {"max_new_tokens": 3, "top_k": 10**30, "top_p": 0.5}}
     assert server.ok("/generate", body)["meta_info"]["completion_tokens"] == 3
-    assert server.get("/health") == (200, {"status": "ok"})
+    assert server.get("/health") == (200, {"status": "ok", "weight_version": "0"})
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -189,7 +189,7 @@ def test_openai_bad_numbers_answer_400(server, extra, needle):
     status, answer = server.post("/v1/completions", raw=json.dumps(body).encode())
     assert status == 400, answer
     assert answer["object"] == "error" and answer["code"] == 400 and needle in answer["message"], answer
-    assert server.get("/health") == (200, {"status": "ok"})
+    assert server.get("/health") == (200, {"status": "ok", "weight_version": "0"})
 
 
 def test_unknown_route_and_control_errors(server):

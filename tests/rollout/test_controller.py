@@ -93,15 +93,21 @@ def test_callback_server_rejects_a_missing_or_wrong_secret(make_server, make_con
     ctl = make_controller([server.address])
     url = ctl.callback_address() + "/fleet/pause_generation"
     assert ctl.callback_address().startswith("http://127.0.0.1:")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ctl.secret}):
-        status, body = post(url, {}, headers)
+    join = {"Authorization": f"Bearer {ctl.join_token}"}  # joins and `tandem fleet` only
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ctl.secret}, join):
+        status, body = post(url, {"request": {}}, headers)
         assert status == 401 and body["success"] is False, (headers, status, body)
     assert server._running.is_set()  # nothing reached the server: still running
     with pytest.raises(FleetError, match="rejected the callback secret") as err:
         call(RolloutCallback(ctl.callback_address(), "wrong"), ops.PAUSE, ops.PauseGeneration())
     assert err.value.phase == "pause_generation"
-    status, body = post(url, {}, {"Authorization": f"Bearer {ctl.secret}"})
+    status, body = post(url, {"request": {}}, {"Authorization": f"Bearer {ctl.secret}"})
     assert status == 200 and [r["success"] for r in body["results"]] == [True]
+    status, body = post(url, {}, {"Authorization": f"Bearer {ctl.secret}"})
+    assert status == 400 and "body.request" in body["message"], body
+    req = urllib.request.Request(ctl.callback_address() + "/fleet/members", headers=join)
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert [s["state"] for s in json.loads(resp.read())["servers"]] == ["healthy"]
     assert "secret" not in repr(ctl.callback()) and ctl.secret not in repr(ctl.callback())
 
 
@@ -124,13 +130,6 @@ def test_callback_fans_out_and_names_failing_servers(make_server, make_controlle
     assert [s.version for s in servers] == [4, 4] and ctl.version.value == 4
     call(cb, ops.CONTINUE, ops.ContinueGeneration())
     assert all(s._running.is_set() for s in servers) and not ctl.executor.stats()["paused"]
-    # The fake servers have no weight routes: the failure names every server and the phase.
-    fut = cb.send(ops.LOAD_DISK, ops.DiskLoad("/nowhere", commit=False))
-    with pytest.raises(FleetError) as err:
-        fut.result(30)
-    assert err.value.phase == "load_disk"
-    assert {f.address for f in err.value.failures} == {s.address for s in servers}
-    assert "HTTP 404" in str(err.value)
     # A driver pause survives a fleet continue.
     ctl.pause()
     call(cb, ops.PAUSE, ops.PauseGeneration())
@@ -138,6 +137,16 @@ def test_callback_fans_out_and_names_failing_servers(make_server, make_controlle
     assert ctl.executor.stats()["paused"]
     ctl.resume()
     assert not ctl.executor.stats()["paused"]
+    # The fake servers have no weight routes: the failure names every server and the phase, and a
+    # server that failed an operation leaves the fleet (it may hold anything now).
+    fut = cb.send(ops.LOAD_DISK, ops.DiskLoad("/nowhere", commit=False))
+    with pytest.raises(FleetError) as err:
+        fut.result(30)
+    assert err.value.phase == "load_disk"
+    assert {f.address for f in err.value.failures} == {s.address for s in servers}
+    assert "HTTP 404" in str(err.value)
+    assert [r["state"] for r in ctl.members()["servers"]] == ["evicted", "evicted"]
+    assert cb.world_size == 0 and ctl.pool.addresses == []
     cb.close()
 
 
@@ -151,9 +160,13 @@ def test_a_dead_server_is_reported_not_skipped(make_server, make_controller):
     assert [f.address for f in err.value.failures] == [gone]
     assert "ClientConnectorError" in err.value.failures[0].message
     assert not ctl.pool.is_healthy(gone) and ctl.pool.is_healthy(server.address)
-    with pytest.raises(FleetError):  # the controller's own Fleet behaves the same
-        call(ctl, ops.CONTINUE, ops.ContinueGeneration())
+    # It failed a control call: evicted, so the fleet's operations go to the live server only.
+    assert ctl.fleet.membership.record(gone).state.value == "evicted"
+    result = call(ctl, ops.CONTINUE, ops.ContinueGeneration())
+    assert [r.address for r in result.results] == [server.address]
     assert server._running.is_set()  # the live server did continue
+    with pytest.raises(FleetError):  # named explicitly, the dead one still fails
+        call(ctl, ops.CONTINUE, ops.ContinueGeneration(), [server.address, gone])
     # A controller that is gone: the error names the controller.
     with pytest.raises(FleetError, match="controller unreachable"):
         call(RolloutCallback(dead_address(), "s"), ops.SET_VERSION, ops.SetVersion(1))

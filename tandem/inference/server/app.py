@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tandem.inference.server import memory_routes, openai_routes, routes, weight_sync
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
+from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, register_when_ready
 from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
 from tandem.net import is_loopback
@@ -50,9 +51,14 @@ def build_app(args: ServerArgs) -> FastAPI:
         engine_loop = EngineLoop(args, asyncio.get_running_loop())
         app.state.tandem = ServerState(args, engine_loop)
         engine_loop.start()
+        joining = None
+        if args.join is not None:
+            joining = asyncio.create_task(register_when_ready(args, prepare_join(args), engine_loop.ready))
         try:
             yield
         finally:
+            if joining is not None:
+                joining.cancel()
             app.state.tandem.weights.close()
             await asyncio.to_thread(engine_loop.stop)
 
@@ -116,6 +122,8 @@ def serve(args: ServerArgs) -> int:
     """Run until SIGINT/SIGTERM (uvicorn's graceful shutdown: stop accepting, finish in-flight
     responses for up to 10 s, then stop the engine thread)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.join is not None:
+        prepare_join(args)  # before anything loads: a bad run directory fails at once
     if (warning := exposure_warning(args.host, args.api_key)) is not None:
         print(warning, file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
@@ -133,4 +141,4 @@ def serve(args: ServerArgs) -> int:
         signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
     print("tandem serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    return EXIT_JOIN_FAILED if args.join_failed else 0

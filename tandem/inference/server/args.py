@@ -27,6 +27,8 @@ class ServerArgs:
     weight_sync_timeout: float = 120.0
     weights_dir: list[str] = field(default_factory=list)  # beside the model's: where disk updates may load from
     log_level: str = "warning"
+    join: str | None = None  # a run directory: register with its controller once ready (`--join`)
+    join_failed: bool = field(default=False, repr=False)  # set when the controller never accepted us
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -127,7 +127,7 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "broken", "message": loop.error.splitlines()[0]}, status_code=503)
     if not loop.ready.is_set():
         return JSONResponse({"status": "starting"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "weight_version": str(state_of(request).engine.weight_version)})
 
 
 @router.get("/get_model_info")

@@ -37,6 +37,11 @@ class Transport(ABC):
                  options: TransportOptions):
         self.source, self.fleet, self.rank, self.world_size, self.options = source, fleet, rank, world_size, options
 
+    def retarget(self, fleet: Fleet) -> None:
+        """Rank 0, between updates or attempts: send to `fleet` (a view of the servers this
+        attempt works with) from now on."""
+        self.fleet = fleet
+
     def prepare(self, meta: WeightUpdateMeta, report: UpdateReport) -> None:
         """Every rank, before generation pauses (may raise: nothing is paused yet)."""
         return None

@@ -6,7 +6,9 @@ broadcast when the servers take flat buckets (`Capabilities.flat_buckets`), else
 tensor (views of the same buffer). Pipelined (default): bucket k + 1 is gathered and cast while
 bucket k is broadcast by a worker thread; its announcement goes out once k is acknowledged, so at
 most one bucket is in flight. Serial: gather, send, wait, next. The group stays formed between
-updates (`keep_group`) and is torn down after a failure (the next update forms a fresh one).
+updates (`keep_group`) and is torn down after a failure (the next update forms a fresh one) or
+when the servers to update are no longer the group's members (`retarget`: a server was evicted or
+admitted; the group is rebuilt at the next `open`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,20 @@ class BroadcastTransport(StreamingTransport):
         self._in_flight: InFlight | None = None
         self._stuck: list[Future] = []  # trainer-side broadcasts that outlived their deadline
         self._meta: WeightUpdateMeta | None = None  # the update that formed the group (its name, deadlines)
+        self._members: list[str] = []  # the servers in the group, in rank order
         self._flat = False  # this update's buckets go as one flat broadcast each (the servers take them)
+        self.groups_formed = 0
+
+    @property
+    def members(self) -> list[str]:
+        """The servers in the current transfer group, in rank order (empty: no group)."""
+        return list(self._members) if self.group is not None else []
+
+    def retarget(self, fleet: Fleet) -> None:
+        targets = list(fleet.topology().members)
+        if self.group is not None and self._meta is not None and targets != self._members:
+            self._teardown(self._meta)  # on the old members; the next `open` forms the new group
+        self.fleet = fleet
 
     # -- group lifecycle (rank 0) ---------------------------------------------------------------------
     def open(self, meta: WeightUpdateMeta, clock: Clock, report: UpdateReport) -> WeightSyncError | None:
@@ -68,6 +83,8 @@ class BroadcastTransport(StreamingTransport):
             return WeightSyncError(f"cannot host the weight group's store on {meta.master_address}:"
                                    f"{meta.master_port}: {exc}", ops.JOIN_GROUP.name)
         world = 1 + self.fleet.world_size
+        self.groups_formed += 1
+        self._members = list(self.fleet.topology().members)
         join = ops.JoinGroup(meta.master_address, self._store.port, meta.group_name, meta.backend, world,
                              max(meta.deadlines.init_group_s, meta.deadlines.bucket_s))
         future = self.fleet.send(ops.JOIN_GROUP, join)
@@ -87,10 +104,10 @@ class BroadcastTransport(StreamingTransport):
 
     def _teardown(self, meta: WeightUpdateMeta) -> None:
         self._drain_stuck(meta)
-        if self.group is not None or self._store is not None:
+        if (self.group is not None or self._store is not None) and self._members:
             # Servers that never joined (or died) have nothing to leave: their "no group" is fine.
             with contextlib.suppress(Exception):
-                call(self.fleet, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name))
+                call(self.fleet, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name), self._members)
         if self.group is not None:
             self.group.destroy()
         self.group, self._store = None, None

@@ -1,0 +1,98 @@
+"""`FleetView`: the servers one weight update works with, which shrinks as servers fail.
+
+A view holds `targets`, a subset of a fleet's servers in a fixed order, and sends every operation
+to them only. When it may `shrink` (the fleet is elastic: its owner evicts servers an update leaves
+out), an operation that is not `collective` and fails on some targets but succeeds on at least one
+*drops* the failing ones (`dropped` keeps what each said) and answers with the
+survivors' results: a pause, a staged bucket in shared memory, a disk load, a commit on one server
+does not depend on the others, so the update goes on without the failed server. A collective
+operation (forming the transfer group, a broadcast bucket) or a failure on every target is raised
+as `FleetError`: the caller decides (`blamed` names who to leave out of the next attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from tandem.fleet.adapters import Capabilities
+from tandem.fleet.http import normalize_address
+from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.protocol import Fleet, Topology
+from tandem.fleet.results import FleetError, FleetResult, ServerResult
+
+logger = logging.getLogger(__name__)
+
+
+class FleetView:
+    def __init__(self, fleet: Fleet, targets: Sequence[str], shrink: bool = True):
+        self.fleet = fleet
+        self.shrink = shrink
+        self.targets = [normalize_address(a) for a in targets]
+        self.dropped: dict[str, str] = {}  # address -> what it said when it was dropped
+
+    @property
+    def world_size(self) -> int:
+        return len(self.targets)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.fleet.capabilities
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self.fleet.deadlines
+
+    def topology(self) -> Topology:
+        return Topology(0, tuple(self.targets))
+
+    def admit(self, addresses: Sequence[str], version: int) -> None:
+        self.fleet.admit(addresses, version)
+
+    def send(self, op: FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
+        chosen = list(self.targets) if targets is None else [normalize_address(a) for a in targets]
+        if not chosen:
+            raise FleetError(op.name, [])  # every target was dropped: nobody to send to
+        inner = self.fleet.send(op, request, chosen)
+        if op.collective or not self.shrink:
+            return inner
+        outer: Future[FleetResult] = Future()
+
+        def settle(fut: Future[FleetResult]) -> None:
+            exc = fut.exception()
+            if exc is None:
+                outer.set_result(fut.result())
+                return
+            survivors = tuple(r for r in exc.results if r.success) if isinstance(exc, FleetError) else ()
+            if not survivors:
+                outer.set_exception(exc)
+                return
+            for failure in exc.failures:
+                self.drop(failure.address, f"{op.name}: {failure.message}")
+            outer.set_result(FleetResult(op.name, survivors))
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def drop(self, address: str, why: str) -> None:
+        """Leave `address` out of every later operation of this view."""
+        address = normalize_address(address)
+        if address in self.targets:
+            self.targets.remove(address)
+            self.dropped[address] = why
+            logger.warning("weight update goes on without %s (%s)", address, why)
+
+
+def blamed(failures: Sequence[ServerResult], targets: Sequence[str]) -> list[str]:
+    """The targets to leave out after a failed collective operation: those that could not be
+    reached or did not answer; failing that, the ones that failed when others did not (a group
+    broken by a dead peer fails everywhere, and the dead one is the one that did not answer)."""
+    failed = [f for f in failures if f.address in targets]
+    silent = [f.address for f in failed if f.no_answer]
+    if silent:
+        return silent
+    if failed and len(failed) < len(targets):
+        return [f.address for f in failed]
+    return []

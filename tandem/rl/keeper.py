@@ -1,0 +1,107 @@
+"""`ServerKeeper`: the launcher's side of an elastic fleet, for servers this run started.
+
+- A launched server that exits is evicted at once (the launcher saw the crash; no need to wait
+  for failed probes).
+- With `rollout.replace_dead=true` a replacement is started in its place (a new port) and joins
+  like any server (`tandem serve --join`): warmed from disk, admitted at the next rebuild. At most
+  `MAX_REPLACEMENTS_PER_SERVER` per launched server, so a server that crashes at start-up does
+  not loop.
+- The pids of launched servers go to the membership (`tandem fleet` shows them).
+
+Replacements are started from one long-lived thread: a launched server is tied to the thread that
+started it (it is killed when that thread ends, `tandem.launch.guard`), so never from a thread
+that would end after starting it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+from tandem.launch import LocalScheduler
+from tandem.launch.process import ManagedProcess
+from tandem.launch.scheduler import ServerHandle
+from tandem.launch.watch import ExitWatcher
+from tandem.rollout.controller import RolloutController
+
+logger = logging.getLogger("tandem.run")
+
+MAX_REPLACEMENTS_PER_SERVER = 3
+
+
+class ServerKeeper:
+    def __init__(self, scheduler: LocalScheduler, controller: RolloutController, handles: Sequence[ServerHandle], *,
+                 model_path: str, server_args: Sequence[str], device: str, api_key: str | None,
+                 replace_dead: bool):
+        self.scheduler, self.controller = scheduler, controller
+        self.model_path, self.server_args, self.device, self.api_key = model_path, list(server_args), device, api_key
+        self.replace_dead = replace_dead
+        self.replacements = 0
+        self._budget = MAX_REPLACEMENTS_PER_SERVER * len(handles)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._addresses: dict[str, str] = {}  # process name -> server URL
+        self._watcher = ExitWatcher(self._on_exit)
+        self._dead: queue.Queue[str | None] = queue.Queue()
+        self._replacer = threading.Thread(target=self._replace_loop, name="tandem-replace-servers", daemon=True)
+        self._replacer.start()
+        for handle in handles:
+            self._watch(handle)
+
+    def _watch(self, handle: ServerHandle) -> None:
+        self._addresses[handle.name] = handle.url
+        self.controller.fleet.membership.set_pid(handle.url, handle.pid)
+        for proc in self.scheduler.processes:
+            if proc.name == handle.name:
+                self._watcher.add(proc)
+
+    def _on_exit(self, proc: ManagedProcess, status: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            address = self._addresses.get(proc.name)
+            replace = self.replace_dead and self._budget > 0
+            if replace:
+                self._budget -= 1
+        if address is None:
+            return
+        logger.error("%s (%s) exited (%s); it leaves the fleet (log %s)", proc.name, address, status, proc.log_path)
+        self.controller.fleet.evict(address, f"the process exited ({status})")
+        if replace:
+            self._dead.put(proc.name)
+
+    def _replace_loop(self) -> None:
+        while (dead := self._dead.get()) is not None:
+            self._replace(dead)
+
+    def _replace(self, dead: str) -> None:
+        name = f"{dead.rsplit('-r', 1)[0]}-r{self.replacements + 1}"
+        try:
+            handle = self.scheduler.start_servers(1, self.model_path, server_args=self.server_args, name=name,
+                                                  device=self.device, api_key=self.api_key)[0]
+        except Exception as exc:
+            logger.error("could not start a replacement for %s: %s", dead, exc)
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self.replacements += 1
+            self._watch(handle)
+        url = self._addresses[handle.name]
+        state = self.controller.join(url, handle.pid)
+        logger.info("%s replaces %s at %s (%s)", handle.name, dead, url, state)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._watcher.close()
+        self._dead.put(None)
+        self._replacer.join(5)
+
+    def __enter__(self) -> ServerKeeper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

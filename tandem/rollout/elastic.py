@@ -1,0 +1,202 @@
+"""`ElasticFleet`: the controller's `Fleet`, over a membership that changes while the run goes on.
+
+It owns the `Membership` (who is joining, warming, healthy, suspect, evicted), the `HealthMonitor`
+that probes every server on a timer, and the `HttpFleet` that carries the operations. What it does:
+
+- routing: the healthy set goes to the `ServerPool` (and to whoever else `watch`es it: rollout
+  worker processes), so only healthy servers get requests;
+- operations: `send(op, request, targets)` goes to `targets`, by default the members (healthy and
+  suspect). A server that fails an operation that is not collective is evicted (a collective one
+  fails on every server when one dies; the trainer leaves the culprit out of its next attempt).
+  A `set_version(v)` that succeeds evicts every member it did not reach: such a server missed
+  the update and would serve stale weights (it comes back through warm-up);
+- weight updates: `topology()` and `admit()` (see `tandem.fleet.protocol.Topology`);
+- joins: `join(address, pid)` registers a server (`tandem serve --join`), which the monitor moves
+  on to warming once it answers;
+- size: while fewer than `min_servers` are healthy the controller holds rollouts back
+  (`ready`); after `min_servers_grace_s` of that, `on_too_small` is told once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from tandem.fleet import ops
+from tandem.fleet.adapters import Capabilities, ServerAdapter
+from tandem.fleet.http import HttpFleet, normalize_address
+from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.protocol import Topology
+from tandem.fleet.results import FleetError, FleetResult
+from tandem.rollout.errors import RolloutError
+from tandem.rollout.health import HealthConfig, HealthMonitor
+from tandem.rollout.membership import Membership, MembershipConfig, ServerState
+from tandem.rollout.pool import ServerPool
+
+logger = logging.getLogger(__name__)
+
+
+class FleetTooSmall(RolloutError):
+    """Fewer than `rollout.min_servers` servers were healthy for `rollout.min_servers_grace_s`."""
+
+
+class ElasticFleet:
+    def __init__(self, addresses: Sequence[str], pool: ServerPool, adapter: ServerAdapter, *,
+                 health: HealthConfig, min_servers: int, min_servers_grace_s: float, topology_cooldown_s: float,
+                 deadlines: Deadlines, api_key: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.adapter = adapter
+        self.pool = pool
+        self.min_servers = min_servers
+        self.min_servers_grace_s = min_servers_grace_s
+        self._deadlines = deadlines
+        self._clock = clock
+        self.membership = Membership(addresses, MembershipConfig(health.failure_threshold, topology_cooldown_s),
+                                     clock=clock)
+        self.monitor = HealthMonitor(self.membership, health, api_key=api_key, on_round=self.check_size)
+        self.http = HttpFleet([normalize_address(a) for a in addresses], adapter=adapter, api_key=api_key,
+                              deadlines=deadlines)
+        self._lock = threading.Lock()
+        self._short_since: float | None = None  # when the healthy count fell under min_servers
+        self._too_small: Callable[[FleetTooSmall], None] | None = None
+        self._ready = threading.Event()
+        self._ready_watchers: list[Callable[[bool], None]] = []
+        self.membership.watch(self._on_routable)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, on_too_small: Callable[[FleetTooSmall], None]) -> None:
+        self._too_small = on_too_small
+        self.monitor.start()
+
+    def close(self) -> None:
+        self.monitor.stop()
+        self.http.close()
+
+    # -- Fleet ----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.membership.topology().members)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.adapter.capabilities
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines
+
+    def topology(self) -> Topology:
+        return self.membership.topology()
+
+    def admit(self, addresses: Sequence[str], version: int) -> None:
+        admitted = self.membership.admit([normalize_address(a) for a in addresses], version)
+        if admitted:
+            logger.info("admitted %s at version %d", ", ".join(admitted), version)
+
+    def send(self, op: FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
+        chosen = list(self.membership.topology().members if targets is None else targets)
+        if not chosen:  # nobody to ask: only a version change means something (servers joining later get it)
+            empty: Future[FleetResult] = Future()
+            if op is ops.SET_VERSION:
+                self.membership.set_version(request.version)
+                empty.set_result(FleetResult(op.name, ()))
+            else:
+                empty.set_exception(FleetError(op.name, []))
+            return empty
+        inner = self.http.send(op, request, chosen)
+        inner.add_done_callback(lambda fut: self._on_result(op, request, fut))
+        return inner
+
+    # -- joins and the view for `tandem fleet` --------------------------------------------------
+    def join(self, address: str, pid: int | None) -> str:
+        record = self.membership.register(normalize_address(address), pid)
+        logger.info("%s (pid %s) asked to join; it is %s", record.address, pid, record.state.value)
+        return record.state.value
+
+    def members(self) -> dict[str, Any]:
+        load = {s.address: s for s in self.pool.snapshot()}
+        servers = []
+        for r in self.membership.snapshot():
+            pooled = load.get(r.address)
+            servers.append({
+                "address": r.address, "pid": r.pid, "state": r.state.value, "version": r.version,
+                "in_flight": pooled.outstanding if pooled else 0, "tokens_served": pooled.tokens if pooled else 0,
+                "last_error": r.last_error,
+            })
+        return {"generation": self.membership.generation, "version": self.membership.current_version,
+                "servers": servers}
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "fleet/healthy": float(self.membership.healthy_count()),
+            "fleet/evicted_total": float(self.membership.evicted_total),
+            "fleet/joined_total": float(self.membership.joined_total),
+            "fleet/generation": float(self.membership.generation),
+        }
+
+    def evict(self, address: str, reason: str) -> None:
+        """Take `address` out (the launcher saw it exit, for instance)."""
+        self.membership.evict(normalize_address(address), reason)
+
+    # -- readiness --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """At least `min_servers` servers are healthy (at the current version)."""
+        return self._ready.is_set()
+
+    def watch_ready(self, callback: Callable[[bool], None]) -> None:
+        with self._lock:
+            self._ready_watchers.append(callback)
+        callback(self.ready)
+
+    def check_size(self) -> None:
+        """Tell `on_too_small` once the fleet stayed under `min_servers` for the grace period
+        (the health monitor calls it after each round)."""
+        with self._lock:
+            since, callback = self._short_since, self._too_small
+            if since is None or callback is None or self._clock() - since < self.min_servers_grace_s:
+                return
+            self._too_small = None
+        healthy = self.membership.healthy_count()
+        errors = "; ".join(f"{r.address}: {r.state.value} ({r.last_error or 'no error'})"
+                           for r in self.membership.snapshot() if r.state is not ServerState.HEALTHY)
+        callback(FleetTooSmall(
+            f"only {healthy} server(s) healthy, fewer than rollout.min_servers={self.min_servers}, for "
+            f"{self.min_servers_grace_s:g}s (rollout.min_servers_grace_s); {errors}. Start servers that can "
+            "join (tandem serve --join RUN_DIR) or look at the servers' logs"))
+
+    # -- internals --------------------------------------------------------------------------------
+    def _on_routable(self, addresses: list[str]) -> None:
+        self.pool.set_routable(addresses)
+        ready = len(addresses) >= self.min_servers
+        with self._lock:
+            was = self._ready.is_set()
+            if ready:
+                self._ready.set()
+                self._short_since = None
+            else:
+                self._ready.clear()
+                if self._short_since is None:
+                    self._short_since = self._clock()
+            watchers = list(self._ready_watchers) if ready != was else []
+        for callback in watchers:
+            callback(ready)
+
+    def _on_result(self, op: FleetOp, request: Any, fut: Future[FleetResult]) -> None:
+        exc = fut.exception()
+        if exc is None and op is ops.SET_VERSION:
+            self.membership.set_version(request.version)
+            reached = {r.address for r in fut.result().results}
+            for address in self.membership.topology().members:
+                if address not in reached:
+                    self.membership.evict(address, f"left out of the update to version {request.version}: "
+                                                   "its weights are stale")
+        if not isinstance(exc, FleetError) or op.collective:
+            return
+        for failure in exc.failures:
+            if failure.no_answer or op.marks_unhealthy:
+                self.membership.evict(failure.address, f"{op.name} failed: {failure.message}")

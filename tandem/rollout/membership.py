@@ -1,0 +1,295 @@
+"""`Membership`: which inference servers the run has, and what each may do (control plane, no I/O).
+
+The controller owns one. Each server is in one state:
+
+| state | gets requests | in weight updates | how it gets there |
+|---|---|---|---|
+| joining | no | no | registered (`tandem serve --join`, a replacement) or a listed server answering after eviction |
+| warming | no | warmed, then admitted | it answers its probes |
+| healthy | yes | yes | admitted after warm-up (or listed at start); a suspect answering at the current version |
+| suspect | no | yes | a failed probe |
+| evicted | no | no | `failure_threshold` failed probes in a row, a failed operation, a crash, stale weights |
+
+Transitions on a probe that succeeds (`probe_ok`): joining -> warming; suspect -> healthy when it
+holds the current version (or does not say), else evicted (it would serve stale weights: it comes
+back through the join path); an evicted server that was *listed* (configured or launched by the
+run; those keep being probed) -> joining. On a failed probe (`probe_failed`): healthy -> suspect;
+suspect and warming -> evicted at `failure_threshold` failures in a row; joining stays (it may still
+be loading). `evict` takes any server out at once; `admit` moves warmed servers to healthy.
+
+`topology()` is what a weight update works with: the members (healthy and suspect, in the order
+they arrived) and the warming servers due to be warmed and admitted now. Additions wait
+`topology_cooldown_s` after the first of them began warming *and* after the last change of the
+members, so a burst of joins costs one rebuild of the transfer group and additions come at most
+once per window; a server evicted before waits 1, 2, 4, then 8 cooldowns after its last eviction,
+so a flapping server's additions (and the removals that follow them) thin out. Removals leave the
+members at once (a dead server cannot stay in a transfer group). `generation` grows with every
+change of the members. `watch(callback)` is told the healthy list whenever it changes (outside the lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tandem.fleet.http import normalize_address
+from tandem.fleet.protocol import Topology
+
+logger = logging.getLogger(__name__)
+
+
+MAX_PENALTY = 8  # a server evicted again and again waits at most this many cooldowns to come back
+
+
+def _penalty(evictions: int) -> int:
+    """Cooldowns an evicted server waits (since its eviction) before it is admitted again: 1, 2, 4, 8."""
+    return 0 if evictions <= 0 else min(2 ** (evictions - 1), MAX_PENALTY)
+
+
+class ServerState(enum.Enum):
+    JOINING = "joining"
+    WARMING = "warming"
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    EVICTED = "evicted"
+
+
+_MEMBER_STATES = (ServerState.HEALTHY, ServerState.SUSPECT)
+
+
+@dataclass
+class ServerRecord:
+    address: str
+    state: ServerState
+    pid: int | None = None
+    version: int | None = None  # the weight version it holds, as far as the controller knows
+    failures: int = 0  # failed probes in a row
+    last_error: str = ""
+    since: float = 0.0  # clock() at the last change of state
+    listed: bool = False  # configured or launched by the run: probed while evicted, so its revival is seen
+    evictions: int = 0  # times it was evicted: each doubles the wait before it is admitted again
+    evicted_at: float = float("-inf")
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    failure_threshold: int = 3
+    topology_cooldown_s: float = 30.0
+
+
+class Membership:
+    def __init__(self, addresses: Iterable[str], config: MembershipConfig = MembershipConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self._records: dict[str, ServerRecord] = {}
+        for a in addresses:
+            a = normalize_address(a)
+            self._records.setdefault(a, ServerRecord(a, ServerState.HEALTHY, version=0, since=now, listed=True))
+        self._generation = 0
+        self._members_dirty = False
+        self._members_changed = float("-inf")  # clock() of the last change of the members
+        self._version = 0
+        self._evicted = 0
+        self._joined = 0
+        self._watchers: list[Callable[[list[str]], None]] = []
+        self._routable = self._healthy()
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def current_version(self) -> int:
+        return self._version
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def evicted_total(self) -> int:
+        return self._evicted
+
+    @property
+    def joined_total(self) -> int:
+        return self._joined
+
+    def snapshot(self) -> list[ServerRecord]:
+        with self._lock:
+            return [dataclasses.replace(r) for r in self._records.values()]
+
+    def record(self, address: str) -> ServerRecord | None:
+        with self._lock:
+            r = self._records.get(normalize_address(address))
+            return None if r is None else dataclasses.replace(r)
+
+    def routable(self) -> list[str]:
+        with self._lock:
+            return self._healthy()
+
+    def healthy_count(self) -> int:
+        with self._lock:
+            return len(self._healthy())
+
+    def probe_targets(self) -> list[str]:
+        """Every server but the evicted ones nobody listed (those come back only by joining)."""
+        with self._lock:
+            return [r.address for r in self._records.values() if r.state is not ServerState.EVICTED or r.listed]
+
+    def topology(self) -> Topology:
+        with self._lock:
+            members = tuple(r.address for r in self._records.values() if r.state in _MEMBER_STATES)
+            now, cooldown = self._clock(), self.config.topology_cooldown_s
+            warming = [r for r in self._records.values()
+                       if r.state is ServerState.WARMING and now >= r.evicted_at + _penalty(r.evictions) * cooldown]
+            due = ()
+            if warming and now >= max(min(r.since for r in warming), self._members_changed) + cooldown:
+                due = tuple(r.address for r in warming)
+            return Topology(self._generation, members, due, elastic=True)
+
+    # -- changes ------------------------------------------------------------------------------------
+    def watch(self, callback: Callable[[list[str]], None]) -> None:
+        """`callback(healthy addresses)` now and whenever that list changes."""
+        with self._lock:
+            self._watchers.append(callback)
+            current = list(self._routable)
+        callback(current)
+
+    def set_version(self, version: int) -> None:
+        """The members acknowledged `version` (a weight update)."""
+        with self._lock:
+            self._version = version
+            for r in self._records.values():
+                if r.state in _MEMBER_STATES:
+                    r.version = version
+
+    def set_pid(self, address: str, pid: int | None) -> None:
+        with self._lock:
+            r = self._records.get(normalize_address(address))
+            if r is not None:
+                r.pid = pid
+
+    def probe_ok(self, address: str, version: int | None) -> None:
+        self._change(address, lambda r: self._on_ok(r, version))
+
+    def probe_failed(self, address: str, error: str) -> None:
+        self._change(address, lambda r: self._on_failed(r, error))
+
+    def evict(self, address: str, reason: str) -> bool:
+        """Take `address` out at once; False when it is unknown or out already."""
+        out: list[bool] = []
+
+        def apply(r: ServerRecord) -> None:
+            out.append(r.state is not ServerState.EVICTED)
+            if out[0]:
+                self._evict(r, reason)
+
+        self._change(address, apply)
+        return bool(out and out[0])
+
+    def register(self, address: str, pid: int | None = None) -> ServerRecord:
+        """A server asks to join: new or evicted ones start joining; others stay as they are."""
+        address = normalize_address(address)
+        with self._lock:
+            r = self._records.get(address)
+            if r is None:
+                r = self._records[address] = ServerRecord(address, ServerState.JOINING, since=self._clock())
+            elif r.state is ServerState.EVICTED:
+                self._set(r, ServerState.JOINING)
+                r.failures, r.version = 0, None
+            if pid is not None:
+                r.pid = pid
+            self._commit_members()
+            return dataclasses.replace(r)
+
+    def admit(self, addresses: Iterable[str], version: int) -> list[str]:
+        """Warmed servers that hold `version` and joined the update group: they may serve."""
+        admitted = []
+        with self._lock:
+            for a in addresses:
+                r = self._records.get(normalize_address(a))
+                if r is not None and r.state is ServerState.WARMING:
+                    self._set(r, ServerState.HEALTHY)
+                    r.version, r.failures, r.last_error = version, 0, ""
+                    admitted.append(r.address)
+            self._joined += len(admitted)
+            self._commit_members()
+        self._notify()
+        for a in admitted:
+            logger.info("%s joined the fleet at version %d", a, version)
+        return admitted
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _change(self, address: str, apply: Callable[[ServerRecord], None]) -> None:
+        with self._lock:
+            r = self._records.get(normalize_address(address))
+            if r is None:
+                return
+            apply(r)
+            self._commit_members()
+        self._notify()
+
+    def _on_ok(self, r: ServerRecord, version: int | None) -> None:  # under the lock
+        if r.state is ServerState.JOINING:
+            self._set(r, ServerState.WARMING)
+            logger.info("%s answers; warming up", r.address)
+        elif r.state is ServerState.SUSPECT:
+            if version is not None and version != self._version:
+                self._evict(r, f"answered again at version {version} while the fleet is at {self._version}: "
+                               "it rejoins through warm-up")
+                return
+            self._set(r, ServerState.HEALTHY)
+        elif r.state is ServerState.EVICTED:
+            if not r.listed:
+                return
+            self._set(r, ServerState.JOINING)  # revived: the join path, never straight back
+            logger.info("%s answers again after its eviction; it rejoins", r.address)
+            r.version = None
+        if version is not None and r.state is not ServerState.JOINING:
+            r.version = version
+        r.failures = 0
+
+    def _on_failed(self, r: ServerRecord, error: str) -> None:  # under the lock
+        r.last_error = error
+        if r.state is ServerState.EVICTED:
+            return
+        r.failures += 1
+        if r.state is ServerState.HEALTHY:
+            self._set(r, ServerState.SUSPECT)
+        if r.state in (ServerState.SUSPECT, ServerState.WARMING) and r.failures >= self.config.failure_threshold:
+            self._evict(r, f"{r.failures} probes failed in a row; the last: {error}")
+
+    def _evict(self, r: ServerRecord, reason: str) -> None:  # under the lock
+        self._set(r, ServerState.EVICTED)
+        r.last_error, r.evictions, r.evicted_at = reason, r.evictions + 1, r.since
+        self._evicted += 1
+        logger.warning("%s evicted: %s", r.address, reason)
+
+    def _set(self, r: ServerRecord, state: ServerState) -> None:  # under the lock
+        was_member, now_member = r.state in _MEMBER_STATES, state in _MEMBER_STATES
+        r.state, r.since = state, self._clock()
+        self._members_dirty |= was_member != now_member
+
+    def _commit_members(self) -> None:  # under the lock, once per operation: one generation per change
+        if self._members_dirty:
+            self._members_dirty = False
+            self._generation += 1
+            self._members_changed = self._clock()
+
+    def _healthy(self) -> list[str]:  # under the lock
+        return [r.address for r in self._records.values() if r.state is ServerState.HEALTHY]
+
+    def _notify(self) -> None:
+        with self._lock:
+            current = self._healthy()
+            if current == self._routable:
+                return
+            self._routable = current
+            watchers = list(self._watchers)
+        for callback in watchers:
+            callback(current)

@@ -1,0 +1,110 @@
+"""An elastic fleet in a real `tandem train` run (three launched servers, two trainer ranks):
+
+- kill -9 one server in the middle of the run: it is evicted at once (the launcher saw it exit),
+  its in-flight episodes complete elsewhere, `rollout/lost_total` stays 0 in every row, and with
+  `rollout.replace_dead=true` a replacement is launched and joins through warm-up;
+- `tandem serve --join RUN_DIR` in the middle of the run: the server registers, is warmed from
+  disk (checksums verified), enters the update group at the next rebuild, gets traffic, and holds
+  the trainer's weights at the end (`train.verify_weights=true` compares every server's checksums
+  with the trainer's after every update);
+- `tandem fleet RUN_DIR --json` while the run goes on lists every server with the documented keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.inference.server_utils import ServerProcess
+from tests.launch.procs import cmdline, descendants
+from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
+
+pytestmark = pytest.mark.slow
+KEYS = {"address", "pid", "state", "version", "in_flight", "tokens_served", "last_error"}
+STEPS = 120  # about a minute: room for the kill, the replacement and the joiner
+
+
+def _server(pids: set[int], index: int) -> int:
+    for pid in pids:
+        try:
+            log = os.readlink(f"/proc/{pid}/fd/1")
+        except OSError:
+            continue
+        if "-m tandem.cli serve" in cmdline(pid) and log.endswith(f"rollout-{index}.log"):
+            return pid
+    raise AssertionError(f"no server {index} among {sorted(pids)}")
+
+
+def _fleet(run: Path) -> list[dict]:
+    out = subprocess.run([TANDEM, "fleet", str(run), "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _wait_for_steps(tmp_path: Path, proc: subprocess.Popen, steps: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(rl_rows(tmp_path)) < steps:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.5)
+
+
+def test_kill_join_and_replace_in_a_running_job(tmp_path, model_dir):
+    cfg = write_config(
+        tmp_path, model_dir,
+        rollout={"backend": "tandem:d3", "replace_dead": True, "topology_cooldown_s": 2.0,
+                 "health": {"interval_s": 1.0, "timeout_s": 1.0}},
+        train={"total_steps": STEPS, "verify_weights": True, "weight_sync": "distributed"},
+        gen={"max_new_tokens": 32})
+    proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    run = run_dir(tmp_path)
+    joiner = api_key = None
+    try:
+        _wait_for_steps(tmp_path, proc, 2)
+        listed = _fleet(run)
+        assert len(listed) == 3 and all(set(s) == KEYS for s in listed), listed
+        assert all(s["state"] == "healthy" and isinstance(s["pid"], int) for s in listed), listed
+        os.kill(_server(descendants(proc.pid), 1), signal.SIGKILL)
+        _wait_for_steps(tmp_path, proc, 4)
+        api_key = json.loads((run / "controller.json").read_text())["api_key"]  # what the joiner requires
+        joiner = ServerProcess(model_dir, tmp_path, "--join", str(run), "--kv-cache-tokens", "4096")
+        seen: dict[str, set[str]] = {}
+        served = 0
+        while proc.poll() is None:  # bounded by the run's own end (and the timeout below)
+            for s in _fleet(run) if (run / "controller.json").exists() else []:
+                seen.setdefault(s["address"], set()).add(s["state"])
+                if s["address"] == joiner.url:
+                    served = max(served, s["tokens_served"])
+            time.sleep(1.0)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if joiner is not None and proc.returncode != 0:
+            joiner.stop()
+    assert proc.returncode == 0, err[-4000:]
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["rollout/lost_total"] == 0 for r in rows)
+    last = rows[-1]
+    assert last["fleet/evicted_total"] == 1 and last["fleet/joined_total"] == 2, last  # the replacement + joiner
+    assert last["fleet/healthy"] == 4
+    assert "rollout-1 (" in err and "exited (killed by SIGKILL); it leaves the fleet" in err
+    # The joiner went through the join path and served requests.
+    assert seen[joiner.url] >= {"warming", "healthy"}, seen[joiner.url]
+    assert served > 0
+    # After the run: the joiner holds the last version, and its weights passed every verification.
+    request = urllib.request.Request(joiner.url + "/get_weight_version", headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert json.loads(resp.read())["weight_version"] == str(STEPS)
+    joiner.stop()
+    assert not (run / "controller.json").exists()
+

@@ -1,0 +1,220 @@
+"""The membership state machine (`tandem.rollout.membership`) with an injected clock: every
+transition of the table in its docstring, generations, the cooldown of additions, watchers."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from tandem.rollout.membership import Membership, MembershipConfig, ServerState
+
+A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, *addresses, threshold=3, cooldown=30.0) -> Membership:
+    return Membership(addresses or (A, B), MembershipConfig(threshold, cooldown), clock=clock)
+
+
+def state(m: Membership, address: str) -> ServerState:
+    return m.record(address).state
+
+
+def test_listed_servers_start_healthy_members_and_routable(clock):
+    m = make(clock, "127.0.0.1:1", B)  # addresses are normalized
+    assert m.routable() == [A, B]
+    topo = m.topology()
+    assert topo.members == (A, B) and topo.warming == () and topo.generation == 0 and topo.elastic
+
+
+def test_failed_probes_make_suspect_then_evicted(clock):
+    m = make(clock)
+    m.probe_failed(A, "no answer")
+    assert state(m, A) is ServerState.SUSPECT and m.routable() == [B]
+    assert m.topology().members == (A, B)  # a suspect is still updated
+    assert m.generation == 0
+    m.probe_failed(A, "no answer")
+    assert state(m, A) is ServerState.SUSPECT
+    m.probe_failed(A, "no answer again")
+    assert state(m, A) is ServerState.EVICTED and m.evicted_total == 1
+    assert "3 probes failed in a row" in m.record(A).last_error and "no answer again" in m.record(A).last_error
+    assert m.topology().members == (B,) and m.generation == 1
+
+
+def test_a_success_resets_the_count_and_a_suspect_recovers_at_the_current_version(clock):
+    m = make(clock)
+    m.probe_failed(A, "x")
+    m.probe_failed(A, "x")
+    m.probe_ok(A, 0)
+    assert state(m, A) is ServerState.HEALTHY and m.record(A).failures == 0
+    m.probe_failed(A, "x")
+    m.probe_ok(A, None)  # a server that does not say its version: trusted
+    assert state(m, A) is ServerState.HEALTHY
+
+
+def test_a_suspect_answering_with_other_weights_is_evicted(clock):
+    m = make(clock)
+    m.set_version(4)
+    m.probe_failed(A, "x")
+    m.probe_ok(A, 3)
+    assert state(m, A) is ServerState.EVICTED
+    assert "answered again at version 3 while the fleet is at 4" in m.record(A).last_error
+
+
+def test_a_revived_listed_server_rejoins_through_warming_never_straight_to_healthy(clock):
+    m = make(clock, threshold=1)
+    m.probe_failed(A, "x")
+    assert state(m, A) is ServerState.EVICTED and A in m.probe_targets()  # listed: still probed
+    m.probe_ok(A, 0)
+    assert state(m, A) is ServerState.JOINING
+    m.probe_ok(A, 0)
+    assert state(m, A) is ServerState.WARMING and A not in m.routable() and A not in m.topology().members
+
+
+def test_a_joined_server_that_is_evicted_is_not_probed_again(clock):
+    m = make(clock)
+    m.register(C, pid=77)
+    assert state(m, C) is ServerState.JOINING and m.record(C).pid == 77
+    m.probe_failed(C, "loading")  # joining servers may still be loading: no eviction
+    m.probe_failed(C, "loading")
+    m.probe_failed(C, "loading")
+    assert state(m, C) is ServerState.JOINING
+    m.probe_ok(C, 0)
+    assert state(m, C) is ServerState.WARMING
+    for _ in range(3):
+        m.probe_failed(C, "gone")
+    assert state(m, C) is ServerState.EVICTED and C not in m.probe_targets()
+    assert m.register(C).state is ServerState.JOINING  # it comes back only by joining again
+
+
+def test_register_is_idempotent_for_a_live_server(clock):
+    m = make(clock)
+    assert m.register(A, pid=5).state is ServerState.HEALTHY and m.record(A).pid == 5
+
+
+def test_additions_wait_the_cooldown_so_a_burst_costs_one_rebuild(clock):
+    m = make(clock, cooldown=30.0)
+    for i, address in enumerate(("http://127.0.0.1:11", "http://127.0.0.1:12", "http://127.0.0.1:13")):
+        clock.now += 5 * i
+        m.register(address)
+        m.probe_ok(address, 0)
+    assert m.topology().warming == ()
+    clock.now = 1000.0 + 29.9
+    assert m.topology().warming == ()
+    clock.now = 1000.0 + 30.0
+    warming = m.topology().warming
+    assert len(warming) == 3
+    generation = m.generation
+    assert m.admit(warming, version=0) == list(warming)
+    assert m.generation == generation + 1 and m.joined_total == 3
+    assert all(a in m.routable() for a in warming)
+
+
+def test_a_server_flapping_faster_than_the_cooldown_is_never_readmitted(clock):
+    m = make(clock, A, B, threshold=1, cooldown=30.0)
+    changes = []
+    for _ in range(50):  # dies and comes back every 4 s for 200 s
+        generation = m.generation
+        m.probe_failed(A, "flap")
+        clock.now += 2
+        m.probe_ok(A, None)
+        m.probe_ok(A, None)
+        if m.topology().warming:
+            m.admit(m.topology().warming, 0)
+        if m.generation != generation:
+            changes.append(clock.now)
+        clock.now += 2
+    assert len(changes) == 1  # its first removal; it never stayed up long enough to come back
+
+
+def test_a_server_that_dies_after_each_admission_waits_longer_each_time(clock):
+    """Up ~31 s, down 1 s, for 20 minutes: additions come at least a cooldown apart and thin out
+    (1, 2, 4, 8 cooldowns after each eviction), so membership changes stay well under one per
+    cooldown window over the run."""
+    m = make(clock, A, B, threshold=1, cooldown=30.0)
+    admissions, changes = [], 0
+    end = clock.now + 1200
+    while clock.now < end:
+        generation = m.generation
+        m.probe_failed(A, "crash")
+        clock.now += 1
+        m.probe_ok(A, None)
+        m.probe_ok(A, None)
+        for _ in range(31):  # up: probed every second, admitted when due
+            clock.now += 1
+            m.probe_ok(A, None)
+            if m.topology().warming:
+                m.admit(m.topology().warming, 0)
+                admissions.append(clock.now)
+        changes += m.generation - generation
+    gaps = [b - a for a, b in itertools.pairwise(admissions)]
+    assert admissions and all(g >= 30.0 for g in gaps), admissions
+    assert gaps == sorted(gaps)  # the waits grow
+    assert changes <= 1200 / 30 / 2, changes
+
+
+def test_admit_moves_only_warming_servers(clock):
+    m = make(clock)
+    m.register(C)
+    assert m.admit([C, A], 3) == []  # C is joining (not warmed), A is healthy already
+    assert m.joined_total == 0
+
+
+def test_watchers_hear_the_routable_set_when_it_changes(clock):
+    m = make(clock, threshold=1)
+    heard = []
+    m.watch(heard.append)
+    m.probe_ok(A, 0)  # no change: not called
+    m.probe_failed(A, "x")
+    m.register(C)
+    m.probe_ok(C, 0)
+    clock.now += 60
+    m.admit(m.topology().warming, 0)
+    assert heard == [[A, B], [B], [B, C]]
+
+
+def test_evict_and_set_version(clock):
+    m = make(clock)
+    m.set_version(2)
+    assert [r.version for r in m.snapshot()] == [2, 2] and m.current_version == 2
+    assert m.evict(A, "commit failed") and not m.evict(A, "again") and not m.evict(C, "unknown")
+    assert m.evicted_total == 1 and m.record(A).last_error == "commit failed"
+
+
+def test_concurrent_reports_keep_the_invariants(clock):
+    m = make(clock, A, B, C, threshold=2)
+    seen: list[list[str]] = []
+    m.watch(seen.append)
+
+    def hammer(address: str) -> None:
+        for i in range(2000):
+            if i % 3 == 0:
+                m.probe_failed(address, "x")
+            else:
+                m.probe_ok(address, None)
+
+    threads = [threading.Thread(target=hammer, args=(a,)) for a in (A, B, C)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = m.snapshot()
+    assert len(records) == 3
+    members = set(m.topology().members)
+    assert members == {r.address for r in records if r.state in (ServerState.HEALTHY, ServerState.SUSPECT)}
+    assert set(m.routable()) == {r.address for r in records if r.state is ServerState.HEALTHY}
+    assert m.evicted_total >= 0 and all(set(s) <= {A, B, C} for s in seen)

@@ -1,0 +1,148 @@
+"""Weight updates that shrink: three real `tandem serve` processes behind a `RolloutController`
+(the elastic fleet); one is SIGKILLed in a given phase of an update (announcing a broadcast
+bucket, in the middle of its broadcast, staged before the commit, loading from disk). The update
+completes on the two others within its deadline, their weights equal the trainer's, the dead one
+is evicted, and the next update rebuilds the transfer group without it. The same fault through a
+plain `HttpFleet` (a fixed list, nobody to evict the dead server) still fails the update."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.fleet.http import HttpFleet
+from tandem.rollout.config import RolloutConfig
+from tandem.rollout.controller import RolloutController
+from tandem.rollout.health import HealthConfig
+from tandem.rollout.membership import ServerState
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.report import WeightSyncError
+from tandem.weights.updater import WeightUpdater
+from tests.inference.conftest import make_model_dir
+from tests.weights.common import (
+    FAST,
+    CheckpointSource,
+    expected_checksums,
+    served_checksums,
+    start_server,
+    version_of,
+)
+
+pytestmark = pytest.mark.slow
+BUCKET = 48 * 1024  # the tiny model (~430 KB in fp32) travels in ~10 buckets
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=5)
+
+
+@pytest.fixture(scope="module")
+def pool(model_dir, tmp_path_factory):
+    """Three servers; a test that kills one replaces it (`replace`)."""
+    log_dir = tmp_path_factory.mktemp("serve")
+    weights_dir = tmp_path_factory.getbasetemp()
+    state = {"servers": [start_server(model_dir, log_dir, weights_dir) for _ in range(3)],
+             "log_dir": log_dir, "weights_dir": weights_dir}
+    yield state
+    for s in state["servers"]:
+        s.stop()
+
+
+def replace_dead(pool, model_dir) -> None:
+    for i, s in enumerate(pool["servers"]):
+        if s.proc.poll() is not None:
+            pool["servers"][i] = start_server(model_dir, pool["log_dir"], pool["weights_dir"])
+
+
+def controller_over(servers) -> RolloutController:
+    for s in servers:
+        s.ok("/_fault", {"clear": True})
+    config = RolloutConfig(servers=[s.url for s in servers], health=HealthConfig(interval_s=60.0, timeout_s=2.0))
+    return RolloutController(config, deadlines=FAST)
+
+
+class Versions:
+    n = 0
+
+    @classmethod
+    def next(cls) -> int:
+        cls.n += 1
+        return cls.n
+
+
+def meta(kind: str, tmp_path) -> WeightUpdateMeta:
+    return WeightUpdateMeta(type=kind, path=str(tmp_path / "versions") if kind == "disk" else None,
+                            bucket_bytes=BUCKET, deadlines=FAST)
+
+
+FAULTS = {
+    "announce": ("distributed", {"route": "update_weights_from_distributed", "action": "kill", "nth": 3}),
+    "broadcast": ("distributed", {"route": "update_weights_from_distributed", "action": "kill", "nth": 3,
+                                  "after_tensors": 1}),
+    "staged-before-commit": ("distributed", {"route": "commit_staged_weights", "action": "kill"}),
+    "disk-load": ("disk", {"route": "update_weights_from_disk", "action": "kill"}),
+    "shm-bucket": ("shm", {"route": "update_weights_from_shm", "action": "kill", "nth": 2}),
+}
+
+
+@pytest.mark.parametrize("phase", list(FAULTS))
+def test_a_server_killed_in_a_phase_leaves_the_update_to_the_others(pool, model_dir, tmp_path, phase):
+    replace_dead(pool, model_dir)
+    kind, fault = FAULTS[phase]
+    servers = list(pool["servers"])
+    victim, survivors = servers[1], [servers[0], servers[2]]
+    with controller_over(servers) as ctl:
+        version = Versions.next()
+        src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+        with WeightUpdater(src, ctl, meta(kind, tmp_path), verify=True) as updater:
+            victim.ok("/_fault", fault)
+            start = time.monotonic()
+            report = updater.update(version)
+            elapsed = time.monotonic() - start
+            print(f"\n[{phase}] update on the survivors in {elapsed:.2f}s, {report.attempts} attempt(s), "
+                  f"left out: {report.left_out}")
+            assert elapsed < FAST.update_s
+            assert victim.proc.wait(10) is not None
+            assert set(report.servers) == {s.url for s in survivors}
+            assert victim.url in report.left_out
+            want = expected_checksums(src.tensors)
+            for s in survivors:
+                assert version_of(s) == str(version) and served_checksums(s) == want
+            record = ctl.fleet.membership.record(victim.url)
+            assert record is not None and record.state is ServerState.EVICTED, record
+            assert ctl.fleet.stats()["fleet/evicted_total"] == 1.0
+            assert ctl.fleet.stats()["fleet/healthy"] == 2.0
+            assert ctl.version.value == version
+            # The next update goes to the two survivors only, in a group (re)built without the dead one.
+            version = Versions.next()
+            src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+            updater.source = updater.transport.source = src
+            report = updater.update(version)
+            assert set(report.servers) == {s.url for s in survivors} and report.attempts == 1
+            if kind == "distributed":
+                assert updater.transport.members == [s.url for s in survivors]
+            want = expected_checksums(src.tensors)
+            for s in survivors:
+                assert version_of(s) == str(version) and served_checksums(s) == want
+
+
+def test_a_fixed_fleet_fails_the_update_instead(pool, model_dir, tmp_path):
+    """Without an owner that evicts left-out servers, going on without one would leave it serving
+    stale weights: the update fails, naming it, and the others keep their weights."""
+    replace_dead(pool, model_dir)
+    servers = list(pool["servers"])
+    for s in servers:
+        s.ok("/_fault", {"clear": True})
+    victim = servers[1]
+    before = {s.url: version_of(s) for s in servers}
+    with HttpFleet([s.url for s in servers], deadlines=FAST) as fleet:
+        version = Versions.next()
+        with WeightUpdater(CheckpointSource(model_dir, scale=1.5), fleet, meta("distributed", tmp_path)) as updater:
+            victim.ok("/_fault", FAULTS["announce"][1])
+            with pytest.raises(WeightSyncError) as info:
+                updater.update(version)
+    assert victim.url in str(info.value)
+    for s in (servers[0], servers[2]):
+        assert version_of(s) == before[s.url]
