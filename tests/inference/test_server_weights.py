@@ -259,7 +259,8 @@ def test_an_unexpected_error_answers_500_in_the_error_format(server):
     assert body == {"object": "error", "code": 500, "type": "Internal Server Error",
                     "message": "internal error on POST /update_weights_from_disk (RuntimeError: injected bug on "
                                "/update_weights_from_disk); see the server log"}
-    assert server.get("/health") == (200, {"status": "ok"})
+    status, body = server.get("/health")
+    assert status == 200 and body["status"] == "ok", body
 
 
 def test_a_checkpoint_with_nan_never_becomes_healthy(qwen3_dir, tmp_path):
@@ -349,7 +350,7 @@ def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overf
         assert served(server) == (want, "5")
     events = sse_events(server.url, "/generate", {"input_ids": poison, "stream": True})
     assert events[-1] == "[DONE]" and events[-2]["code"] == 500 and needle in events[-2]["message"], events
-    assert server.get("/health") == (200, {"status": "ok"})
+    assert server.get("/health") == (200, {"status": "ok", "weight_version": "5"})
     server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
     assert served(server) == (expected(qwen3_dir), "0")
 

@@ -58,7 +58,7 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
         assert [s.name for s in servers] == ["rollout-0", "rollout-1"]
         assert len({s.port for s in servers}) == 2
         for s in servers:
-            assert _health(s.url) == (200, {"status": "ok"})
+            assert _health(s.url) == (200, {"status": "ok", "weight_version": "0"})
             assert s.log_path.exists()
 
         pings = group.call(HelperWorker.ping)

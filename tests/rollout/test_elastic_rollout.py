@@ -2,8 +2,8 @@
 
 - kill -9 one of three servers in the middle of a rollout: every episode completes on the others
   (the interrupted requests are resubmitted with what they had generated), none is lost, the dead
-  server is evicted by the health monitor within interval x threshold + timeout (+ 1 s), and
-  routing never sends to it again.
+  server is evicted by the health monitor within interval x threshold + 1 s, and routing never
+  sends to it again.
 - SIGSTOP a server: the probes time out and it is evicted; after SIGCONT it answers again and
   comes back through the join path (joining -> warming), never straight to healthy.
 - While fewer than `min_servers` are healthy no episode starts; past the grace period the rollouts
@@ -61,11 +61,10 @@ def test_kill_9_mid_rollout_loses_nothing(spawn_server):
         wait_until(lambda: ctl.pool.outstanding(victim_address) >= 3, 20, "the victim gets requests")
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
+        bound = HEALTH.interval_s * HEALTH.failure_threshold + 1.0  # the bound: interval x threshold + 1 s
         evicted = wait_until(lambda: ctl.fleet.membership.record(victim_address).state is ServerState.EVICTED,
-                             HEALTH.interval_s * HEALTH.failure_threshold + HEALTH.timeout_s + 1.0,
-                             "the dead server is evicted")
-        print(f"\nevicted {evicted:.2f}s after kill -9 (bound "
-              f"{HEALTH.interval_s * HEALTH.failure_threshold + HEALTH.timeout_s + 1.0:.1f}s)")
+                             bound, "the dead server is evicted")
+        print(f"\nevicted {evicted:.2f}s after kill -9 (bound {bound:.1f}s)")
         trajs = ctl.wait(48, timeout=60)
         assert time.monotonic() - killed < 60
         metrics = ctl.step_metrics()

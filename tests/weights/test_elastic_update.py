@@ -7,6 +7,7 @@ plain `HttpFleet` (a fixed list, nobody to evict the dead server) still fails th
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -146,3 +147,109 @@ def test_a_fixed_fleet_fails_the_update_instead(pool, model_dir, tmp_path):
     assert victim.url in str(info.value)
     for s in (servers[0], servers[2]):
         assert version_of(s) == before[s.url]
+
+
+def test_a_stopped_server_is_evicted_and_after_sigcont_rejoins_through_warm_up(pool, model_dir, tmp_path):
+    """SIGSTOP: its probes time out and it is evicted; the next update goes to the two others.
+    SIGCONT: it answers again, comes back as joining -> warming (never straight to healthy), and the
+    next update warms it from disk (checksums compared with the checkpoint's), rebuilds the group
+    with it, and admits it: its weights equal the trainer's."""
+    replace_dead(pool, model_dir)
+    servers = list(pool["servers"])
+    victim = servers[1]
+    for s in servers:
+        s.ok("/_fault", {"clear": True})
+    health = HealthConfig(interval_s=0.3, timeout_s=0.5, failure_threshold=2)
+    config = RolloutConfig(servers=[s.url for s in servers], health=health, topology_cooldown_s=0.0)
+    update_meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=FAST,
+                                   warmup_dir=str(tmp_path / "weights"))
+    with RolloutController(config, deadlines=FAST) as ctl, \
+            WeightUpdater(CheckpointSource(model_dir, scale=1.1), ctl, update_meta, verify=True) as updater:
+        updater.update(Versions.next())
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            bound = health.interval_s * health.failure_threshold + health.timeout_s + 1.0
+            evicted = wait_for_state(ctl, victim.url, ServerState.EVICTED, bound)
+            print(f"\nstopped server evicted after {evicted:.2f}s (bound {bound:.1f}s)")
+            version = Versions.next()
+            report = updater.update(version)
+            assert victim.url not in report.servers and len(report.servers) == 2
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        wait_for_state(ctl, victim.url, ServerState.WARMING, 10.0)
+        assert victim.url not in ctl.pool.addresses
+        version = Versions.next()
+        src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+        updater.source = updater.transport.source = src
+        report = updater.update(version)
+        assert report.warmed == (victim.url,) and set(report.servers) == {s.url for s in servers}
+        assert ctl.fleet.membership.record(victim.url).state is ServerState.HEALTHY
+        assert victim.url in ctl.pool.addresses and ctl.fleet.stats()["fleet/joined_total"] == 1
+        assert updater.transport.members == [servers[0].url, servers[2].url, victim.url]
+        want = expected_checksums(src.tensors)
+        for s in servers:
+            assert version_of(s) == str(version) and served_checksums(s) == want
+        assert not (tmp_path / "weights" / f"warmup-v{version:08d}").exists()  # the warm-up copy is gone
+
+
+def wait_for_state(ctl: RolloutController, address: str, state: ServerState, timeout: float) -> float:
+    start = time.monotonic()
+    while ctl.fleet.membership.record(address).state is not state:
+        assert time.monotonic() - start < timeout, f"{address} not {state.value} within {timeout}s: " \
+                                                   f"{ctl.fleet.membership.record(address)}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+class CollectiveSource(CheckpointSource):
+    """A checkpoint whose export is a collective, like a sharded engine's gathers: every bucket
+    is an all-reduce across the trainer ranks, so ranks that disagreed on how many attempts an
+    update takes would hang instead of passing."""
+
+    def __init__(self, model_dir, scale):
+        super().__init__(model_dir, scale)
+        self.exports = 0
+
+    def export_weights(self, bucket_bytes, dtype=None, alloc=None, dst=None):
+        import torch
+        import torch.distributed as dist
+
+        self.exports += 1
+        for bucket in super().export_weights(bucket_bytes, dtype, alloc, dst):
+            dist.all_reduce(torch.ones(1))
+            yield bucket
+
+
+def _update_on_two_ranks(rank: int, world_size: int, model_dir: str, callback_env: dict, version: int) -> dict:
+    from tandem.rollout.callback import RolloutCallback
+
+    fleet = RolloutCallback.from_env(callback_env) if rank == 0 else None
+    source = CollectiveSource(model_dir, scale=1.0 + version / 100)
+    meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=FAST)
+    with WeightUpdater(source, fleet, meta) as updater:
+        report = updater.update(version)
+    return {"attempts": report.attempts, "servers": report.servers, "left_out": sorted(report.left_out),
+            "exports": source.exports}
+
+
+def test_two_trainer_ranks_take_rank_0s_decisions(pool, model_dir):
+    """Only trainer rank 0 talks to the fleet, so only it sees a server die in the middle of a
+    broadcast; rank 1 still makes the same second attempt (its export's collectives run again), and
+    both ranks report the same servers, the same left-out server and the same number of attempts."""
+    from tests.distributed import run_distributed
+
+    replace_dead(pool, model_dir)
+    servers = list(pool["servers"])
+    victim = servers[2]
+    with controller_over(servers) as ctl:
+        victim.ok("/_fault", FAULTS["broadcast"][1])
+        version = Versions.next()
+        ranks = run_distributed(_update_on_two_ranks, 2, args=(str(model_dir), ctl.callback().env(), version),
+                                timeout=120)
+    print(f"\nrank 0: {ranks[0]}\nrank 1: {ranks[1]}")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["attempts"] == 2 and ranks[0]["exports"] == 2
+    assert ranks[0]["left_out"] == [victim.url] and set(ranks[0]["servers"]) == {servers[0].url, servers[1].url}
+    want = expected_checksums(CheckpointSource(model_dir, scale=1.0 + version / 100).tensors)
+    for s in servers[:2]:
+        assert version_of(s) == str(version) and served_checksums(s) == want
