@@ -255,9 +255,9 @@ class Membership:
         r.failures = 0
 
     def _on_failed(self, r: ServerRecord, error: str) -> None:  # under the lock
-        r.last_error = error
         if r.state is ServerState.EVICTED:
-            return
+            return  # it stays out; its last error stays the reason it was evicted
+        r.last_error = error
         r.failures += 1
         if r.state is ServerState.HEALTHY:
             self._set(r, ServerState.SUSPECT)

@@ -137,14 +137,6 @@ class ServerPool:
                 if connection_failed or s.consecutive_errors >= self.max_consecutive_errors:
                     s.healthy = False
 
-    def mark_unhealthy(self, address: str) -> None:
-        with self._lock:
-            if (s := self._servers.get(normalize_address(address))) is not None:
-                s.healthy = False
-
-    def mark_healthy(self, address: str) -> None:
-        self.mark_success(normalize_address(address))
-
     def is_healthy(self, address: str) -> bool:
         with self._lock:
             s = self._servers.get(normalize_address(address))

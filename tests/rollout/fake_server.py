@@ -224,7 +224,7 @@ class FakeServer:
         return web.json_response({"weight_version": str(self.version)})
 
     async def _h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({})
+        return web.json_response({"requests": self.num_requests})  # tests read how busy it was
 
     # -- in-process handle (thread-safe, blocking) -----------------------------------------------
     def start(self) -> FakeServer:

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -40,6 +42,17 @@ class Generate(RolloutWorkflow):
         return resp.to_trajectory(prompt_id=str(item[0]))
 
 
+def victim_requests(address: str):
+    """How many generation requests a fake server has seen (its /health says), or -1 once it is gone."""
+    def count() -> int:
+        try:
+            with urllib.request.urlopen(address + "/health", timeout=2) as resp:
+                return int(json.loads(resp.read()).get("requests", 0))
+        except OSError:
+            return -1
+    return count
+
+
 def wait_until(predicate, timeout: float, what: str) -> float:
     start = time.monotonic()
     while not predicate():
@@ -48,17 +61,21 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_kill_9_mid_rollout_loses_nothing(spawn_server):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_kill_9_mid_rollout_loses_nothing(spawn_server, workers):
+    """With `workers=1` the episodes run in a rollout worker process, whose client learns the
+    healthy set through its pipe."""
     servers = [spawn_server("--token-delay", "0.01") for _ in range(3)]
     addresses = [a for a, _ in servers]
     victim_address, victim = servers[1]
     config = RolloutConfig(servers=addresses, health=HEALTH, max_concurrent_rollouts=24, consumer_batch_size=48,
-                           max_head_offpolicyness=0, request_deadline_s=60)
+                           max_head_offpolicyness=0, request_deadline_s=60, workers=workers)
     items = [[i + 1] for i in range(48)]
     with RolloutController(config) as ctl:
         for item in items:
             ctl.submit(item, Generate(60))
-        wait_until(lambda: ctl.pool.outstanding(victim_address) >= 3, 20, "the victim gets requests")
+        server_log = victim_requests(victim_address)
+        wait_until(lambda: server_log() >= 3, 20, "the victim gets requests")
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         bound = HEALTH.interval_s * HEALTH.failure_threshold + 1.0  # the issue's bound: interval x threshold + 1 s

@@ -146,11 +146,13 @@ def test_a_server_that_dies_after_each_admission_waits_longer_each_time(clock):
     (1, 2, 4, 8 cooldowns after each eviction), so membership changes stay well under one per
     cooldown window over the run."""
     m = make(clock, A, B, threshold=1, cooldown=30.0)
-    admissions, changes = [], 0
+    admissions, changes = [], []  # times of admissions; times of every change of the members
     end = clock.now + 1200
     while clock.now < end:
         generation = m.generation
         m.probe_failed(A, "crash")
+        if m.generation != generation:
+            changes.append(clock.now)
         clock.now += 1
         m.probe_ok(A, None)
         m.probe_ok(A, None)
@@ -160,11 +162,15 @@ def test_a_server_that_dies_after_each_admission_waits_longer_each_time(clock):
             if m.topology().warming:
                 m.admit(m.topology().warming, 0)
                 admissions.append(clock.now)
-        changes += m.generation - generation
+                changes.append(clock.now)
     gaps = [b - a for a, b in itertools.pairwise(admissions)]
     assert admissions and all(g >= 30.0 for g in gaps), admissions
     assert gaps == sorted(gaps)  # the waits grow
-    assert changes <= 1200 / 30 / 2, changes
+    # An addition comes a cooldown after any change; a removal cannot wait (the server is dead), so
+    # one admission followed at once by a crash is the most a window can hold: two changes.
+    per_window = max(sum(t <= c < t + 30.0 for c in changes) for t in changes)
+    print(f"\n{len(changes)} membership changes in 1200 s, at most {per_window} in a 30 s window")
+    assert per_window <= 2 and len(changes) <= 1200 / 30 / 2, changes
 
 
 def test_admit_moves_only_warming_servers(clock):

@@ -18,6 +18,18 @@ from tests.inference.server_utils import ServerProcess, wait_for
 PROMPTS = [[11, 57, 200, 31, 9], [300, 14, 15, 92, 65, 35, 89]]
 NEW = 10
 FAST = Deadlines(init_group_s=4.0, bucket_s=4.0, update_s=40.0, http_s=10.0)
+BUCKET = 48 * 1024  # the tiny model (~430 KB in fp32) travels in ~10 buckets
+
+
+class Versions:
+    """Monotone weight versions for tests that share servers."""
+
+    n = 0
+
+    @classmethod
+    def next(cls) -> int:
+        cls.n += 1
+        return cls.n
 
 
 def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None) -> ServerProcess:

@@ -22,8 +22,10 @@ from tandem.weights.report import WeightSyncError
 from tandem.weights.updater import WeightUpdater
 from tests.inference.conftest import make_model_dir
 from tests.weights.common import (
+    BUCKET,
     FAST,
     CheckpointSource,
+    Versions,
     expected_checksums,
     served_checksums,
     start_server,
@@ -31,7 +33,6 @@ from tests.weights.common import (
 )
 
 pytestmark = pytest.mark.slow
-BUCKET = 48 * 1024  # the tiny model (~430 KB in fp32) travels in ~10 buckets
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,6 @@ def controller_over(servers) -> RolloutController:
     config = RolloutConfig(servers=[s.url for s in servers], health=HealthConfig(interval_s=60.0, timeout_s=2.0))
     return RolloutController(config, deadlines=FAST)
 
-
-class Versions:
-    n = 0
-
-    @classmethod
-    def next(cls) -> int:
-        cls.n += 1
-        return cls.n
 
 
 def meta(kind: str, tmp_path) -> WeightUpdateMeta:

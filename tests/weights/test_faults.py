@@ -25,8 +25,10 @@ from tandem.weights.updater import WeightUpdater
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import wait_for
 from tests.weights.common import (
+    BUCKET,
     FAST,
     CheckpointSource,
+    Versions,
     expected_checksums,
     mapped_names,
     served_checksums,
@@ -38,7 +40,6 @@ from tests.weights.common import (
 
 pytestmark = pytest.mark.slow
 Q = "model.layers.1.self_attn.q_proj.weight"
-BUCKET = 48 * 1024  # the tiny model (~430 KB in fp32) travels in ~10 buckets
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +66,6 @@ def fleet(servers):
     yield f
     f.close()
 
-
-class Versions:
-    """Monotone versions across the module (servers are shared)."""
-
-    n = 0
-
-    @classmethod
-    def next(cls) -> int:
-        cls.n += 1
-        return cls.n
 
 
 def meta(kind: str, tmp_path=None) -> WeightUpdateMeta:
