@@ -87,6 +87,12 @@ class RolloutConfig:
         backend = comp.backend
         if self.launched_by_tandem and comp.run_error:
             raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
+        starting = len(self.servers) if self.servers else comp.sizes.dp
+        if self.min_servers > starting:
+            raise ConfigError(
+                f"{prefix}min_servers={self.min_servers} is more than the {starting} server(s) the run starts with "
+                f"({prefix}backend={self.backend!r}{', ' + prefix + 'servers' if self.servers else ''}): rollouts "
+                f"would wait for joiners and the run would end after {prefix}min_servers_grace_s; lower it or add servers")
         if backend != "tandem" and not self.servers:
             raise ConfigError(
                 f"{prefix}servers is empty: Tandem does not start {backend} servers; start them and list their "

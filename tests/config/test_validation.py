@@ -46,6 +46,8 @@ def model_dir(tmp_path_factory) -> Path:
         ("task.options={difficulty: add99}", ["task.options:", "add99"]),
         # layouts this version cannot run
         ("rollout.backend=tandem:d2t2", ["rollout.backend", "one device per server", "tandem:d4"]),
+        ("rollout.min_servers=3", ["rollout.min_servers=3 is more than the 1 server(s) the run starts with",
+                                   "rollout.backend='tandem:d1'"]),
         ("actor.backend=archon:d2t2", ["actor.backend", "only data parallelism"]),
         ("actor.backend=megatron:d2", ["actor.backend", "cannot launch"]),
         # models the trainer does not have yet
