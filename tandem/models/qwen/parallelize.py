@@ -1,7 +1,8 @@
 """Parallelism plan for Qwen dense models.
 
 Order (fixed; each step assumes the previous ones):
-1. tensor parallel (later issue) — changes the shapes of the block's linear layers;
+1. tensor parallel (`tensor_plan`) — changes the shapes of the block's linear layers (and the
+   embedding, output head and norms outside the blocks);
 2. activation checkpointing — wraps each chosen block's forward in a recompute;
 3. per-block `torch.compile` — compiles the (checkpointed) block, so AC regions are traced too;
 4. FSDP2 — per block, then the root; it must be last, because it wraps whatever the block has
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.config.alloc import TRAINER_DIMS_PENDING
+from tandem.models.qwen.tensor_plan import apply_tensor_parallel
 from tandem.parallel import (
     ParallelDims,
     ParallelizeConfig,
@@ -48,6 +50,9 @@ def parallelize_qwen(
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
+    tp_mesh = parallel_dims.tp_mesh(mesh)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
     blocks = model.layers
     apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
     if config.compile:
