@@ -1,7 +1,8 @@
 """TrainEngine with tensor parallelism: t2 (world 2) and d2t2 (world 4, FSDP x TP on one mesh)
 against one rank (d1) on the same global batch, on the untied 4-layer tiny model: per-step loss,
 grad norm, weights, log-probs, the bucketed export and saved HF weights, a DCP resume, and
-activation checkpointing. One spawned group per layout runs every check."""
+per-block compile (t2) and activation checkpointing (d2t2). One spawned group per layout runs
+every check."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tests.train.tp_workers import SCHEDULE, STEPS, tp_engine_checks
 
 LOSS_TOL, GRAD_NORM_TOL, WEIGHT_TOL = 1e-5, 1e-4, 1e-5
 pytestmark = pytest.mark.slow
-LAYOUTS = {"t2": (2, 2), "d2t2": (4, 2)}  # name: (world size, tp)
+# name: (world size, tp, the extra run compiles the blocks (else: activation checkpointing); one
+# layout pays the compile time)
+LAYOUTS = {"t2": (2, 2, True), "d2t2": (4, 2, False)}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +34,10 @@ def d1(untied4_dir):
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request, untied4_dir, tmp_path_factory):
-    world, tp = LAYOUTS[request.param]
+    world, tp, compile_blocks = LAYOUTS[request.param]
     out = tmp_path_factory.mktemp(request.param)
-    return request.param, run_distributed(tp_engine_checks, world, args=(str(untied4_dir), str(out), tp),
-                                          timeout=400), out
+    return request.param, run_distributed(tp_engine_checks, world,
+                                          args=(str(untied4_dir), str(out), tp, compile_blocks), timeout=400), out
 
 
 def test_tp_layout_matches_d1(layout, d1):
@@ -59,7 +62,7 @@ def test_tp_layout_matches_d1(layout, d1):
 
 
 def test_tp_layout_export_save_resume_and_checkpointing(layout, d1):
-    _, ranks, out = layout
+    name, ranks, out = layout
     exported = {n: t for b in ranks[0]["export"] for n, t in b}
     assert exported.keys() == d1["params"].keys()
     assert all(bucket == [] for r in ranks[1:] for bucket in r["export"])  # exported to rank 0 only
@@ -72,6 +75,9 @@ def test_tp_layout_export_save_resume_and_checkpointing(layout, d1):
         # DCP state saved after step 2, resumed: step 3 again, exactly.
         assert r["resumed"]["loss"] == r["stats"][2]["loss"]
         assert r["resumed"]["grad_norm"] == r["stats"][2]["grad_norm"]
-        # Activation checkpointing recomputes the same block (TP collectives included).
+        # Compiled blocks (t2) / activation checkpointing (d2t2: recomputes the blocks, TP collectives
+        # included) give the same step; both at once are refused, naming the keys.
+        assert "activation_checkpoint: none or compile: false" in r["refused"]
+        assert (r["compiled_graphs"] > 0) == LAYOUTS[name][2]
         assert rel_diff(r["checkpointed"]["loss"], r["stats"][0]["loss"]) <= LOSS_TOL
         assert rel_diff(r["checkpointed"]["grad_norm"], r["stats"][0]["grad_norm"]) <= GRAD_NORM_TOL

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from tandem.config.parallel_sizes import ParallelSizes
+from tandem.errors import ConfigError
 from tandem.train import TrainEngine
 from tandem.train.config import OptimizerConfig
 from tests.train.dist_workers import EXPORT_BYTES, MAIN_MB, split
@@ -24,10 +25,12 @@ SCHEDULE = dict(
 )
 
 
-def tp_engine_checks(rank: int, world_size: int, path: str, out_dir: str, tp: int) -> dict:
+def tp_engine_checks(rank: int, world_size: int, path: str, out_dir: str, tp: int, compile_blocks: bool) -> dict:
     """`TrainEngine` with tensor parallel size `tp` (the rest data parallel) on this rank's data-
     parallel shard: 3 steps (a DCP state saved after 2), full weights, log-probs, a bucketed export
-    to rank 0, `save_hf`; then a resume from the state, and one step with activation checkpointing."""
+    to rank 0, `save_hf`; then a resume from the state, and one step with activation checkpointing,
+    or with per-block torch.compile instead when `compile_blocks` (both at once are refused under
+    TP: torch fails compiling checkpointed DTensor blocks)."""
     out = Path(out_dir)
     sizes = ParallelSizes(dp=world_size // tp, tp=tp)
     batch = make_batch(512)
@@ -55,7 +58,17 @@ def tp_engine_checks(rank: int, world_size: int, path: str, out_dir: str, tp: in
 
     config = engine_config(path, mb=MAIN_MB, tp=tp, **SCHEDULE)
     config.parallelize.activation_checkpoint = "full"
+    config.parallelize.compile = True
+    try:
+        TrainEngine(config)
+    except ConfigError as e:
+        res["refused"] = str(e)
+    config.parallelize.activation_checkpoint = "none" if compile_blocks else "full"
+    config.parallelize.compile = compile_blocks
     checkpointed = TrainEngine(config)
     res["checkpointed"] = train_steps(checkpointed, local, 1)[0]
     checkpointed.close()
+    from torch._dynamo.utils import counters
+
+    res["compiled_graphs"] = counters["stats"]["unique_graphs"]
     return res

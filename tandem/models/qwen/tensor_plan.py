@@ -26,6 +26,7 @@ Outside the blocks:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -65,6 +66,14 @@ def _block_plan() -> dict:
     }
 
 
+def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's local output is a view of its DTensor's local tensor; a compiled block that
+    receives such a view returns no gradient through it (measured with torch 2.13: the embedding's
+    gradient was 0). A copy (`[T / tp, dim]`, small) gives the first block a tensor of its own."""
+    del module, inputs
+    return output.clone()
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParallelInfo:
     """Shard `model` (a `QwenModel`, on any device, typically meta) over the 1-D `tp_mesh` in
     place; sets and returns `model.tensor_parallel`. Raises `ConfigError` when tp does not divide
@@ -82,6 +91,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
                                    use_local_output=True),
         "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
     })
+    model.tok_embeddings.register_forward_hook(_own_storage)
     partial: list[str] = []
     for key, block in model.layers.items():
         parallelize_module(block, tp_mesh, _block_plan())
