@@ -48,7 +48,8 @@ def model_dir(tmp_path_factory) -> Path:
         ("rollout.backend=tandem:d2t2", ["rollout.backend", "one device per server", "tandem:d4"]),
         ("rollout.min_servers=3", ["rollout.min_servers=3 is more than the 1 server(s) the run starts with",
                                    "rollout.backend='tandem:d1'"]),
-        ("actor.backend=archon:d2t2", ["actor.backend", "only data parallelism"]),
+        ("actor.backend=archon:d2t2", ["actor.backend", "does not apply tp=2 yet"]),
+        ("actor.tp=2", ["actor.tp", "actor.backend (e.g. archon:d2t2)"]),
         ("actor.backend=megatron:d2", ["actor.backend", "cannot launch"]),
         # models the trainer does not have yet
         ("algo.name=ppo", ["algo.name: 'ppo' trains a critic", "critic-free recipe"]),

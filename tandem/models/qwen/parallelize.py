@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tandem.config.alloc import TRAINER_DIMS_PENDING
 from tandem.parallel import (
     ParallelDims,
     ParallelizeConfig,
@@ -41,10 +42,9 @@ def parallelize_qwen(
     `param_dtype` / `reduce_dtype`: FSDP's compute and gradient-reduction dtypes.
     """
     config = config or ParallelizeConfig()
-    if not parallel_dims.only_data_parallel:
-        raise NotImplementedError(
-            f"only data parallelism is implemented; got {parallel_dims.sizes}"
-        )
+    pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
+    if pending:
+        raise NotImplementedError(f"{', '.join(pending)} > 1 is not implemented for Qwen yet; got {parallel_dims.sizes}")
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
