@@ -31,7 +31,7 @@ def untied_four_layer_model(out_dir: Path) -> Path:
     """The tiny Qwen3 preset with 4 layers and an untied output head (4 query / 2 KV heads)."""
     tokenizer_dir = init_model(out_dir.with_name(out_dir.name + "-tok"), arch="qwen3", preset="tiny", seed=0)
     config = hf_config_for("qwen3", "tiny", {"eos_token_id": 1, "pad_token_id": 0})
-    config.update(num_hidden_layers=4, tie_word_embeddings=False)
+    config.update(num_hidden_layers=4, layer_types=["full_attention"] * 4, tie_word_embeddings=False)
     model = build_model(config, seed=0)
     assert model.output.weight is not model.tok_embeddings.weight
     return save_model(model, out_dir, tokenizer_dir=tokenizer_dir)
