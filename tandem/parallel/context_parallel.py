@@ -21,32 +21,16 @@ This module has no model imports: the attention kernel (bound to the full `cu_se
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from tandem.errors import ConfigError
+from tandem.parallel.cp_heads import check_heads, kv_repeats
+
+__all__ = ["check_heads", "gather_tokens", "heads_to_tokens", "kv_repeats", "tokens_to_heads", "ulysses_attention"]
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
-    """Raise `ConfigError` when Ulysses cannot split the model's heads over `cp` ranks."""
-    if n_heads % cp:
-        raise ConfigError(
-            f"context parallelism splits attention heads over the cp ranks: the model's {n_heads} query heads "
-            f"are not divisible by cp={cp} (actor.backend); choose a cp that divides {n_heads}"
-        )
-    if n_heads % n_kv_heads:
-        raise ConfigError(f"query heads ({n_heads}) must be a multiple of key/value heads ({n_kv_heads})")
-
-
-def kv_repeats(n_heads: int, n_kv_heads: int, cp: int) -> int:
-    """How often each KV head is repeated so that `cp` divides the KV head count (1 when it does)."""
-    check_heads(n_heads, n_kv_heads, cp)
-    return math.lcm(n_kv_heads, cp) // n_kv_heads
 
 
 class _AllToAll(torch.autograd.Function):

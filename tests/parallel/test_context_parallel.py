@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tandem.errors import ConfigError
+from tandem.models.tiny import init_model
 from tandem.parallel.context_parallel import check_heads, kv_repeats
+from tandem.rl.config import load_run_config
 from tests.distributed import run_distributed
 from tests.parallel.cp_workers import HEADS, STREAMS, ulysses_checks
 
@@ -44,8 +46,14 @@ def test_qwen_through_logprob_model_matches_one_process(cp_results):
     print(f"\n[qwen cp={cp}] max |diff| vs one process: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
 
 
-def test_heads_must_split_over_cp():
+def test_heads_must_split_over_cp(tmp_path):
     assert kv_repeats(4, 2, 2) == 1 and kv_repeats(4, 2, 4) == 2 and kv_repeats(8, 1, 4) == 4
     assert kv_repeats(12, 4, 6) == 3  # lcm(4, 6) = 12 KV heads: each query head keeps its own
-    with pytest.raises(ConfigError, match=r"4 query heads are not divisible by cp=3 \(actor.backend\)"):
+    with pytest.raises(ConfigError, match=r"actor.backend: .* 4 query heads are not divisible by cp=3"):
         check_heads(4, 2, 3)
+    # The run config refuses it at load, before anything starts, naming the key.
+    model = init_model(tmp_path / "tiny", preset="tiny")
+    cfg = load_run_config(None, [f"actor.path={model}", "actor.backend=archon:d2c2"])
+    assert (cfg.actor.cp, cfg.actor.tp, cfg.actor.pp) == (2, 1, 1)
+    with pytest.raises(ConfigError, match=r"actor.backend='archon:c3': .* 4 query heads are not divisible by cp=3"):
+        load_run_config(None, [f"actor.path={model}", "actor.backend=archon:c3"])
