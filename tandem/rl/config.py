@@ -210,6 +210,7 @@ class TandemConfig:
     def check(self, prefix: str = "") -> None:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
+        self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":

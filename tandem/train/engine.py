@@ -52,6 +52,7 @@ class TrainEngine:
     def __init__(self, config: TrainEngineConfig):
         """Raises `ConfigError` naming the field for a value outside its choices or range."""
         validate(config)
+        config.parallelize.check_device(torch.device(config.device).type, "parallelize.")
         self.config = config
         device = torch.device(config.device)
         self._owns_group = init_distributed(device, config.dist_backend)

@@ -54,7 +54,8 @@ def parallelize_qwen(
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
     blocks = model.layers
-    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
+    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
+                                   config.ac_memory_budget)
     if config.compile:
         apply_compile(blocks)
     apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
