@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from tandem.config.parallel_sizes import ParallelSizes
-from tandem.models import build_model, save_model
-from tandem.models.tiny import hf_config_for, init_model
+from tandem.models.tiny import init_model
+from tandem.parallel import ParallelizeConfig
 from tandem.train import TrainEngine
 from tandem.train.config import OptimizerConfig
 from tests.train.dist_workers import MAIN_MB, UNEVEN_MB, split, uneven_split
@@ -29,20 +29,24 @@ SCHEDULE = dict(
 
 def untied_four_layer_model(out_dir: Path) -> Path:
     """The tiny Qwen3 preset with 4 layers and an untied output head (4 query / 2 KV heads)."""
-    tokenizer_dir = init_model(out_dir.with_name(out_dir.name + "-tok"), arch="qwen3", preset="tiny", seed=0)
-    config = hf_config_for("qwen3", "tiny", {"eos_token_id": 1, "pad_token_id": 0})
-    config.update(num_hidden_layers=4, layer_types=["full_attention"] * 4, tie_word_embeddings=False)
-    model = build_model(config, seed=0)
-    assert model.output.weight is not model.tok_embeddings.weight
-    return save_model(model, out_dir, tokenizer_dir=tokenizer_dir)
+    return init_model(out_dir, arch="qwen3", preset="tiny", seed=0,
+                      overrides={"num_hidden_layers": 4, "tie_word_embeddings": False})
 
 
-def cp_engine_checks(rank: int, world_size: int, path: str, out_dir: str, cps: list[int]) -> dict:
+def cp_engine_checks(rank: int, world_size: int, path: str, out_dir: str, cps: list[int],
+                     checkpointed: bool = False) -> dict:
     """For each cp in `cps` (dp = world_size / cp): STEPS training steps on this rank's DP shard
     of the shared batch, then the full weights, the shard's log-probs and a saved HF directory;
-    with dp > 1 also one step on an uneven split (some DP ranks pad with empty micro-batches)."""
+    with dp > 1 also one step on an uneven split (some DP ranks pad with empty micro-batches).
+    `checkpointed`: also STEPS steps at cp=world_size with op-level selective activation
+    checkpointing (the recompute repeats the attention's all-to-alls), under key "ac"."""
     batch = make_batch(512)
     res: dict = {}
+    if checkpointed:
+        ac = ParallelizeConfig(activation_checkpoint="selective", ac_selective="op")
+        engine = TrainEngine(engine_config(path, mb=MAIN_MB, cp=world_size, parallelize=ac, **SCHEDULE))
+        res["ac"] = train_steps(engine, batch, STEPS)
+        engine.close()
     for cp in cps:
         sizes = ParallelSizes(dp=world_size // cp, cp=cp)
         dp_rank = sizes.dp_rank(rank)

@@ -39,7 +39,8 @@ def reference(model4):
 def spawned(request, model4, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"cp-world{world}")
-    ranks = run_distributed(cp_engine_checks, world, args=(str(model4), str(out), GROUPS[world]), timeout=400)
+    ranks = run_distributed(cp_engine_checks, world, args=(str(model4), str(out), GROUPS[world], world == 2),
+                            timeout=400)
     return world, ranks, out
 
 
@@ -98,3 +99,12 @@ def test_uneven_dp_split_with_cp_pads_and_matches(spawned, reference):
             assert rel_diff(r["uneven"]["grad_norm"], reference["uneven"]["grad_norm"]) <= GRAD_NORM_TOL, name
             checked += 1
     assert checked or spawned[0] == 2
+
+
+def test_checkpointed_cp_training_equals_one_rank(spawned, reference):
+    world, ranks, _ = spawned
+    if world != 2:
+        pytest.skip("op-level selective activation checkpointing is checked at c2 (world 2)")
+    for r in ranks:
+        for a, b in zip(r["ac"], reference["stats"], strict=True):
+            assert rel_diff(a["loss"], b["loss"]) <= LOSS_TOL and rel_diff(a["grad_norm"], b["grad_norm"]) <= GRAD_NORM_TOL
