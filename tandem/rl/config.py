@@ -22,6 +22,7 @@ from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
 from tandem.errors import ConfigError
 from tandem.rl.config_checks import (
+    check_context_parallel_heads,
     check_cpus,
     check_model_dir,
     check_reward_fn,
@@ -78,6 +79,8 @@ class ActorConfig(TrainEngineConfig):
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")
+            if comp.sizes.cp > 1:
+                check_context_parallel_heads(self.path, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
 
 
 @dataclass

@@ -81,3 +81,17 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str) -> 
         raise ConfigError(f"{prefix}train.weight_sync={update_type!r} needs {missing}, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not offer; "
                           "use tandem servers (rollout.backend=tandem:dN)")
+
+
+def check_context_parallel_heads(path: str, cp: int, key: str) -> None:
+    """Context parallelism (Ulysses) splits attention heads over the `cp` ranks: the model at
+    `path` (a directory `check_model_dir` accepted) must have query heads that `cp` divides."""
+    import json
+    from pathlib import Path
+
+    from tandem.parallel.cp_heads import check_heads
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads > 0:  # otherwise the model loader names what is missing
+        check_heads(heads, config.get("num_key_value_heads") or heads, cp, key)

@@ -71,7 +71,10 @@ class TrainEngine:
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
         n_params = len(list(self.model.parameters()))  # shared parameters count once
-        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size)
+        # Context parallelism lives in the forward: each CP rank runs its slice of every micro-batch.
+        cp_mesh = self.parallel_dims.cp_mesh(self.mesh)
+        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size,
+                                   cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
         parallelize = self.model.spec.parallelize
         if parallelize is None:
             raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")

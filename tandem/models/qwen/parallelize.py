@@ -22,6 +22,7 @@ from tandem.parallel import (
     apply_compile,
     apply_fsdp,
 )
+from tandem.parallel.context_parallel import check_heads
 
 
 def parallelize_qwen(
@@ -45,6 +46,10 @@ def parallelize_qwen(
     pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
     if pending:
         raise NotImplementedError(f"{', '.join(pending)} > 1 is not implemented for Qwen yet; got {parallel_dims.sizes}")
+    if parallel_dims.sizes.cp > 1:
+        # Context parallelism changes no module: the trainer's forward splits the tokens and passes
+        # Ulysses attention through the model's `attn` hook. Its heads must split over the cp ranks.
+        check_heads(model.args.n_heads, model.args.n_kv_heads, parallel_dims.sizes.cp)
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
