@@ -22,10 +22,12 @@ from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
 from tandem.errors import ConfigError
 from tandem.rl.config_checks import (
+    check_context_parallel_heads,
     check_cpus,
     check_model_dir,
     check_reward_fn,
     check_runnable_algo,
+    check_tensor_parallel_split,
     check_weight_sync,
 )
 from tandem.rollout.config import RolloutConfig
@@ -78,6 +80,10 @@ class ActorConfig(TrainEngineConfig):
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")
+            if comp.sizes.cp > 1:
+                check_context_parallel_heads(self.path, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
+            if comp.sizes.tp > 1:
+                check_tensor_parallel_split(self.path, comp.sizes.tp, f"{prefix}backend={self.backend!r}")
 
 
 @dataclass
@@ -207,6 +213,7 @@ class TandemConfig:
     def check(self, prefix: str = "") -> None:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
+        self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
 
+# What deterministic mode sets in the environment (unless set already): cuBLAS's fixed workspace,
+# NCCL's ring algorithm (one reduction order whatever the message size; read when a communicator is
+# created, and NCCL creates them at the first collective), Inductor's deterministic code generation.
+# Trainer ranks get them from the launcher too, before their process group exists.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "TORCH_COMPILE_DETERMINISTIC": "1"}
+
 
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype called `name`, one of `DTYPES` (torch is imported here: config loading

@@ -53,6 +53,7 @@ class TrainEngine:
     def __init__(self, config: TrainEngineConfig):
         """Raises `ConfigError` naming the field for a value outside its choices or range."""
         validate(config)
+        config.parallelize.check_device(torch.device(config.device).type, "parallelize.")
         self.config = config
         device = torch.device(config.device)
         self._owns_group = init_distributed(device, config.dist_backend)
@@ -71,7 +72,10 @@ class TrainEngine:
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
         n_params = len(list(self.model.parameters()))  # shared parameters count once
-        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size)
+        # Context parallelism lives in the forward: each CP rank runs its slice of every micro-batch.
+        cp_mesh = self.parallel_dims.cp_mesh(self.mesh)
+        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size,
+                                   cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
         parallelize = self.model.spec.parallelize
         if parallelize is None:
             raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")

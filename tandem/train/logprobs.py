@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from tandem.models.common import positions_from_cu_seqlens
 from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from tandem.parallel.tensor_parallel import TensorParallelInfo
+from tandem.train.context_split import ContextSplit
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,16 +73,24 @@ def chunked_logprobs_entropy(
 
 
 class LogprobModel(nn.Module):
-    """Wraps a causal LM that has `hidden_states(ids, cu_seqlens)` and `logits_from_hidden(h)` and
-    returns next-token log-probs and entropy. It is the FSDP root: the whole computation, output
-    head included, happens inside its forward, where FSDP has the root parameters gathered.
+    """Wraps a causal LM that has `hidden_states(ids, cu_seqlens, positions=None, attn=None)` and
+    `logits_from_hidden(h)` and returns next-token log-probs and entropy. It is the FSDP root: the
+    whole computation, output head included, happens inside its forward, where FSDP has the root
+    parameters gathered.
+
+    `cp_group` (context parallelism): every rank of the group calls forward with the same whole
+    micro-batch; each runs the model on its slice of the tokens (Ulysses attention through the
+    model's `attn` hook) and the output head on its slice, and all return the whole `[T]` results
+    (see `tandem.train.context_split`). Set it before the first forward; None (default): one rank.
+
     When the model carries a `tensor_parallel` (`TensorParallelInfo`, set by its TP plan), its
     head is vocab-sharded and the log-probs are computed loss-parallel over the TP group."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+    def __init__(self, model: nn.Module, chunk_size: int = 1024, cp_group: ProcessGroup | None = None):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.cp_group = cp_group
 
     def forward(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
@@ -87,11 +99,26 @@ class LogprobModel(nn.Module):
         """`wanted` (`[T]` bool, prediction alignment): compute the output head only at these
         positions (e.g. the loss tokens; 0 elsewhere). In RL most tokens are prompt tokens, and the
         head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step."""
-        hidden = self.model.hidden_states(input_ids, cu_seqlens)
-        tp = getattr(self.model, "tensor_parallel", None)
         labels, valid = next_token_labels(input_ids, cu_seqlens)
+        sparse = wanted is not None
         if wanted is not None:
             valid = valid & wanted
+        if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
+            hidden = self.model.hidden_states(input_ids, cu_seqlens)
+            return self._head(hidden, labels, valid, temperature, sparse)
+        split = ContextSplit.of(input_ids.shape[0], self.cp_group)
+        positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        hidden = self.model.hidden_states(split.local(input_ids), cu_seqlens, positions=split.local(positions),
+                                          attn=split.attention(cu_seqlens))
+        logprobs, entropy = self._head(hidden, split.local(labels), split.local(valid, False), temperature, sparse)
+        return split.gather(logprobs), split.gather(entropy)
+
+    def _head(self, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, temperature: float,
+              sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy at the `valid` rows of `hidden` (0 elsewhere); `sparse`: run the
+        head on those rows only (at least one, so its parameters always get a gradient)."""
+        tp = getattr(self.model, "tensor_parallel", None)
+        if sparse:
             picked = valid.nonzero().squeeze(-1)
             empty = picked.numel() == 0
             if empty:  # still run the head on one row, so its parameters get a (zero) gradient
@@ -106,4 +133,3 @@ class LogprobModel(nn.Module):
                                                      self.chunk_size, tp)
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
-

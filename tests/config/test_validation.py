@@ -50,6 +50,11 @@ def model_dir(tmp_path_factory) -> Path:
                                    "rollout.backend='tandem:d1'"]),
         ("actor.backend=archon:d2p2", ["actor.backend", "does not apply pp=2 yet"]),
         ("actor.tp=2", ["actor.tp", "actor.backend (e.g. archon:d2t2)"]),
+        ("actor.parallelize.offload_params=true", ["actor.parallelize.offload_params=true needs an accelerator",
+                                                   "actor.parallelize.offload_params=false"]),
+        ("actor.parallelize.activation_checkpoint=memory_budget",
+         ["actor.parallelize.activation_checkpoint=memory_budget works through torch.compile",
+          "actor.parallelize.compile=true"]),
         ("actor.backend=megatron:d2", ["actor.backend", "cannot launch"]),
         # models the trainer does not have yet
         ("algo.name=ppo", ["algo.name: 'ppo' trains a critic", "critic-free recipe"]),

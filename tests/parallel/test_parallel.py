@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.config.fields import validate
 from tandem.config.parallel_sizes import ParallelSizes
@@ -60,6 +63,36 @@ def test_activation_checkpointing_keeps_names_and_values():
     out = model(ids, cu)
     out.sum().backward()
     assert torch.equal(out, ref) and model.layers["0"].attention.wq.weight.grad is not None
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_a_training_step(mode: str, selective: str = "layer") -> tuple[Counter[str], torch.Tensor]:
+    model = build_model(CONFIG, seed=0)
+    apply_activation_checkpointing(model.layers, mode, selective=selective)
+    ids, cu = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 5, 12])
+    with _OpCounter() as counter:
+        model(ids, cu).square().mean().backward()
+    return counter.counts, model.layers["0"].attention.wq.weight.grad
+
+
+def test_op_level_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest():
+    """Counted in one forward + backward: full AC runs every block's forward twice (matmuls and
+    norms alike); op-level keeps matmul outputs (no extra mm) and recomputes the elementwise ops."""
+    plain, g_plain = _ops_of_a_training_step("none")
+    full, g_full = _ops_of_a_training_step("full")
+    op_level, g_op = _ops_of_a_training_step("selective", "op")
+    assert full["aten.mm"] > plain["aten.mm"] and op_level["aten.mm"] == plain["aten.mm"], (plain, full, op_level)
+    assert op_level["aten.rsqrt"] > plain["aten.rsqrt"]  # the norms are recomputed
+    assert torch.equal(g_plain, g_full) and torch.equal(g_plain, g_op)
 
 
 def test_qwen_plan_shards_blocks_and_root(one_rank_group):

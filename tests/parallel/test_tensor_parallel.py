@@ -55,6 +55,18 @@ def test_shard_range_and_divisibility_errors():
         check_divides(4, num_key_value_heads=2)
 
 
+def test_run_config_refuses_indivisible_tp_at_load(tmp_path):
+    from tandem.models.tiny import init_model
+    from tandem.rl.config import load_run_config
+
+    model = init_model(tmp_path / "tiny", preset="tiny")  # 4 query / 2 key-value heads
+    cfg = load_run_config(None, [f"actor.path={model}", "actor.backend=archon:d2t2"])
+    assert (cfg.actor.tp, cfg.actor.cp, cfg.actor.pp) == (2, 1, 1)
+    with pytest.raises(ConfigError, match=r"actor.backend='archon:t4': .* num_key_value_heads \(2\) is not "
+                                          r"divisible by 4"):
+        load_run_config(None, [f"actor.path={model}", "actor.backend=archon:t4"])
+
+
 def test_tp_plan_refuses_indivisible_kv_heads():
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_rl_loop_with_tp_trainer_and_distributed_sync(tmp_path):
-    model = init_model(tmp_path / "untied", preset="tiny-untied", seed=0)
+    model = init_model(tmp_path / "untied", preset="tiny", seed=0,
+                       overrides={"num_hidden_layers": 4, "tie_word_embeddings": False})
     cfg = write_config(tmp_path, model, actor={"backend": "archon:t2"},
                        rollout={"backend": "tandem:d1", "max_head_offpolicyness": 0},
                        train={"total_steps": 2, "weight_sync": "distributed"})

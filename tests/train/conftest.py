@@ -25,6 +25,6 @@ def _clean_process_state():
 
 @pytest.fixture(scope="session")
 def untied4_dir(tmp_path_factory):
-    """The `tiny-untied` preset: a 4-layer Qwen3 with a separate output head (parallel layouts)."""
-    return init_model(tmp_path_factory.mktemp("models") / "qwen3-tiny-untied", arch="qwen3", preset="tiny-untied",
-                      seed=0)
+    """The tiny preset with 4 layers and a separate output head (the parallel layouts' model)."""
+    return init_model(tmp_path_factory.mktemp("models") / "qwen3-tiny-untied4", arch="qwen3", preset="tiny", seed=0,
+                      overrides={"num_hidden_layers": 4, "tie_word_embeddings": False})

@@ -25,6 +25,7 @@ from tandem.parallel import (
     apply_compile,
     apply_fsdp,
 )
+from tandem.parallel.context_parallel import check_heads
 
 
 def parallelize_qwen(
@@ -48,6 +49,10 @@ def parallelize_qwen(
     pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
     if pending:
         raise NotImplementedError(f"{', '.join(pending)} > 1 is not implemented for Qwen yet; got {parallel_dims.sizes}")
+    if parallel_dims.sizes.cp > 1:
+        # Context parallelism changes no module: the trainer's forward splits the tokens and passes
+        # Ulysses attention through the model's `attn` hook. Its heads must split over the cp ranks.
+        check_heads(model.args.n_heads, model.args.n_kv_heads, parallel_dims.sizes.cp)
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
@@ -64,7 +69,8 @@ def parallelize_qwen(
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
     blocks = model.layers
-    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
+    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
+                                   config.ac_memory_budget)
     if config.compile:
         # Under TP, `dynamic=True` (every dim symbolic) makes inductor fail compiling the backward
         # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
