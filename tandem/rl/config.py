@@ -214,6 +214,7 @@ class TandemConfig:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
         self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
+        self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":

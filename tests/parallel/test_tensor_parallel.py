@@ -65,6 +65,10 @@ def test_run_config_refuses_indivisible_tp_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"actor.backend='archon:t4': .* num_key_value_heads \(2\) is not "
                                           r"divisible by 4"):
         load_run_config(None, [f"actor.path={model}", "actor.backend=archon:t4"])
+    with pytest.raises(ConfigError, match=r"actor.parallelize.compile=true with actor.parallelize.activation_checkpoint="
+                                          r"'full' is not supported with tensor parallelism \(tp=2\)"):
+        load_run_config(None, [f"actor.path={model}", "actor.backend=archon:t2", "actor.parallelize.compile=true",
+                               "actor.parallelize.activation_checkpoint=full"])
 
 
 def test_tp_plan_refuses_indivisible_kv_heads():

@@ -77,7 +77,7 @@ def test_tp_layout_export_save_resume_and_checkpointing(layout, d1):
         assert r["resumed"]["grad_norm"] == r["stats"][2]["grad_norm"]
         # Compiled blocks (t2) / activation checkpointing (d2t2: recomputes the blocks, TP collectives
         # included) give the same step; both at once are refused, naming the keys.
-        assert "activation_checkpoint: none or compile: false" in r["refused"]
+        assert "set parallelize.activation_checkpoint=none or parallelize.compile=false" in r["refused"]
         assert (r["compiled_graphs"] > 0) == LAYOUTS[name][2]
         assert rel_diff(r["checkpointed"]["loss"], r["stats"][0]["loss"]) <= LOSS_TOL
         assert rel_diff(r["checkpointed"]["grad_norm"], r["stats"][0]["grad_norm"]) <= GRAD_NORM_TOL

@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.config.alloc import TRAINER_DIMS_PENDING
-from tandem.errors import ConfigError
 from tandem.models.qwen.tensor_plan import apply_tensor_parallel
 from tandem.parallel import (
     ParallelDims,
@@ -57,16 +56,8 @@ def parallelize_qwen(
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
     tp_mesh = parallel_dims.tp_mesh(mesh)
-    if tp_mesh is not None and config.compile and config.activation_checkpoint != "none":
-        # Measured (torch 2.13, CPU): AOTAutograd fails saving a DeviceMesh for backward
-        # ("expected all tensors_saved_with_vc_check to be Tensors") in a compiled, checkpointed
-        # block with DTensor tensor parallelism. Each of the two works with TP on its own.
-        raise ConfigError(
-            "actor.parallelize.compile=true with actor.parallelize.activation_checkpoint="
-            f"{config.activation_checkpoint!r} is not supported with tensor parallelism (tp="
-            f"{tp_mesh.size()}): torch fails compiling checkpointed tensor-parallel blocks; set "
-            "activation_checkpoint: none or compile: false")
     if tp_mesh is not None:
+        config.check_layout(tp_mesh.size(), "parallelize.")
         apply_tensor_parallel(model, tp_mesh)
     blocks = model.layers
     apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
