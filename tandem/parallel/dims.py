@@ -87,24 +87,25 @@ class ParallelDims:
         dims = [(n, s) for n, s in self.mesh_sizes().items() if s > 1 or n == "dp_shard"]
         mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         if self.dp_replicate > 1:
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            _flattened(mesh, ("dp_replicate", "dp_shard"), "dp")
         if self.sizes.cp > 1:
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         return mesh
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards parameters over and reduces gradients over: `dp_shard`, flattened
         with `cp` when cp > 1 (CP ranks hold the same parameters and see different tokens, so
         their gradients are summed like data-parallel ones); (`dp_replicate`, that) for HSDP."""
-        shard = "dp_shard_cp" if self.sizes.cp > 1 else "dp_shard"
+        if self.sizes.cp == 1:
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
         if self.dp_replicate > 1:
-            return mesh["dp_replicate", shard]
-        return mesh[shard]
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """1-D mesh over the data-parallel ranks of this rank's TP/CP/PP position (the ranks that
         train on different shards of a batch)."""
-        return mesh["dp"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        return _flattened(mesh, ("dp_replicate", "dp_shard"), "dp") if self.dp_replicate > 1 else mesh["dp_shard"]
 
     def dp_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         """Process group over the data-parallel ranks (loss-token counts, micro-batch plans,
@@ -132,3 +133,10 @@ class ParallelDims:
         """`pp=.. dp_shard=.. dp_replicate=.. tp=.. cp=..`, what the engine logs at start."""
         m = self.mesh_sizes()
         return " ".join(f"{k}={m[k]}" for k in ("pp", "dp_shard", "dp_replicate", "tp", "cp"))
+
+
+def _flattened(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """The 1-D mesh `name` over `dims` of the root `mesh`: made by the first call (collective: every
+    rank builds its group), the same object afterwards (torch keeps it on the root mesh). Asked
+    for this way instead of slicing `mesh[name]`, which torch deprecates for flattened dims."""
+    return mesh[dims]._flatten(name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None, worker_type: type[TrainWorker] = TrainWo
     parser.add_argument("--backend", default=None, help="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
     parser.add_argument("--pg-timeout", type=float, default=1800.0, help="seconds for rendezvous and each collective")
     args = parser.parse_args(argv)
+    # The engine's own records (e.g. "parallel dims: ...", pipeline warnings) go to the rank's log.
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s trainer-rank{os.environ.get('RANK', '?')} %(name)s %(levelname)s %(message)s")
 
     def build() -> TrainWorker:
         from tandem.train.dist import default_backend, init_from_env, resolve_device

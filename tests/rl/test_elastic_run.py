@@ -43,8 +43,12 @@ def _server(pids: set[int], index: int) -> int:
     raise AssertionError(f"no server {index} among {sorted(pids)}")
 
 
-def _fleet(run: Path) -> list[dict]:
+def _fleet(run: Path, while_running: bool = False) -> list[dict]:
+    """`tandem fleet RUN --json`; with `while_running`, [] when the run ended meanwhile (its
+    controller.json is gone: the run may end between a check for the file and the command)."""
     out = subprocess.run([TANDEM, "fleet", str(run), "--json"], capture_output=True, text=True, timeout=30)
+    if while_running and out.returncode != 0 and not (run / "controller.json").exists():
+        return []
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -80,7 +84,7 @@ def test_kill_join_and_replace_in_a_running_job(tmp_path, model_dir):
         seen: dict[str, set[str]] = {}
         served = 0
         while proc.poll() is None:  # bounded by the run's own end (and the timeout below)
-            for s in _fleet(run) if (run / "controller.json").exists() else []:
+            for s in _fleet(run, while_running=True):
                 seen.setdefault(s["address"], set()).add(s["state"])
                 if s["address"] == joiner.url:
                     served = max(served, s["tokens_served"])
