@@ -14,7 +14,6 @@ What a TP plan leaves behind for the trainer is a `TensorParallelInfo` on the mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,8 +127,3 @@ def sum_partial_grads(model: nn.Module, info: TensorParallelInfo | None) -> None
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
-
-def named_parameters_of(module: nn.Module, prefix: str, names: Sequence[str]) -> tuple[str, ...]:
-    """`prefix + name` for each of `names` that `module` has as a direct parameter path."""
-    own = dict(module.named_parameters())
-    return tuple(f"{prefix}{n}" for n in names if n in own)
