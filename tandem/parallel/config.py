@@ -43,6 +43,17 @@ class ParallelizeConfig:
             raise ConfigError(f"{prefix}activation_checkpoint=memory_budget works through torch.compile's "
                               f"partitioner: set {prefix}compile=true (or choose full / selective)")
 
+    def check_layout(self, tp: int, prefix: str = "") -> None:
+        """Options that a parallel layout cannot run, refused with the reason. Under tensor
+        parallelism, compile together with activation checkpointing fails inside torch (measured,
+        torch 2.13: AOTAutograd cannot save the DeviceMesh a checkpointed DTensor block holds);
+        each works with TP on its own."""
+        if tp > 1 and self.compile and self.activation_checkpoint != "none":
+            raise ConfigError(
+                f"{prefix}compile=true with {prefix}activation_checkpoint={self.activation_checkpoint!r} is not "
+                f"supported with tensor parallelism (tp={tp}): torch fails compiling checkpointed "
+                f"tensor-parallel blocks; set {prefix}activation_checkpoint=none or {prefix}compile=false")
+
     def check_device(self, device_type: str, prefix: str = "") -> None:
         """Options that need an accelerator, refused on a CPU-only run with the reason."""
         if self.offload_params and device_type == "cpu":

@@ -27,6 +27,7 @@ from tandem.rl.config_checks import (
     check_model_dir,
     check_reward_fn,
     check_runnable_algo,
+    check_tensor_parallel_split,
     check_weight_sync,
 )
 from tandem.rollout.config import RolloutConfig
@@ -81,6 +82,8 @@ class ActorConfig(TrainEngineConfig):
             check_model_dir(self.path, f"{prefix}path")
             if comp.sizes.cp > 1:
                 check_context_parallel_heads(self.path, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
+            if comp.sizes.tp > 1:
+                check_tensor_parallel_split(self.path, comp.sizes.tp, f"{prefix}backend={self.backend!r}")
 
 
 @dataclass
@@ -211,6 +214,7 @@ class TandemConfig:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
         self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
+        self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":

@@ -95,3 +95,20 @@ def check_context_parallel_heads(path: str, cp: int, key: str) -> None:
     heads = config.get("num_attention_heads")
     if isinstance(heads, int) and heads > 0:  # otherwise the model loader names what is missing
         check_heads(heads, config.get("num_key_value_heads") or heads, cp, key)
+
+
+def check_tensor_parallel_split(path: str, tp: int, key: str) -> None:
+    """Tensor parallelism gives each of the `tp` ranks whole key/value heads with their query heads
+    and a slice of the MLP: the model at `path` (a directory `check_model_dir` accepted) must have
+    key/value heads, query heads and an intermediate size that `tp` divides."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    counts = {"num_key_value_heads": config.get("num_key_value_heads") or heads, "num_attention_heads": heads,
+              "intermediate_size": config.get("intermediate_size")}
+    for name, count in counts.items():
+        if isinstance(count, int) and count > 0 and count % tp:  # otherwise the loader names what is missing
+            raise ConfigError(f"{key}: tensor parallelism splits the model over tp={tp} ranks, and its {name} "
+                              f"({count}) is not divisible by {tp}; choose a tp that divides it")

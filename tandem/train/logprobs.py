@@ -18,6 +18,8 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from tandem.models.common import positions_from_cu_seqlens
+from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
+from tandem.parallel.tensor_parallel import TensorParallelInfo
 from tandem.train.context_split import ContextSplit
 
 
@@ -30,8 +32,11 @@ def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tupl
 
 
 def _chunk_logprobs_entropy(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, temperature: float
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+    tp: TensorParallelInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if tp is not None:  # the head returns this rank's vocabulary slice: compute loss-parallel
+        return vocab_parallel_logprobs_entropy(head(hidden), labels, tp.vocab_range()[0], tp.group, temperature)
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -48,15 +53,18 @@ def chunked_logprobs_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    tp: TensorParallelInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 log p(labels) and entropy of softmax(head(hidden) / temperature), `[T]` each."""
+    """float32 log p(labels) and entropy of softmax(head(hidden) / temperature), `[T]` each.
+    With `tp`, `head` returns this TP rank's vocabulary slice of the logits (`tp.vocab_range()`)
+    and both are computed loss-parallel (collective over `tp.group`; no full-vocabulary logits)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     n = hidden.shape[0]
     recompute = torch.is_grad_enabled() and n > chunk_size
     outs = []
     for start in range(0, n, chunk_size):
-        args = (head, hidden[start : start + chunk_size], labels[start : start + chunk_size], temperature)
+        args = (head, hidden[start : start + chunk_size], labels[start : start + chunk_size], temperature, tp)
         if recompute:
             outs.append(checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False))
         else:
@@ -73,7 +81,10 @@ class LogprobModel(nn.Module):
     `cp_group` (context parallelism): every rank of the group calls forward with the same whole
     micro-batch; each runs the model on its slice of the tokens (Ulysses attention through the
     model's `attn` hook) and the output head on its slice, and all return the whole `[T]` results
-    (see `tandem.train.context_split`). Set it before the first forward; None (default): one rank."""
+    (see `tandem.train.context_split`). Set it before the first forward; None (default): one rank.
+
+    When the model carries a `tensor_parallel` (`TensorParallelInfo`, set by its TP plan), its
+    head is vocab-sharded and the log-probs are computed loss-parallel over the TP group."""
 
     def __init__(self, model: nn.Module, chunk_size: int = 1024, cp_group: ProcessGroup | None = None):
         super().__init__()
@@ -106,17 +117,19 @@ class LogprobModel(nn.Module):
               sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy at the `valid` rows of `hidden` (0 elsewhere); `sparse`: run the
         head on those rows only (at least one, so its parameters always get a gradient)."""
+        tp = getattr(self.model, "tensor_parallel", None)
         if sparse:
             picked = valid.nonzero().squeeze(-1)
             empty = picked.numel() == 0
             if empty:  # still run the head on one row, so its parameters get a (zero) gradient
                 picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
             lp, ent = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden[picked], labels[picked],
-                                               temperature, self.chunk_size)
+                                               temperature, self.chunk_size, tp)
             if empty:
                 lp, ent = lp * 0, ent * 0
             zeros = lp.new_zeros(hidden.shape[0])
             return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
-        logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature, self.chunk_size)
+        logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature,
+                                                     self.chunk_size, tp)
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)

@@ -21,3 +21,10 @@ def _clean_process_state():
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(scope="session")
+def untied4_dir(tmp_path_factory):
+    """The tiny preset with 4 layers and a separate output head (the parallel layouts' model)."""
+    return init_model(tmp_path_factory.mktemp("models") / "qwen3-tiny-untied4", arch="qwen3", preset="tiny", seed=0,
+                      overrides={"num_hidden_layers": 4, "tie_word_embeddings": False})
