@@ -77,20 +77,29 @@ class LogprobModel(nn.Module):
         positions (e.g. the loss tokens; 0 elsewhere). In RL most tokens are prompt tokens, and the
         head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step."""
         hidden = self.model.hidden_states(input_ids, cu_seqlens)
-        labels, valid = next_token_labels(input_ids, cu_seqlens)
-        if wanted is not None:
-            valid = valid & wanted
-            picked = valid.nonzero().squeeze(-1)
-            empty = picked.numel() == 0
-            if empty:  # still run the head on one row, so its parameters get a (zero) gradient
-                picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
-            lp, ent = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden[picked], labels[picked],
-                                               temperature, self.chunk_size)
-            if empty:
-                lp, ent = lp * 0, ent * 0
-            zeros = lp.new_zeros(hidden.shape[0])
-            return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
-        logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature, self.chunk_size)
-        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-        return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
+        return next_token_outputs(self.model.logits_from_hidden, hidden, input_ids, cu_seqlens, temperature,
+                                  wanted, self.chunk_size)
 
+
+def next_token_outputs(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor, temperature: float = 1.0, wanted: torch.Tensor | None = None, chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T]` next-token log-probs and entropy from final hidden states `[T, dim]` (0 at each
+    sequence's last token, and outside `wanted` when given; see `LogprobModel.forward`). A
+    pipeline's last stage calls it too, so both compute exactly the same numbers."""
+    labels, valid = next_token_labels(input_ids, cu_seqlens)
+    if wanted is not None:
+        valid = valid & wanted
+        picked = valid.nonzero().squeeze(-1)
+        empty = picked.numel() == 0
+        if empty:  # still run the head on one row, so its parameters get a (zero) gradient
+            picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
+        lp, ent = chunked_logprobs_entropy(head, hidden[picked], labels[picked], temperature, chunk_size)
+        if empty:
+            lp, ent = lp * 0, ent * 0
+        zeros = lp.new_zeros(hidden.shape[0])
+        return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
+    logprobs, entropy = chunked_logprobs_entropy(head, hidden, labels, temperature, chunk_size)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)

@@ -39,12 +39,13 @@ def parallelize_qwen(
     CPU). `root` is the module whose forward the trainer calls (e.g. a wrapper computing log-probs
     around `model`); FSDP's root unit goes there so that its forward hooks fire. Default: `model`.
     `param_dtype` / `reduce_dtype`: FSDP's compute and gradient-reduction dtypes.
+    Under pipeline parallelism it is called once per stage (`tandem.models.qwen.pipeline.QwenStage`,
+    which has the model's `layers`), with the stage as `model` and `root`.
     """
     config = config or ParallelizeConfig()
-    if not parallel_dims.only_data_parallel:
-        raise NotImplementedError(
-            f"only data parallelism is implemented; got {parallel_dims.sizes}"
-        )
+    sizes = parallel_dims.sizes
+    if sizes.tp > 1 or sizes.cp > 1 or sizes.ep > 1:
+        raise NotImplementedError(f"only data and pipeline parallelism are implemented; got {sizes}")
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
@@ -53,5 +54,5 @@ def parallelize_qwen(
     if config.compile:
         apply_compile(blocks)
     apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
-               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+               param_dtype=param_dtype, reduce_dtype=reduce_dtype, pipelined=sizes.pp > 1)
     return model
