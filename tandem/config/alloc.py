@@ -29,6 +29,8 @@ __all__ = ["AllocationMode", "Component", "ParallelSizes", "parse_allocation", "
 MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
 )
+# Parallel dims the trainer parses but does not apply yet (each leaves this list when it is built).
+TRAINER_DIMS_PENDING = ("tp", "cp", "ep", "etp")
 _SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size")  # JSON keys read from `sizes`
 
 
@@ -67,9 +69,11 @@ class Component:
             dims = "".join(f"{k}{v}" for k, v in (("t", s.tp), ("p", s.pp), ("c", s.cp)) if v > 1)
             return (f"`tandem serve` runs one device per server; tandem:d{s.dp}{dims} asks for "
                     f"{s.world_size // s.dp} devices per server (use tandem:d{s.world_size})")
-        if not self.is_inference and s.tp * s.pp * s.cp * s.ep > 1:
-            return (f"only data parallelism (d) is applied by the trainer so far; tensor/pipeline/context/expert "
-                    f"parallel training is not available yet (use {self.backend}:d{s.world_size})")
+        pending = [f"{name}={getattr(s, name)}" for name in TRAINER_DIMS_PENDING if getattr(s, name) > 1]
+        if not self.is_inference and pending:
+            return (f"the trainer does not apply {', '.join(pending)} yet (it applies "
+                    f"{', '.join(n for n in ('dp', 'tp', 'pp', 'cp') if n not in TRAINER_DIMS_PENDING)}); "
+                    f"use {self.backend}:d{s.world_size}")
         return None
 
     @property

@@ -55,3 +55,19 @@ class ParallelSizes:
     @property
     def only_data_parallel(self) -> bool:
         return self.tp == self.pp == self.cp == self.ep == self.etp == 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits on the trainer's mesh, laid out outermost to innermost as
+        `pp, dp, cp, tp` (the device mesh's order, `dp` = replicate x shard flattened): e.g. with
+        d2t2, ranks 0 and 1 are the two TP ranks of data-parallel rank 0."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        out = {}
+        for name, size in (("tp", self.tp), ("cp", self.cp), ("dp", self.dp), ("pp", self.pp)):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in ("pp", "dp", "cp", "tp")}
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global `rank`: which shard of a batch it trains on (its TP,
+        CP and PP peers train on the same one)."""
+        return self.coords(rank)["dp"]

@@ -4,37 +4,71 @@
 which the HF name mapping, DCP keys and weight export would then all have to strip. Replacing the
 block's bound `forward` with a checkpointed call keeps the module tree as it is, and FSDP hooks
 (which run in `__call__`, outside `forward`) still wrap the recompute.
+
+Modes: `full` (every block), `selective` at layer level (every `every`-th block) or op level
+(every block, saving the outputs of the expensive ops: matmuls and attention, recomputing
+elementwise ops and norms), and `memory_budget` (no wrapping: torch.compile's min-cut partitioner
+decides what to keep under `torch._functorch.config.activation_memory_budget`). Recomputation
+replays the RNG state of the first pass (`preserve_rng_state`), so a recompute of a stochastic op
+equals the original.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# Outputs kept by op-level selective checkpointing: the ops whose recompute would cost a matmul.
+SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
 
 
-def checkpoint_module(module: nn.Module) -> None:
-    """Recompute `module`'s forward during backward instead of keeping its activations."""
+def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_module(module: nn.Module, op_level: bool = False) -> None:
+    """Recompute `module`'s forward during backward instead of keeping its activations; with
+    `op_level`, keep the outputs of `SAVED_OPS` and recompute only the rest."""
     inner = module.forward
+    extra: dict[str, Any] = {}
+    if op_level:
+        extra["context_fn"] = partial(create_selective_checkpoint_contexts, _save_expensive_ops)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         # Non-reentrant: works with keyword args, autograd-inside-forward and torch.compile.
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
 
-def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], mode: str, every: int = 1) -> list[str]:
-    """Checkpoint `blocks` (in order): all for `full`, every `every`-th one for `selective`
-    (blocks 0, every, 2*every, ...). Returns the names of the checkpointed blocks."""
+def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], mode: str, every: int = 1,
+                                   selective: str = "layer", memory_budget: float = 0.5) -> list[str]:
+    """Checkpoint `blocks` (in order) as `mode` says (see the module docstring). Returns the names
+    of the checkpointed blocks (none for `memory_budget`, which sets compile's budget instead)."""
     if mode == "none":
+        return []
+    if mode == "memory_budget":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = memory_budget
         return []
     if mode not in ("full", "selective"):
         raise ValueError(f"unknown activation checkpointing mode {mode!r}")
-    step = 1 if mode == "full" else every
+    if selective not in ("layer", "op"):
+        raise ValueError(f"unknown selective checkpointing option {selective!r}")
+    op_level = mode == "selective" and selective == "op"
+    step = every if mode == "selective" and not op_level else 1
     chosen = [name for i, name in enumerate(blocks) if i % step == 0]
     for name in chosen:
-        checkpoint_module(blocks[name])
+        checkpoint_module(blocks[name], op_level=op_level)
     return chosen

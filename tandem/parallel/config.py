@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.config.fields import config_field as _f
+from tandem.errors import ConfigError
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "memory_budget")
+AC_SELECTIVE = ("layer", "op")
 RESHARD_POLICIES = ("default", "always", "never")
 # Pipeline schedules (torch.distributed.pipelining names) and AReaL's short names for them.
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -17,13 +19,21 @@ PP_SCHEDULE_CHOICES = SCHEDULES + tuple(SHORT_NAMES)
 
 @dataclass
 class ParallelizeConfig:
-    """Activation checkpointing, per-block compile and FSDP resharding. Checked by
+    """Activation checkpointing, per-block compile and FSDP resharding and offload. Checked by
     `tandem.config.fields.validate` (the training engine runs it on its whole config)."""
 
     activation_checkpoint: str = _f(
-        "none", "Recompute activations in backward: every transformer block (full), or every ac_every-th "
-        "one (selective).", choices=AC_MODES)
-    ac_every: int = _f(1, "With selective checkpointing: every N-th block.", min=1)
+        "none", "Recompute activations in backward: every transformer block (full); some of them "
+        "(selective, see ac_selective); or as much as torch.compile's partitioner needs to keep "
+        "ac_memory_budget of the activations (memory_budget, needs compile).", choices=AC_MODES)
+    ac_selective: str = _f(
+        "layer", "With selective checkpointing: every ac_every-th block (layer), or inside every block keep "
+        "matmul and attention outputs and recompute the cheap elementwise ops and norms (op).",
+        choices=AC_SELECTIVE)
+    ac_every: int = _f(1, "With layer-level selective checkpointing: every N-th block.", min=1)
+    ac_memory_budget: float = _f(
+        0.5, "With memory_budget: the fraction of activation memory compile's partitioner may keep "
+        "(0 recomputes all it can, 1 keeps everything).", min=0.0, max=1.0)
     compile: bool = _f(False, "torch.compile each transformer block.")
     reshard_after_forward: str = _f(
         "default", "Free gathered block parameters after forward: default (all but the last block, which "
@@ -38,3 +48,19 @@ class ParallelizeConfig:
     pp_stages_per_rank: int | None = _f(
         None, "Pipeline stages per rank (None: 1 for 1F1B, 2 for the interleaved and V schedules; "
         "ZBVZeroBubble needs exactly 2).", min=1)
+    offload_params: bool = _f(
+        False, "FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and move "
+        "to the accelerator per block (accelerator runs only).")
+
+    def check(self, prefix: str = "") -> None:
+        if self.activation_checkpoint == "memory_budget" and not self.compile:
+            raise ConfigError(f"{prefix}activation_checkpoint=memory_budget works through torch.compile's "
+                              f"partitioner: set {prefix}compile=true (or choose full / selective)")
+
+    def check_device(self, device_type: str, prefix: str = "") -> None:
+        """Options that need an accelerator, refused on a CPU-only run with the reason."""
+        if self.offload_params and device_type == "cpu":
+            raise ConfigError(
+                f"{prefix}offload_params=true needs an accelerator: FSDP2 offload keeps parameters in host "
+                "memory and copies them to the device per block, and on a CPU run they are in host memory "
+                f"already; set {prefix}offload_params=false")

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from tandem.parallel.config import ParallelizeConfig
 
@@ -40,19 +46,23 @@ def apply_fsdp(
     """Shard each of `blocks`, then `root` (the module whose forward is the training entry point,
     which must contain the blocks). Returns the FSDP modules, root last. FSDP casts parameters to
     `param_dtype` for compute (master weights keep theirs) and reduces gradients in `reduce_dtype`.
-    `pipelined`: `root` is a pipeline stage (the "default" reshard policy then means never)."""
+    `pipelined`: `root` is a pipeline stage (the "default" reshard policy then means never).
+    `config.offload_params` keeps parameters, gradients and optimizer state in host memory (an
+    accelerator run only: `ParallelizeConfig.check_device`)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if config.offload_params else OffloadPolicy()
     units: list[FSDPModule] = []
     names = list(blocks)
     for i, name in enumerate(names):
         reshard = _reshard_block(config.reshard_after_forward, i == len(names) - 1, pipelined)
-        fully_shard(blocks[name], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(blocks[name], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                    offload_policy=offload)
         units.append(blocks[name])  # type: ignore[arg-type]
     # The root keeps its parameters gathered from forward to backward (FSDP2 never reshards the
     # root after forward), so the head computed inside the root's forward can use them freely.
     # A pipeline stage is its own root: it keeps its parameters between micro-batches unless "always".
     extra = {"reshard_after_forward": config.reshard_after_forward == "always"} if pipelined else {}
-    fully_shard(root, mesh=mesh, mp_policy=mp_policy, **extra)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, **extra)
     units.append(root)  # type: ignore[arg-type]
     return units
 

@@ -8,6 +8,7 @@ Shared by `tandem train` and `tandem sft`. Servers come from `rollout.backend` (
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.scheduler import ServerHandle
 from tandem.rl.config import TandemConfig
+from tandem.train.config import DETERMINISTIC_ENV
 from tandem.train.controller import TrainController
 
 logger = logging.getLogger("tandem.run")
@@ -31,6 +33,8 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler) -> TrainControll
         env["OMP_NUM_THREADS"] = str(cfg.actor.num_threads)
     if cfg.actor.cpus:
         env[ENV_CPUS] = cfg.actor.cpus
+    if cfg.actor.deterministic:  # before the ranks' process group exists (NCCL reads them then)
+        env.update({k: os.environ.get(k, v) for k, v in DETERMINISTIC_ENV.items()})
     trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env)
     began = time.monotonic()
     ranks = trainer.initialize(cfg.actor)

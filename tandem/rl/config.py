@@ -60,6 +60,14 @@ class ActorConfig(TrainEngineConfig):
     num_threads: int = _f(0, "torch threads per trainer rank (0: torch's default).", min=0)
     cpus: str = _f("", "Pin trainer ranks to these cores, e.g. '1' or '2-3' (empty: no pinning).")
 
+    def derive_sizes(self) -> None:
+        """tp, pp and cp from `backend` (left alone when it does not parse: `check` names the key)."""
+        try:
+            sizes = parse_allocation_of_kind(self.backend, "actor.backend", inference=False).components[0].sizes
+        except ConfigError:
+            return
+        self.tp, self.pp, self.cp = sizes.tp, sizes.pp, sizes.cp
+
     def check(self, prefix: str = "") -> None:
         comp = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False).components[0]
         if comp.run_error:
@@ -156,6 +164,9 @@ class TandemConfig:
     DERIVED: ClassVar[dict[str, str]] = {
         "actor.device": "experiment.device",
         "actor.seed": "experiment.seed",
+        "actor.tp": "actor.backend (e.g. archon:d2t2)",
+        "actor.pp": "actor.backend (e.g. archon:p2)",
+        "actor.cp": "actor.backend (e.g. archon:d2c2)",
         "actor.total_train_steps": "train.total_steps (tandem train: times train.n_minibatches) or sft.steps "
                                    "(tandem sft)",
         "algo.ppo.max_head_offpolicyness": "rollout.max_head_offpolicyness",
@@ -185,6 +196,7 @@ class TandemConfig:
         """Copy into each section the values it takes from another: the one place they are set."""
         self.actor.device = self.experiment.device
         self.actor.seed = self.experiment.seed
+        self.actor.derive_sizes()
         if self.command == "sft":
             self.actor.total_train_steps = self.sft.steps
         else:  # one optimizer step per minibatch
@@ -195,6 +207,7 @@ class TandemConfig:
     def check(self, prefix: str = "") -> None:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
+        self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":

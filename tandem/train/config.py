@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
 
+# What deterministic mode sets in the environment (unless set already): cuBLAS's fixed workspace,
+# NCCL's ring algorithm (one reduction order whatever the message size; read when a communicator is
+# created, and NCCL creates them at the first collective), Inductor's deterministic code generation.
+# Trainer ranks get them from the launcher too, before their process group exists.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "TORCH_COMPILE_DETERMINISTIC": "1"}
+
 
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype called `name`, one of `DTYPES` (torch is imported here: config loading
@@ -70,7 +76,8 @@ class TrainEngineConfig:
     """Everything a `TrainEngine` needs besides the process group.
 
     `dtype` is the compute (FSDP param) dtype; master weights and optimizer state are float32.
-    Every rank is a data-parallel rank; `dp_replicate > 1` gives HSDP (replicas of FSDP groups).
+    The ranks are laid out as tp x cp x pp model-parallel groups, the rest data parallel
+    (`tandem.parallel.ParallelDims.for_world`); `dp_replicate > 1` gives HSDP (replicas of FSDP groups).
     """
 
     path: str = _f("", "HF model directory (config.json + safetensors) the engine starts from.")
@@ -79,7 +86,10 @@ class TrainEngineConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     parallelize: ParallelizeConfig = field(default_factory=ParallelizeConfig)
-    dp_replicate: int = _f(1, "HSDP: replicas of the FSDP group (must divide the trainer ranks).", min=1)
+    dp_replicate: int = _f(1, "HSDP: replicas of the FSDP group (must divide the data-parallel size).", min=1)
+    tp: int = _f(1, "Tensor-parallel size (the run config derives it from actor.backend).", min=1)
+    pp: int = _f(1, "Pipeline-parallel size (the run config derives it from actor.backend).", min=1)
+    cp: int = _f(1, "Context-parallel size (the run config derives it from actor.backend).", min=1)
     deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
     logprob_chunk_size: int = _f(1024, "Tokens per output-head chunk when computing log-probs.", min=1)
     dist_backend: str | None = _f(None, "torch.distributed backend of the trainer ranks (None: gloo on CPU, "

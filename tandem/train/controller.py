@@ -6,8 +6,8 @@
 
 Control plane only: it names `TrainWorker` methods (never strings) over a `WorkerGroup` and
 imports neither the engine nor model code. Methods that take `shards` give rank r `shards[r]`
-(one per rank, e.g. from `tandem.rl.dispatch.split_for_ranks`); the others send every rank the
-same arguments. Every call runs on every rank, and errors are the RPC layer's (`RemoteError`,
+(one per data-parallel rank, e.g. from `tandem.rl.dispatch.split_for_ranks`): a rank's TP, CP and
+PP peers get the same shard. The others send every rank the same arguments. Every call runs on every rank, and errors are the RPC layer's (`RemoteError`,
 `WorkerCrashedError`, ...).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from tandem.config.parallel_sizes import ParallelSizes
 from tandem.launch.rpc import WorkerGroup
 from tandem.train.worker import EngineInfo, RankInfo, TrainWorker
 
@@ -40,6 +41,7 @@ class TrainController:
 
     def __init__(self, group: WorkerGroup):
         self.group = group
+        self.sizes = ParallelSizes(dp=group.world_size)  # the engine's layout, set by `initialize`
 
     @classmethod
     def start(cls, scheduler: Scheduler, alloc: Component | str | int, *, name: str = "actor",
@@ -58,33 +60,50 @@ class TrainController:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: every rank (the trainer has no tensor or pipeline parallelism),
-        so a batch is split into this many shards."""
-        return self.group.world_size
+        """Data-parallel ranks: a batch is split into this many shards."""
+        return self.sizes.dp
+
+    def _per_rank(self, shards: Sequence[SequenceBatch]) -> list[tuple[SequenceBatch]]:
+        """Each rank's arguments: the shard of its data-parallel rank."""
+        if len(shards) != self.dp_size:
+            raise ValueError(f"{len(shards)} shards for {self.dp_size} data-parallel ranks")
+        return [(shards[self.sizes.dp_rank(r)],) for r in range(self.world_size)]
+
+    def _dp_leaders(self) -> list[int]:
+        """The lowest rank of each data-parallel rank's group, in data-parallel order."""
+        leaders: dict[int, int] = {}
+        for r in range(self.world_size):
+            leaders.setdefault(self.sizes.dp_rank(r), r)
+        return [leaders[d] for d in range(self.dp_size)]
 
     def ping(self) -> list[RankInfo]:
         return self.group.call(TrainWorker.ping)
 
     def initialize(self, config: TrainEngineConfig) -> list[EngineInfo]:
-        """Build the engine on every rank."""
+        """Build the engine on every rank, laid out as `config`'s tp, pp and cp say."""
+        model_parallel = config.tp * config.pp * config.cp
+        if self.world_size % model_parallel:
+            raise ValueError(f"tp * pp * cp = {model_parallel} does not divide the {self.world_size} trainer ranks")
+        self.sizes = ParallelSizes(dp=self.world_size // model_parallel, tp=config.tp, pp=config.pp, cp=config.cp)
         return self.group.call(TrainWorker.initialize, config)
 
     # ---------------------------------------------------------------------------- training
 
     def compute_logprobs(self, shards: Sequence[SequenceBatch], temperature: float = 1.0) -> list[TokenOutputs]:
-        """Each rank's `TokenOutputs` of its shard, in rank order."""
-        return self.group.call_per_rank(TrainWorker.compute_logprobs, [(s,) for s in shards],
-                                        {"temperature": temperature})
+        """Each data-parallel rank's `TokenOutputs` of its shard, in data-parallel order."""
+        results = self.group.call_per_rank(TrainWorker.compute_logprobs, self._per_rank(shards),
+                                           {"temperature": temperature})
+        return [results[r] for r in self._dp_leaders()]
 
     def ppo_update(self, shards: Sequence[SequenceBatch], algo: AlgoConfig, version: int, temperature: float,
                    n_minibatches: int) -> dict[str, float]:
         """One decoupled-PPO update (`TrainWorker.ppo_update`); the stats, reduced over ranks."""
         opts = {"algo": algo, "version": version, "temperature": temperature, "n_minibatches": n_minibatches}
-        return self.group.call_per_rank(TrainWorker.ppo_update, [(s,) for s in shards], opts)[0]
+        return self.group.call_per_rank(TrainWorker.ppo_update, self._per_rank(shards), opts)[0]
 
     def sft_step(self, shards: Sequence[SequenceBatch]) -> dict[str, float]:
         """One supervised step; the stats (loss and token counts are global, the same on every rank)."""
-        return self.group.call_per_rank(TrainWorker.sft_step, [(s,) for s in shards])[0]
+        return self.group.call_per_rank(TrainWorker.sft_step, self._per_rank(shards))[0]
 
     # ---------------------------------------------------------------------------- checkpoints
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.net import bound_tcp_store
+from tandem.train.config import DETERMINISTIC_ENV
 
 
 def default_backend(device: torch.device) -> str:
@@ -66,12 +67,14 @@ def all_reduce_sum(values: list[float], device: torch.device, group: dist.Proces
 
 def seed_everything(seed: int, deterministic: bool) -> None:
     """Same seed on every rank (data differs per rank, weights must not). Deterministic mode
-    also makes torch pick deterministic kernels (process-wide, and it stays on)."""
+    also makes torch pick deterministic kernels (process-wide, and it stays on) and sets
+    `DETERMINISTIC_ENV`."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        for key, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(key, value)
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 

@@ -11,6 +11,7 @@ shards (`to_empty`), fill them from the HF checkpoint tensor by tensor, then Ada
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.sharded_load import load_hf_weights_sharded
 from tandem.train.weight_export import Alloc, export_nbytes, iter_weight_buckets, local_parameters
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class TokenOutputs:
@@ -49,15 +52,19 @@ class TrainEngine:
     def __init__(self, config: TrainEngineConfig):
         """Raises `ConfigError` naming the field for a value outside its choices or range."""
         validate(config)
+        config.parallelize.check_device(torch.device(config.device).type, "parallelize.")
         self.config = config
         device = torch.device(config.device)
         self._owns_group = init_distributed(device, config.dist_backend)
         self.device = resolve_device(config.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(config.seed, config.deterministic)
-        self.parallel_dims = ParallelDims.data_parallel(self.world_size, config.dp_replicate)
+        self.parallel_dims = ParallelDims.for_world(self.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
+                                                    dp_replicate=config.dp_replicate)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dp_group = self.parallel_dims.dp_group(self.mesh)
+        if self.rank == 0:
+            logger.info("parallel dims: %s", self.parallel_dims.describe())
         self.param_dtype = parse_dtype(config.dtype)
 
         hf_config = read_hf_config(config.path)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.config.fields import validate
 from tandem.config.parallel_sizes import ParallelSizes
@@ -62,6 +65,36 @@ def test_activation_checkpointing_keeps_names_and_values():
     assert torch.equal(out, ref) and model.layers["0"].attention.wq.weight.grad is not None
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_a_training_step(mode: str, selective: str = "layer") -> tuple[Counter[str], torch.Tensor]:
+    model = build_model(CONFIG, seed=0)
+    apply_activation_checkpointing(model.layers, mode, selective=selective)
+    ids, cu = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 5, 12])
+    with _OpCounter() as counter:
+        model(ids, cu).square().mean().backward()
+    return counter.counts, model.layers["0"].attention.wq.weight.grad
+
+
+def test_op_level_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest():
+    """Counted in one forward + backward: full AC runs every block's forward twice (matmuls and
+    norms alike); op-level keeps matmul outputs (no extra mm) and recomputes the elementwise ops."""
+    plain, g_plain = _ops_of_a_training_step("none")
+    full, g_full = _ops_of_a_training_step("full")
+    op_level, g_op = _ops_of_a_training_step("selective", "op")
+    assert full["aten.mm"] > plain["aten.mm"] and op_level["aten.mm"] == plain["aten.mm"], (plain, full, op_level)
+    assert op_level["aten.rsqrt"] > plain["aten.rsqrt"]  # the norms are recomputed
+    assert torch.equal(g_plain, g_full) and torch.equal(g_plain, g_op)
+
+
 def test_qwen_plan_shards_blocks_and_root(one_rank_group):
     assert get_model_spec("qwen3").parallelize is parallelize_qwen
     model = build_model(CONFIG, device="meta")
@@ -70,8 +103,71 @@ def test_qwen_plan_shards_blocks_and_root(one_rank_group):
     units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     assert units == ["", "layers.0", "layers.1"]
     assert model.output.weight is model.tok_embeddings.weight  # tied: one parameter, sharded once
-    with pytest.raises(NotImplementedError, match="only data parallelism"):
-        parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(ParallelSizes(tp=2)))
+    with pytest.raises(NotImplementedError, match="ep > 1 is not implemented for Qwen"):
+        parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(ParallelSizes(dp=2, ep=2)))
+
+
+def test_coords_lay_ranks_out_pp_dp_cp_tp():
+    sizes = ParallelSizes(dp=2, tp=2)
+    assert [sizes.coords(r) for r in (0, 1, 2)] == [
+        {"pp": 0, "dp": 0, "cp": 0, "tp": 0}, {"pp": 0, "dp": 0, "cp": 0, "tp": 1}, {"pp": 0, "dp": 1, "cp": 0, "tp": 0}]
+    assert [ParallelSizes(dp=2, pp=2).dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [ParallelSizes(dp=2, cp=2).dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert ParallelSizes(dp=1, pp=2, tp=2).coords(3) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
+        sizes.coords(4)
+    assert ParallelDims.for_world(8, tp=2, pp=2).sizes == ParallelSizes(dp=2, tp=2, pp=2)
+    with pytest.raises(ConfigError, match=r"tp \* pp \* cp = 3 \* 1 \* 1 must divide the trainer's world size 4"):
+        ParallelDims.for_world(4, tp=3)
+
+
+LAYOUTS = {"d2t2": {"tp": 2}, "d2c2": {"cp": 2}, "p2t2": {"pp": 2, "tp": 2}, "d2p2": {"pp": 2},
+           "hsdp2x2": {"dp_replicate": 2}}
+
+
+def _layout_worker(rank: int, world_size: int) -> dict[str, dict]:
+    out = {}
+    for name, kwargs in LAYOUTS.items():
+        dims = ParallelDims.for_world(world_size, **kwargs)
+        mesh = dims.build_mesh("cpu")
+        sub = {"tp": dims.tp_mesh(mesh), "cp": dims.cp_mesh(mesh), "pp": dims.pp_mesh(mesh)}
+        group = dims.dp_group(mesh)
+        out[name] = {
+            "coords": dims.sizes.coords(rank),
+            "dp_ranks": None if group is None else dist.get_process_group_ranks(group),
+            "fsdp_ranks": sorted(dist.get_process_group_ranks(dims.fsdp_mesh(mesh).get_group()))
+            if dims.fsdp_mesh(mesh).ndim == 1 else dims.fsdp_mesh(mesh).mesh.flatten().tolist(),
+            **{f"{k}_ranks": None if m is None else dist.get_process_group_ranks(m.get_group()) for k, m in sub.items()},
+            "describe": dims.describe(),
+        }
+    return out
+
+
+def _peers(sizes: ParallelSizes, rank: int, vary: str) -> list[int]:
+    """Global ranks whose coords equal `rank`'s except along `vary` (from coords alone)."""
+    mine = sizes.coords(rank)
+    return [r for r in range(sizes.world_size)
+            if all(v == mine[k] for k, v in sizes.coords(r).items() if k != vary)]
+
+
+def test_meshes_agree_with_coords_at_world_4():
+    """Every submesh groups exactly the ranks that `ParallelSizes.coords` (the controller's
+    dispatch) says differ only along that dim: shards reach the right ranks."""
+    results = run_distributed(_layout_worker, 4)
+    for name, kwargs in LAYOUTS.items():
+        sizes = ParallelDims.for_world(4, **kwargs).sizes
+        for rank, per_layout in enumerate(results):
+            got = per_layout[name]
+            assert got["coords"] == sizes.coords(rank)
+            if sizes.dp < 4:
+                assert sorted(got["dp_ranks"]) == _peers(sizes, rank, "dp"), (name, rank, got)
+            for dim in ("tp", "cp", "pp"):
+                want = _peers(sizes, rank, dim) if getattr(sizes, dim) > 1 else None
+                assert (got[f"{dim}_ranks"] and sorted(got[f"{dim}_ranks"])) == want, (name, dim, rank, got)
+    d2c2 = results[0]["d2c2"]
+    assert d2c2["fsdp_ranks"] == [0, 1, 2, 3]  # dp_shard x cp flattened: CP ranks share the shards
+    assert results[0]["d2t2"]["describe"] == "pp=1 dp_shard=2 dp_replicate=1 tp=2 cp=1"
+    assert results[0]["hsdp2x2"]["dp_ranks"] is None
 
 
 def _hsdp_worker(rank: int, world_size: int, path: str) -> list[float]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.fleet.run_file import ControllerClient, ControllerFile, read_controller_file
 from tests.inference.server_utils import ServerProcess
 from tests.launch.procs import cmdline, descendants
 from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
@@ -108,3 +109,57 @@ def test_kill_join_and_replace_in_a_running_job(tmp_path, model_dir):
     joiner.stop()
     assert not (run / "controller.json").exists()
 
+
+PHASES = {  # fault injection on the victim's routes (the run's servers start with TANDEM_FAULT_INJECTION=1)
+    "announce": ("distributed", {"route": "update_weights_from_distributed", "action": "kill", "nth": 2}),
+    "broadcast": ("distributed", {"route": "update_weights_from_distributed", "action": "kill", "nth": 2,
+                                  "after_tensors": 1}),
+    "staged-before-commit": ("distributed", {"route": "commit_staged_weights", "action": "kill", "nth": 2}),
+    "disk": ("disk", {"route": "update_weights_from_disk", "action": "kill", "nth": 2}),
+}
+
+
+def _wait_for_controller(run: Path, proc: subprocess.Popen, timeout: float = 120) -> ControllerFile:
+    deadline = time.monotonic() + timeout
+    while not (run / "controller.json").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "controller.json never appeared"
+        time.sleep(0.05)
+    return read_controller_file(run)
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_server_killed_in_an_update_phase_leaves_the_run_going(tmp_path, model_dir, phase):
+    """A launched server SIGKILLs itself in one phase of its second weight update (fault
+    injection, set as soon as the controller is up, before the first update): that update
+    completes on the other server, the next ones go to it alone, and the run finishes every step
+    with nothing lost."""
+    sync, fault = PHASES[phase]
+    steps = 8
+    cfg = write_config(tmp_path, model_dir, train={"total_steps": steps, "weight_sync": sync, "verify_weights": True})
+    env = {**os.environ, "TANDEM_FAULT_INJECTION": "1"}
+    proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    run = run_dir(tmp_path)
+    try:
+        info = _wait_for_controller(run, proc)
+        victim = ControllerClient(info).members()["servers"][1]["address"]
+        request = urllib.request.Request(victim + "/_fault", data=json.dumps(fault).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {info.api_key}",
+                                                  "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 200
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-4000:]
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["rollout/lost_total"] == 0 for r in rows)
+    servers = [int(r["sync/servers"]) for r in rows]
+    assert servers[0] == 2 and servers[-1] == 1 and servers == sorted(servers, reverse=True), servers
+    assert rows[-1]["fleet/evicted_total"] == 1 and rows[-1]["fleet/healthy"] == 1
+    assert rows[-1]["fleet/generation"] == rows[0]["fleet/generation"] + 1  # one membership change: the eviction
+    if phase in ("announce", "broadcast"):
+        assert max(r["sync/attempts"] for r in rows) == 2  # the broadcast went again without the dead server

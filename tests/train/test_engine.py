@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -80,6 +81,36 @@ def test_activation_checkpointing_modes_match(tiny_dir, reference):
     _assert_same_run(reference, _run(tiny_dir, parallelize=full), "AC full")
     selective = ParallelizeConfig(activation_checkpoint="selective", ac_every=2)
     _assert_same_run(reference, _run(tiny_dir, parallelize=selective), "AC sel/2")
+    op_level = ParallelizeConfig(activation_checkpoint="selective", ac_selective="op")
+    _assert_same_run(reference, _run(tiny_dir, parallelize=op_level), "AC sel/op")
+
+
+@pytest.mark.slow
+def test_memory_budget_checkpointing_through_compile(tiny_dir, reference, monkeypatch):
+    import torch._functorch.config as functorch_config
+
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    budget = ParallelizeConfig(activation_checkpoint="memory_budget", ac_memory_budget=0.25, compile=True)
+    _assert_same_run(reference, _run(tiny_dir, parallelize=budget), "AC memory budget 0.25 (compiled)")
+    assert functorch_config.activation_memory_budget == 0.25
+    with pytest.raises(ConfigError, match=r"parallelize.activation_checkpoint=memory_budget works through "
+                                          r"torch.compile's partitioner: set parallelize.compile=true"):
+        TrainEngine(engine_config(str(tiny_dir), parallelize=ParallelizeConfig(activation_checkpoint="memory_budget")))
+
+
+def test_offload_is_refused_on_a_cpu_run_with_the_reason(tiny_dir):
+    with pytest.raises(ConfigError, match=r"parallelize.offload_params=true needs an accelerator"):
+        TrainEngine(engine_config(str(tiny_dir), parallelize=ParallelizeConfig(offload_params=True)))
+
+
+def test_deterministic_mode_sets_the_environment(tiny_dir, monkeypatch):
+    for key in ("NCCL_ALGO", "TORCH_COMPILE_DETERMINISTIC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a user's own value is kept
+    TrainEngine(engine_config(str(tiny_dir), deterministic=True)).close()
+    assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["TORCH_COMPILE_DETERMINISTIC"] == "1"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_deterministic_mode_is_bit_identical(tiny_dir):

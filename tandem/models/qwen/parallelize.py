@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tandem.config.alloc import TRAINER_DIMS_PENDING
 from tandem.parallel import (
     ParallelDims,
     ParallelizeConfig,
@@ -43,16 +44,17 @@ def parallelize_qwen(
     which has the model's `layers`), with the stage as `model` and `root`.
     """
     config = config or ParallelizeConfig()
-    sizes = parallel_dims.sizes
-    if sizes.tp > 1 or sizes.cp > 1 or sizes.ep > 1:
-        raise NotImplementedError(f"only data and pipeline parallelism are implemented; got {sizes}")
+    pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
+    if pending:
+        raise NotImplementedError(f"{', '.join(pending)} > 1 is not implemented for Qwen yet; got {parallel_dims.sizes}")
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
     blocks = model.layers
-    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every)
+    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
+                                   config.ac_memory_budget)
     if config.compile:
         apply_compile(blocks)
     apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
-               param_dtype=param_dtype, reduce_dtype=reduce_dtype, pipelined=sizes.pp > 1)
+               param_dtype=param_dtype, reduce_dtype=reduce_dtype, pipelined=parallel_dims.sizes.pp > 1)
     return model
