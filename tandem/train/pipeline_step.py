@@ -61,6 +61,7 @@ class PipelineRunner:
     act_dtype: torch.dtype
     tied_group: dist.ProcessGroup | None
     pp_microbatches: int | None = None
+    export_plan: list | None = None
 
     @classmethod
     def build(cls, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: ParallelizeConfig,
@@ -185,6 +186,27 @@ class PipelineRunner:
         dist.broadcast(both, src=self._last_rank(), group=self.group)
         sizes = stacked.sizes[:, 0].tolist()
         return [(both[0, i, :n], both[1, i, :n]) for i, n in enumerate(sizes)]
+
+    # ------------------------------------------------------------------------ export
+
+    def export_buckets(self, mesh: DeviceMesh, bucket_bytes: int, dtype: torch.dtype | None, alloc=None,
+                       dst: int | None = None):
+        """Full HF tensors of the whole model in buckets (see `tandem.train.pipeline_export`). Collective."""
+        from tandem.train.pipeline_export import iter_pipeline_buckets
+
+        return iter_pipeline_buckets(self.model, self._plan(), mesh, bucket_bytes, dtype, alloc, dst)
+
+    def export_nbytes(self, dtype: torch.dtype | None) -> int:
+        from tandem.train.pipeline_export import plan_nbytes
+
+        return plan_nbytes(self._plan(), dtype)
+
+    def _plan(self):
+        from tandem.train.pipeline_export import export_plan
+
+        if self.export_plan is None:
+            self.export_plan = export_plan(self.model, self.layout)
+        return self.export_plan
 
     # ------------------------------------------------------------------- before a step
 

@@ -1,0 +1,102 @@
+"""Worker bodies and models of the pipeline-parallel engine tests (module level, so spawn can
+import them)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tandem.parallel import ParallelizeConfig
+from tandem.train import MicroBatchConfig, TrainEngine
+from tests.train.dist_workers import SCHEDULE
+from tests.train.helpers import engine_config, full_params, make_batch, train_steps
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SHORT = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
+EXPORT_BYTES = 40_000
+
+
+def make_model(out_dir: Path, tied: bool, n_layers: int = 4) -> Path:
+    """A tiny qwen3 with `n_layers` layers (tied or untied embeddings) as an HF directory."""
+    from tandem.models import build_model, save_model
+    from tandem.models.tiny.presets import hf_config_for
+    from tandem.models.tiny.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
+
+    tokenizer = build_tokenizer(vocab_size=512)
+    config = hf_config_for("qwen3", "tiny", special_token_ids(tokenizer))
+    config.update(num_hidden_layers=n_layers, tie_word_embeddings=tied)
+    model = build_model(config, dtype=torch.float32, device="cpu")
+    model.init_weights(0)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        save_tokenizer(tokenizer, tok_dir)
+        save_model(model, out_dir, tokenizer_dir=tok_dir)
+    return out_dir
+
+
+def n_mbs(schedule: str) -> int:
+    """Micro-batches per step at pp=2: one per stage (the d1 reference uses the same plan, so
+    both sum the same micro-batches' gradients)."""
+    return 2 if SHORT.get(schedule, schedule) == "1F1B" else 4
+
+
+def pp_engine(path: str, schedule: str, pp: int = 2, **overrides) -> TrainEngine:
+    parallelize = ParallelizeConfig(pp_schedule=schedule, **overrides.pop("parallelize", {}))
+    mb = MicroBatchConfig(n_mbs=n_mbs(schedule))
+    return TrainEngine(engine_config(path, mb=mb, pp=pp, parallelize=parallelize, **SCHEDULE, **overrides))
+
+
+def run_case(engine: TrainEngine, batch, steps: int = 3) -> dict:
+    """Train `steps` steps, then every full tensor (to all ranks and to rank 0 only) and the logprobs."""
+    res = {"stats": train_steps(engine, batch, steps), "params": full_params(engine)}
+    res["export_rank0"] = [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES, torch.float32,
+                                                                                          dst=0)]
+    res["logprobs"] = engine.forward_logprobs(batch).logprobs
+    res["nbytes"] = engine.export_nbytes(torch.float32)
+    return res
+
+
+def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir: str) -> dict:
+    """Every schedule at pp=2 (world 2) on the untied model, then the tied model under 1F1B (first
+    and last stage on different ranks) and ZBV (both on rank 0), a save_hf and a resume."""
+    out = Path(out_dir)
+    batch = make_batch(512)
+    res: dict = {}
+    for schedule in SCHEDULES:
+        engine = pp_engine(untied, schedule)
+        res[schedule] = run_case(engine, batch)
+        if schedule == "1F1B":
+            engine.save_hf(out / "hf")
+        engine.close()
+    for schedule in ("1F1B", "ZBV"):
+        engine = pp_engine(tied, schedule)
+        res[f"tied-{schedule}"] = run_case(engine, batch)
+        engine.close()
+    engine = pp_engine(untied, "I1F1B")
+    res["resume-before"] = train_steps(engine, batch, 2)
+    engine.save_state(out / "state")
+    res["resume-uninterrupted"] = train_steps(engine, batch, 1)[0]
+    engine.close()
+    engine = pp_engine(untied, "I1F1B")
+    engine.load_state(out / "state")
+    res["resume-resumed"] = train_steps(engine, batch, 1)[0]
+    engine.close()
+    return res
+
+
+def pipeline_dp_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
+    """pp=2 x dp=2 (FSDP per stage) at world 4: the controller's split of the batch by DP rank."""
+    from tandem.config.parallel_sizes import ParallelSizes
+    from tests.train.dist_workers import split
+
+    dp_rank = ParallelSizes(dp=2, pp=2).dp_rank(rank)
+    local = make_batch(512).select(split(2)[dp_rank])
+    res = {}
+    for name, path, schedule in (("untied", untied, "Interleaved1F1B"), ("tied", tied, "1F1B")):
+        engine = pp_engine(path, schedule)
+        res[name] = {"stats": train_steps(engine, local, 3), "params": full_params(engine)}
+        res[name]["logprobs"] = engine.forward_logprobs(local).logprobs
+        engine.close()
+    res["split"] = split(2)[dp_rank]
+    return res
