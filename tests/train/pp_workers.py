@@ -10,12 +10,13 @@ import torch
 
 from tandem.parallel import ParallelizeConfig
 from tandem.train import MicroBatchConfig, TrainEngine
-from tests.train.dist_workers import SCHEDULE
+from tests.train.dist_workers import SCHEDULE, split
 from tests.train.helpers import engine_config, full_params, make_batch, train_steps
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 SHORT = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
 EXPORT_BYTES = 40_000
+DP_CASES = (("untied", "1F1B"), ("tied", "ZBV"))  # pp=2 x dp=2 cases: (model, schedule)
 
 
 def make_model(out_dir: Path, tied: bool, n_layers: int = 4) -> Path:
@@ -73,6 +74,14 @@ def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir:
         engine = pp_engine(tied, schedule)
         res[f"tied-{schedule}"] = run_case(engine, batch)
         engine.close()
+    # The data-parallel reference of `pipeline_dp_checks` (same DP split, same micro-batch plans).
+    for name, schedule in DP_CASES:
+        path = untied if name == "untied" else tied
+        local = batch.select(split(2)[rank])
+        engine = TrainEngine(engine_config(path, mb=MicroBatchConfig(n_mbs=n_mbs(schedule)), **SCHEDULE))
+        res[f"d2-{name}"] = {"stats": train_steps(engine, local, 3), "params": full_params(engine)}
+        res[f"d2-{name}"]["logprobs"] = engine.forward_logprobs(local).logprobs
+        engine.close()
     engine = pp_engine(untied, "I1F1B")
     res["resume-before"] = train_steps(engine, batch, 2)
     engine.save_state(out / "state")
@@ -86,14 +95,16 @@ def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir:
 
 
 def pipeline_dp_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
-    """pp=2 x dp=2 (FSDP per stage) at world 4: the controller's split of the batch by DP rank."""
+    """pp=2 x dp=2 (FSDP per stage) at world 4, each DP rank with its share of the batch (the
+    controller's split), untied under 1F1B and tied under ZBV (rank 0 of each pp group holds
+    both copies of the tied weight, each stage its own FSDP unit)."""
     from tandem.config.parallel_sizes import ParallelSizes
-    from tests.train.dist_workers import split
 
     dp_rank = ParallelSizes(dp=2, pp=2).dp_rank(rank)
     local = make_batch(512).select(split(2)[dp_rank])
     res = {}
-    for name, path, schedule in (("untied", untied, "Interleaved1F1B"), ("tied", tied, "1F1B")):
+    for name, schedule in DP_CASES:
+        path = untied if name == "untied" else tied
         engine = pp_engine(path, schedule)
         res[name] = {"stats": train_steps(engine, local, 3), "params": full_params(engine)}
         res[name]["logprobs"] = engine.forward_logprobs(local).logprobs

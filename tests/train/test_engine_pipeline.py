@@ -13,6 +13,7 @@ from tests.distributed import run_distributed
 from tests.train.dist_workers import SCHEDULE
 from tests.train.helpers import engine_config, full_params, make_batch, max_param_diff, rel_diff, train_steps
 from tests.train.pp_workers import (
+    DP_CASES,
     EXPORT_BYTES,
     SCHEDULES,
     make_model,
@@ -44,7 +45,7 @@ def _reference(path: str, n_mbs: int) -> dict:
 @pytest.fixture(scope="module")
 def world1(models):
     untied, tied = models
-    return {(name, n): _reference(path, n) for name, path in (("untied", untied), ("tied", tied)) for n in (2, 4)}
+    return {(name, n): _reference(path, n) for name, path in (("untied", untied), ("tied", tied)) for n in (2, 4, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +110,13 @@ def test_resume_equals_uninterrupted(world2):
         assert r["resume-resumed"]["grad_norm"] == r["resume-uninterrupted"]["grad_norm"]
 
 
-def test_pp2_dp2_matches_d1(models, world1):
+def test_pp2_dp2_matches_dp2(models, world1, world2):
+    """Losses and grad norms against d1; weights and logprobs against d2 on the same DP split
+    (splitting the batch over DP ranks changes float sums, which AdamW's normalisation magnifies
+    in near-zero gradients: d2 itself differs from d1 by ~1e-4 in the untied head's weights)."""
     ranks = run_distributed(pipeline_dp_checks, 4, args=models, timeout=600)
     for rank, r in enumerate(ranks):
-        for name in ("untied", "tied"):
-            case = dict(r[name])
-            ref = world1[name, 2]
-            case["logprobs"] = [ref["logprobs"][i] * 0 + lp for i, lp in zip(r["split"], case["logprobs"], strict=True)]
-            ref = dict(ref, logprobs=[ref["logprobs"][i] for i in r["split"]])
-            _compare(case, ref, f"p2d2 {name} rank {rank}")
+        for name, schedule in DP_CASES:
+            d2 = world2[0][rank % 2][f"d2-{name}"]
+            ref = dict(world1[name, 2], params=d2["params"], logprobs=d2["logprobs"])
+            _compare(r[name], ref, f"p2d2 {name} {schedule} rank {rank} (weights, logprobs: vs d2)")
