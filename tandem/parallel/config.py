@@ -64,3 +64,35 @@ class ParallelizeConfig:
                 f"{prefix}offload_params=true needs an accelerator: FSDP2 offload keeps parameters in host "
                 "memory and copies them to the device per block, and on a CPU run they are in host memory "
                 f"already; set {prefix}offload_params=false")
+
+    def check_pipeline(self, prefix: str = "") -> None:
+        """The pipeline options, when the layout has pp > 1 (see `check_pipeline_options`)."""
+        check_pipeline_options(self.pp_schedule, self.pp_stages_per_rank, prefix)
+
+
+def normalize_schedule(name: str, prefix: str = "actor.parallelize.") -> str:
+    """The full schedule name for `name` (a full name or AReaL's short one, any case)."""
+    by_lower = {n.lower(): n for n in SCHEDULES} | {k.lower(): v for k, v in SHORT_NAMES.items()}
+    if name.lower() not in by_lower:
+        raise ConfigError(f"{prefix}pp_schedule={name!r} is unknown; choose one of {', '.join(PP_SCHEDULE_CHOICES)}")
+    return by_lower[name.lower()]
+
+
+def check_pipeline_options(schedule: str, stages_per_rank: int | None,
+                           prefix: str = "actor.parallelize.") -> tuple[str, int]:
+    """(full schedule name, stages per rank): 1 for 1F1B, at least 2 for the interleaved
+    schedules, exactly 2 for ZBVZeroBubble (default 2 for those). Raises `ConfigError` naming the key."""
+    name = normalize_schedule(schedule, prefix)
+    key = f"{prefix}pp_stages_per_rank"
+    if stages_per_rank is None:
+        return name, 1 if name == "1F1B" else 2
+    if name == "1F1B" and stages_per_rank != 1:
+        raise ConfigError(f"{key}={stages_per_rank}: 1F1B runs one stage per rank; set it to 1 (or leave it "
+                          f"unset), or set {prefix}pp_schedule to Interleaved1F1B or InterleavedZeroBubble")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and stages_per_rank < 2:
+        raise ConfigError(f"{key}={stages_per_rank}: {name} needs at least 2 stages per rank; raise it, or set "
+                          f"{prefix}pp_schedule to 1F1B")
+    if name == "ZBVZeroBubble" and stages_per_rank != 2:
+        raise ConfigError(f"{key}={stages_per_rank}: ZBVZeroBubble runs exactly 2 stages per rank (a V); set it "
+                          "to 2 or leave it unset")
+    return name, stages_per_rank

@@ -24,18 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.errors import ConfigError
-from tandem.parallel.config import PP_SCHEDULE_CHOICES, SCHEDULES, SHORT_NAMES
+from tandem.parallel.config import check_pipeline_options
 
 log = logging.getLogger(__name__)
-
-
-def normalize_schedule(name: str) -> str:
-    """The full schedule name for `name` (a full name or AReaL's short one, any case)."""
-    by_lower = {n.lower(): n for n in SCHEDULES} | {k.lower(): v for k, v in SHORT_NAMES.items()}
-    if name.lower() not in by_lower:
-        raise ConfigError(f"actor.parallelize.pp_schedule={name!r} is unknown; choose one of "
-                          f"{', '.join(PP_SCHEDULE_CHOICES)}")
-    return by_lower[name.lower()]
 
 
 @dataclass(frozen=True)
@@ -88,22 +79,11 @@ class PipelineLayout:
 
 def resolve_layout(schedule: str, pp: int, stages_per_rank: int | None, n_layers: int) -> PipelineLayout:
     """Check the pipeline options against `pp` and the model depth; raises `ConfigError` naming the key."""
-    name = normalize_schedule(schedule)
-    if stages_per_rank is None:
-        stages_per_rank = 1 if name == "1F1B" else 2
-    if name == "1F1B" and stages_per_rank != 1:
-        raise ConfigError(f"actor.parallelize.pp_stages_per_rank={stages_per_rank}: 1F1B runs one stage per rank; "
-                          "set it to 1 (or leave it unset), or use Interleaved1F1B / InterleavedZeroBubble")
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and stages_per_rank < 2:
-        raise ConfigError(f"actor.parallelize.pp_stages_per_rank={stages_per_rank}: {name} needs at least 2 "
-                          "stages per rank; raise it, or use 1F1B")
-    if name == "ZBVZeroBubble" and stages_per_rank != 2:
-        raise ConfigError(f"actor.parallelize.pp_stages_per_rank={stages_per_rank}: ZBVZeroBubble runs exactly "
-                          "2 stages per rank (a V); set it to 2 or leave it unset")
-    layout = PipelineLayout(name, pp, stages_per_rank, n_layers)
+    name, per_rank = check_pipeline_options(schedule, stages_per_rank)
+    layout = PipelineLayout(name, pp, per_rank, n_layers)
     if n_layers < layout.n_stages:
         raise ConfigError(f"the model has {n_layers} layers, fewer than the {layout.n_stages} pipeline stages "
-                          f"(pp={pp} x actor.parallelize.pp_stages_per_rank={stages_per_rank}); lower either")
+                          f"(pp={pp} x actor.parallelize.pp_stages_per_rank={per_rank}); lower either")
     return layout
 
 

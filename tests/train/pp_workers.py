@@ -28,6 +28,8 @@ def make_model(out_dir: Path, tied: bool, n_layers: int = 4) -> Path:
     tokenizer = build_tokenizer(vocab_size=512)
     config = hf_config_for("qwen3", "tiny", special_token_ids(tokenizer))
     config.update(num_hidden_layers=n_layers, tie_word_embeddings=tied)
+    if "layer_types" in config:  # one per layer (transformers checks)
+        config["layer_types"] = [config["layer_types"][0]] * n_layers
     model = build_model(config, dtype=torch.float32, device="cpu")
     model.init_weights(0)
     with tempfile.TemporaryDirectory() as tok_dir:
