@@ -66,8 +66,14 @@ class ParallelizeConfig:
                 f"already; set {prefix}offload_params=false")
 
     def check_pipeline(self, prefix: str = "") -> None:
-        """The pipeline options, when the layout has pp > 1 (see `check_pipeline_options`)."""
-        check_pipeline_options(self.pp_schedule, self.pp_stages_per_rank, prefix)
+        """The pipeline options, when the layout has pp > 1 (see `check_pipeline_options`). The
+        zero-bubble schedules split backward into input and weight gradients, which
+        torch.distributed.pipelining does not support for compiled blocks."""
+        name, _ = check_pipeline_options(self.pp_schedule, self.pp_stages_per_rank, prefix)
+        if self.compile and name in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+            raise ConfigError(f"{prefix}pp_schedule={self.pp_schedule!r} splits backward into input and weight "
+                              f"gradients, which does not work with compiled blocks: set {prefix}compile=false or "
+                              f"{prefix}pp_schedule to 1F1B or Interleaved1F1B")
 
 
 def normalize_schedule(name: str, prefix: str = "actor.parallelize.") -> str:

@@ -264,6 +264,12 @@ class TrainEngine:
         None (see `tandem.weights.source.WeightSource`)."""
         return local_parameters(self.model) if self.pipeline is None else None
 
+    def num_parameters(self) -> int:
+        """Elements of the whole model (every stage's under pipeline parallelism; tied weights once)."""
+        if self.pipeline is not None:
+            return self.pipeline.num_parameters()
+        return sum(p.numel() for p in self.model.parameters())
+
     def export_nbytes(self, dtype: torch.dtype | None) -> int:
         if self.pipeline is not None:
             return self.pipeline.export_nbytes(dtype or self.param_dtype)

@@ -71,6 +71,7 @@ class PipelineRunner:
         (the model family's `parallelize` with the stage as its own root). Collective."""
         from tandem.models.qwen.pipeline import split_qwen
 
+        config.check_pipeline("actor.parallelize.")
         pp_mesh = mesh["pp"]
         layout = resolve_layout(config.pp_schedule, pp_mesh.size(), config.pp_stages_per_rank, model.args.n_layers)
         pp_rank = pp_mesh.get_local_rank()
@@ -200,6 +201,9 @@ class PipelineRunner:
         from tandem.train.pipeline_export import plan_nbytes
 
         return plan_nbytes(self._plan(), dtype)
+
+    def num_parameters(self) -> int:
+        return sum(e.shape.numel() for e in self._plan())
 
     def _plan(self):
         from tandem.train.pipeline_export import export_plan

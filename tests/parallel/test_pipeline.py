@@ -32,6 +32,9 @@ def test_stages_per_rank_follow_the_schedule():
             check_pipeline_options(schedule, per_rank)
     with pytest.raises(ConfigError, match=r"actor\.parallelize\.pp_stages_per_rank=4: ZBVZeroBubble"):
         ParallelizeConfig(pp_schedule="ZBV", pp_stages_per_rank=4).check_pipeline("actor.parallelize.")
+    with pytest.raises(ConfigError, match="does not work with compiled blocks"):
+        ParallelizeConfig(pp_schedule="IZB", compile=True).check_pipeline()
+    ParallelizeConfig(pp_schedule="I1F1B", compile=True).check_pipeline()
     with pytest.raises(ConfigError, match="fewer than the 8 pipeline stages"):
         resolve_layout("I1F1B", 4, None, 6)
 

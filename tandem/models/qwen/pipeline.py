@@ -39,12 +39,14 @@ class QwenStage(nn.Module):
     def __init__(self, model: nn.Module, stage: int, layout: PipelineLayout, head: HeadFn):
         super().__init__()
         self.stage, self.is_first, self.is_last = stage, stage == 0, stage == layout.n_stages - 1
-        if self.is_first:
-            self.tok_embeddings = model.tok_embeddings
+        # None where another stage holds them: the model's attribute names, so a parallelize plan
+        # written for the whole model (e.g. tensor parallel) applies to a stage as it is.
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
         self.rope = model.rope
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layout.stage_layers(stage)})
-        if self.is_last:
-            self.norm, self.output = model.norm, model.output
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+        self.args = model.args
         self._head = head
         self.temperature = 1.0
 
