@@ -108,6 +108,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["qwen3", "qwen2"], default="qwen3")
     p.add_argument("--preset", choices=["tiny", "small", "medium"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
+    p.add_argument("--untied", action="store_true", help="a separate output head (default: tied to the embedding)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
     p.set_defaults(func=_cmd_init_model)
 
@@ -237,8 +239,17 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_init_model(args: argparse.Namespace) -> int:
     from tandem.models.tiny import init_model
 
-    out = init_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
-    print(f"wrote {args.arch} preset {args.preset!r} (seed {args.seed}) to {out}")
+    overrides: dict[str, int | bool] = {}
+    if args.layers is not None:
+        if args.layers < 1:
+            raise ConfigError(f"--layers must be at least 1, got {args.layers}")
+        overrides["num_hidden_layers"] = args.layers
+    if args.untied:
+        overrides["tie_word_embeddings"] = False
+    out = init_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, overwrite=args.overwrite,
+                     overrides=overrides)
+    shape = "".join(f", {k}={v}" for k, v in overrides.items())
+    print(f"wrote {args.arch} preset {args.preset!r} (seed {args.seed}{shape}) to {out}")
     return 0
 
 

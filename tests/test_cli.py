@@ -90,3 +90,20 @@ def test_train_without_arguments_prints_usage():
     assert "Traceback" not in proc.stderr
     assert "usage: tandem train CONFIG.yaml [key=value ...]" in proc.stderr
     assert "tandem show-config --keys" in proc.stderr and "docs/rl.md" in proc.stderr
+
+
+def test_init_model_with_fewer_layers_and_an_untied_head(tmp_path):
+    import json
+
+    out = tmp_path / "m"
+    proc = run("init-model", str(out), "--preset", "tiny", "--layers", "3", "--untied")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["tie_word_embeddings"] is False
+    from safetensors import safe_open
+
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names and "model.layers.2.mlp.up_proj.weight" in names
+    assert not any(n.startswith("model.layers.3.") for n in names)
+    assert_user_error(run("init-model", str(tmp_path / "z"), "--layers", "0"), "--layers must be at least 1, got 0")

@@ -42,39 +42,44 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def hf_config_for(arch: str, preset: str, special_ids: dict[str, int]) -> dict:
-    """A complete `config.json` dict, written by transformers' own config class for `arch`."""
+def hf_config_for(arch: str, preset: str, special_ids: dict[str, int], overrides: dict | None = None) -> dict:
+    """A complete `config.json` dict, written by transformers' own config class for `arch`;
+    `overrides` replaces preset values or defaults (e.g. `{"num_hidden_layers": 4,
+    "tie_word_embeddings": False}`)."""
     from transformers import Qwen2Config, Qwen3Config
 
     if arch not in ARCHES:
         raise ModelConfigError(f"arch {arch!r} is not supported; choose one of {', '.join(ARCHES)}")
-    sizes = asdict(get_preset(preset))
-    config_cls = Qwen3Config if arch == "qwen3" else Qwen2Config
-    config = config_cls(
-        **sizes,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        initializer_range=0.02,
+    values = {
+        **asdict(get_preset(preset)),
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
         # Qwen convention: no BOS is prepended; bos_token_id names the end-of-turn token.
-        bos_token_id=special_ids["eos_token_id"],
-        eos_token_id=special_ids["eos_token_id"],
-        pad_token_id=special_ids["pad_token_id"],
-    )
+        "bos_token_id": special_ids["eos_token_id"],
+        "eos_token_id": special_ids["eos_token_id"],
+        "pad_token_id": special_ids["pad_token_id"],
+        **(overrides or {}),
+    }
+    config_cls = Qwen3Config if arch == "qwen3" else Qwen2Config
+    config = config_cls(**values)
     # The diff against the class defaults, as `save_pretrained` writes it: real checkpoints look so.
     return config.to_diff_dict()
 
 
 def init_model(
-    out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0, overwrite: bool = False
+    out_dir: str | Path, arch: str = "qwen3", preset: str = "tiny", seed: int = 0, overwrite: bool = False,
+    overrides: dict | None = None,
 ) -> Path:
-    """Write a randomly initialised `arch` model of size `preset` with its tokenizer to `out_dir`."""
+    """Write a randomly initialised `arch` model of size `preset` with its tokenizer to `out_dir`;
+    `overrides`: config values to change (see `hf_config_for`)."""
     from tandem.models import build_model, save_model
     from tandem.models.tiny.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
     tokenizer = build_tokenizer(vocab_size=get_preset(preset).vocab_size)
-    hf_config = hf_config_for(arch, preset, special_token_ids(tokenizer))
+    hf_config = hf_config_for(arch, preset, special_token_ids(tokenizer), overrides)
     model = build_model(hf_config, dtype=torch.float32, device="cpu")
     model.init_weights(seed)
     with tempfile.TemporaryDirectory() as tok_dir:
