@@ -3,7 +3,6 @@ import them)."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,21 +20,10 @@ DP_CASES = (("untied", "1F1B"), ("tied", "ZBV"))  # pp=2 x dp=2 cases: (model, s
 
 def make_model(out_dir: Path, tied: bool, n_layers: int = 4) -> Path:
     """A tiny qwen3 with `n_layers` layers (tied or untied embeddings) as an HF directory."""
-    from tandem.models import build_model, save_model
-    from tandem.models.tiny.presets import hf_config_for
-    from tandem.models.tiny.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
+    from tandem.models.tiny import init_model
 
-    tokenizer = build_tokenizer(vocab_size=512)
-    config = hf_config_for("qwen3", "tiny", special_token_ids(tokenizer))
-    config.update(num_hidden_layers=n_layers, tie_word_embeddings=tied)
-    if "layer_types" in config:  # one per layer (transformers checks)
-        config["layer_types"] = [config["layer_types"][0]] * n_layers
-    model = build_model(config, dtype=torch.float32, device="cpu")
-    model.init_weights(0)
-    with tempfile.TemporaryDirectory() as tok_dir:
-        save_tokenizer(tokenizer, tok_dir)
-        save_model(model, out_dir, tokenizer_dir=tok_dir)
-    return out_dir
+    return init_model(out_dir, arch="qwen3", preset="tiny", seed=0,
+                      overrides={"num_hidden_layers": n_layers, "tie_word_embeddings": tied})
 
 
 def n_mbs(schedule: str) -> int:
