@@ -67,8 +67,9 @@ class PipelineRunner:
     def build(cls, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: ParallelizeConfig,
               device: torch.device, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
               chunk_size: int = 1024) -> PipelineRunner:
-        """Split `model` (meta, in place) into this rank's stages and parallelise each stage
-        (the model family's `parallelize` with the stage as its own root). Collective."""
+        """Split `model` (meta, in place) into this rank's stages and parallelise them (the model
+        family's `parallelize` with `stages`: model-wide steps on the rank's model, FSDP per stage).
+        Collective."""
         from tandem.models.qwen.pipeline import split_qwen
 
         config.check_pipeline("actor.parallelize.")
@@ -80,9 +81,8 @@ class PipelineRunner:
             return next_token_outputs(output, hidden, ids, cu, temperature, wanted, chunk_size)
 
         stages = split_qwen(model, layout, pp_rank, head)
-        for stage in stages:
-            model.spec.parallelize(stage, dims, mesh=mesh, config=config, root=stage,
-                                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model.spec.parallelize(model, dims, mesh=mesh, config=config, param_dtype=param_dtype,
+                               reduce_dtype=reduce_dtype, stages=stages)
         tied = None
         if model.args.tie_word_embeddings:
             tied = tied_weight_groups(mesh.mesh, mesh.mesh_dim_names.index("pp"),

@@ -33,6 +33,7 @@ def parallelize_qwen(
     root: nn.Module | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    stages: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Apply the layout of `parallel_dims` to `model` (on the meta device) in place; return it.
 
@@ -40,8 +41,10 @@ def parallelize_qwen(
     CPU). `root` is the module whose forward the trainer calls (e.g. a wrapper computing log-probs
     around `model`); FSDP's root unit goes there so that its forward hooks fire. Default: `model`.
     `param_dtype` / `reduce_dtype`: FSDP's compute and gradient-reduction dtypes.
-    Under pipeline parallelism it is called once per stage (`tandem.models.qwen.pipeline.QwenStage`,
-    which has the model's `layers`), with the stage as `model` and `root`.
+    `stages` (pipeline parallelism): `model` is one pipeline rank's part (`split_qwen`) and these
+    are its stage modules (`QwenStage`, each with its own `layers`); the model-wide steps (tensor
+    parallel) apply to `model`, then activation checkpointing, compile and FSDP to each stage, which
+    is its own FSDP root (`root` is not used).
     """
     config = config or ParallelizeConfig()
     pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
@@ -50,11 +53,13 @@ def parallelize_qwen(
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
-    blocks = model.layers
-    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
-                                   config.ac_memory_budget)
-    if config.compile:
-        apply_compile(blocks)
-    apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
-               param_dtype=param_dtype, reduce_dtype=reduce_dtype, pipelined=parallel_dims.sizes.pp > 1)
+    pipelined = stages is not None
+    for part, part_root in ((s, s) for s in stages) if pipelined else [(model, root or model)]:
+        blocks = part.layers
+        apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
+                                       config.ac_memory_budget)
+        if config.compile:
+            apply_compile(blocks)
+        apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype, pipelined=pipelined)
     return model

@@ -73,8 +73,10 @@ def split_qwen(model: nn.Module, layout: PipelineLayout, pp_rank: int, head: Hea
         del model.layers[key]
     has_first, has_last = 0 in stages, layout.n_stages - 1 in stages
     if has_last and model.args.tie_word_embeddings:
-        # Its own copy of the tied weight (filled from the embedding when loading).
+        # Its own copy of the tied weight (filled from the embedding when loading); `tie_weights`
+        # (called again by e.g. a tensor-parallel plan) must leave the copies apart.
         model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))
+        model.untied_copies = True
     if not has_first:
         model.tok_embeddings = None
     if not has_last:
