@@ -232,13 +232,25 @@ class PipelineRunner:
         """Tied gradients summed, then the global L2 norm over every stage and shard; gradients
         scaled down to `max_norm` when it is exceeded (and `max_norm > 0`). Returns the norm."""
         self.sync_tied()
-        counted = [p.grad for p in self.norm_parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True) if counted \
-            else torch.zeros((), device=self.device)
-        if isinstance(local, DTensor):
-            local = local.full_tensor()
-        total = all_reduce_norm(local.to(self.device, torch.float32), self.group)
-        params: Iterable[nn.Parameter] = [p for p in self.model.parameters() if p.grad is not None]
+        counted = _by_layout(self.norm_parameters())
+        norms = []
+        for group in counted.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(self.device, torch.float32))
+        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.device)
+        total = all_reduce_norm(local, self.group)
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+            for group in _by_layout(self.model.parameters()).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
         return total
+
+
+def _by_layout(params: Iterable[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
+    """Parameters with gradients grouped by their gradients' (mesh, placements): a DTensor norm
+    (and a foreach op) works within one layout; FSDP x TP mixes 2-D and 1-D meshes in one model."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    return groups
