@@ -30,7 +30,7 @@ MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
 )
 # Parallel dims the trainer parses but does not apply yet (each leaves this list when it is built).
-TRAINER_DIMS_PENDING = ("tp", "cp", "ep", "etp")
+TRAINER_DIMS_PENDING = ("cp", "ep", "etp")
 _SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size")  # JSON keys read from `sizes`
 
 

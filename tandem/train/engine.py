@@ -25,6 +25,7 @@ from tandem.config.fields import validate
 from tandem.models import build_model, read_hf_config
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.parallel import ParallelDims, fsdp_units
+from tandem.parallel.tensor_parallel import sum_partial_grads
 from tandem.train import checkpoint as ckpt
 from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
 from tandem.train.config import TrainEngineConfig, parse_dtype
@@ -210,6 +211,9 @@ class TrainEngine:
     def optimizer_step(self) -> dict[str, float]:
         """Clip to the global grad norm, step AdamW (skipped when the norm is not finite) and the
         LR schedule, clear the gradients. Returns grad_norm, lr (the one used), skipped."""
+        # Tensor parallelism: plain parameters that each TP rank saw only part of (Qwen3's q/k norms)
+        # hold partial gradients until summed over the TP group; nothing may read them before.
+        sum_partial_grads(self.model, getattr(self.model, "tensor_parallel", None))
         max_norm = self.config.optimizer.gradient_clipping
         if self.pipeline is not None:
             grad_norm = self.pipeline.clip_grad_norm(max_norm)  # also sums a tied weight's gradient copies

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
+from tandem.parallel.tensor_parallel import TensorParallelInfo
+
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels `[T]`, valid `[T]` bool): labels[t] = input_ids[t+1] where t is not a sequence end."""
@@ -25,8 +28,11 @@ def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tupl
 
 
 def _chunk_logprobs_entropy(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, temperature: float
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+    tp: TensorParallelInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if tp is not None:  # the head returns this rank's vocabulary slice: compute loss-parallel
+        return vocab_parallel_logprobs_entropy(head(hidden), labels, tp.vocab_range()[0], tp.group, temperature)
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -43,15 +49,18 @@ def chunked_logprobs_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    tp: TensorParallelInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 log p(labels) and entropy of softmax(head(hidden) / temperature), `[T]` each."""
+    """float32 log p(labels) and entropy of softmax(head(hidden) / temperature), `[T]` each.
+    With `tp`, `head` returns this TP rank's vocabulary slice of the logits (`tp.vocab_range()`)
+    and both are computed loss-parallel (collective over `tp.group`; no full-vocabulary logits)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     n = hidden.shape[0]
     recompute = torch.is_grad_enabled() and n > chunk_size
     outs = []
     for start in range(0, n, chunk_size):
-        args = (head, hidden[start : start + chunk_size], labels[start : start + chunk_size], temperature)
+        args = (head, hidden[start : start + chunk_size], labels[start : start + chunk_size], temperature, tp)
         if recompute:
             outs.append(checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False))
         else:
@@ -62,7 +71,9 @@ def chunked_logprobs_entropy(
 class LogprobModel(nn.Module):
     """Wraps a causal LM that has `hidden_states(ids, cu_seqlens)` and `logits_from_hidden(h)` and
     returns next-token log-probs and entropy. It is the FSDP root: the whole computation, output
-    head included, happens inside its forward, where FSDP has the root parameters gathered."""
+    head included, happens inside its forward, where FSDP has the root parameters gathered.
+    When the model carries a `tensor_parallel` (`TensorParallelInfo`, set by its TP plan), its
+    head is vocab-sharded and the log-probs are computed loss-parallel over the TP group."""
 
     def __init__(self, model: nn.Module, chunk_size: int = 1024):
         super().__init__()
@@ -78,12 +89,14 @@ class LogprobModel(nn.Module):
         head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step."""
         hidden = self.model.hidden_states(input_ids, cu_seqlens)
         return next_token_outputs(self.model.logits_from_hidden, hidden, input_ids, cu_seqlens, temperature,
-                                  wanted, self.chunk_size)
+                                  wanted, self.chunk_size,
+                                  getattr(self.model, "tensor_parallel", None))
 
 
 def next_token_outputs(
     head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, input_ids: torch.Tensor,
     cu_seqlens: torch.Tensor, temperature: float = 1.0, wanted: torch.Tensor | None = None, chunk_size: int = 1024,
+    tp: TensorParallelInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`[T]` next-token log-probs and entropy from final hidden states `[T, dim]` (0 at each
     sequence's last token, and outside `wanted` when given; see `LogprobModel.forward`). A
@@ -95,11 +108,11 @@ def next_token_outputs(
         empty = picked.numel() == 0
         if empty:  # still run the head on one row, so its parameters get a (zero) gradient
             picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
-        lp, ent = chunked_logprobs_entropy(head, hidden[picked], labels[picked], temperature, chunk_size)
+        lp, ent = chunked_logprobs_entropy(head, hidden[picked], labels[picked], temperature, chunk_size, tp)
         if empty:
             lp, ent = lp * 0, ent * 0
         zeros = lp.new_zeros(hidden.shape[0])
         return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
-    logprobs, entropy = chunked_logprobs_entropy(head, hidden, labels, temperature, chunk_size)
+    logprobs, entropy = chunked_logprobs_entropy(head, hidden, labels, temperature, chunk_size, tp)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)

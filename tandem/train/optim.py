@@ -96,15 +96,24 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     """Global L2 norm of all gradients (over every shard on every rank); scales them down to
     `max_norm` when it is exceeded and `max_norm > 0`. Returns the norm before clipping.
 
-    With FSDP the grads are DTensor shards: the per-shard norms combine into a partial DTensor
-    whose `full_tensor()` all-reduces the squares, so every rank gets the true global norm."""
+    With FSDP / tensor parallelism the grads are DTensors, possibly on different meshes and with
+    different placements in one model (FSDP `Shard` x TP `Shard` / `Replicate` on a 2-D mesh, a
+    plain FSDP-sharded norm on the 1-D data-parallel mesh, ...). They are grouped by (mesh,
+    placements); each group's norm is a DTensor whose `full_tensor()` all-reduces the squares over
+    the shards (and counts a replicated value once), so every rank gets the true global norm."""
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

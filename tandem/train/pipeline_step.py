@@ -77,8 +77,8 @@ class PipelineRunner:
         layout = resolve_layout(config.pp_schedule, pp_mesh.size(), config.pp_stages_per_rank, model.args.n_layers)
         pp_rank = pp_mesh.get_local_rank()
 
-        def head(output, hidden, ids, cu, temperature, wanted):
-            return next_token_outputs(output, hidden, ids, cu, temperature, wanted, chunk_size)
+        def head(output, hidden, ids, cu, temperature, wanted, tp=None):
+            return next_token_outputs(output, hidden, ids, cu, temperature, wanted, chunk_size, tp)
 
         stages = split_qwen(model, layout, pp_rank, head)
         model.spec.parallelize(model, dims, mesh=mesh, config=config, param_dtype=param_dtype,
@@ -121,7 +121,8 @@ class PipelineRunner:
         # Static shapes (no metadata exchange, no trial forward): activations that need gradients
         # are marked so, which is how the stage knows to receive / send their gradients.
         meta = torch.device("meta")
-        hidden = torch.empty((1, width, self.model.args.dim), dtype=self.act_dtype, device=meta, requires_grad=True)
+        rows = self.stages[0].local_rows(width)  # under TP: this rank's sequence shard
+        hidden = torch.empty((1, rows, self.model.args.dim), dtype=self.act_dtype, device=meta, requires_grad=True)
         out = []
         for module in self.stages:
             inputs = torch.empty((1, width), dtype=torch.long, device=meta) if module.is_first else hidden
@@ -175,8 +176,9 @@ class PipelineRunner:
         for stage in self.stages:
             stage.eval()
             stage.temperature = temperature
+        rows = self.stages[0].local_rows(stacked.width)
         outputs = forward_only(self.layout, self.stages, [s.stage for s in self.stages], stacked,
-                               (1, stacked.width, self.model.args.dim), self.act_dtype, self.group)
+                               (1, rows, self.model.args.dim), self.act_dtype, self.group)
         for unit in self.fsdp_units():  # stages keep their parameters gathered between micro-batches
             unit.reshard()
         both = torch.empty((2, len(stacked), stacked.width), dtype=torch.float32, device=self.device)

@@ -21,3 +21,10 @@ def _clean_process_state():
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(scope="session")
+def untied4_dir(tmp_path_factory):
+    """The `tiny-untied` preset: a 4-layer Qwen3 with a separate output head (parallel layouts)."""
+    return init_model(tmp_path_factory.mktemp("models") / "qwen3-tiny-untied", arch="qwen3", preset="tiny-untied",
+                      seed=0)

@@ -32,10 +32,13 @@ def n_mbs(schedule: str) -> int:
     return 2 if SHORT.get(schedule, schedule) == "1F1B" else 4
 
 
-def pp_engine(path: str, schedule: str, pp: int = 2, **overrides) -> TrainEngine:
+def pp_engine(path: str, schedule: str, pp: int = 2, lr_schedule: dict | None = None, **overrides) -> TrainEngine:
+    """An engine at pipeline size `pp` with `schedule`; `lr_schedule`: optimizer and step count
+    (default `dist_workers.SCHEDULE`)."""
     parallelize = ParallelizeConfig(pp_schedule=schedule, **overrides.pop("parallelize", {}))
     mb = MicroBatchConfig(n_mbs=n_mbs(schedule))
-    return TrainEngine(engine_config(path, mb=mb, pp=pp, parallelize=parallelize, **SCHEDULE, **overrides))
+    return TrainEngine(engine_config(path, mb=mb, pp=pp, parallelize=parallelize, **(lr_schedule or SCHEDULE),
+                                     **overrides))
 
 
 def run_case(engine: TrainEngine, batch, steps: int = 3) -> dict:
@@ -100,4 +103,20 @@ def pipeline_dp_checks(rank: int, world_size: int, untied: str, tied: str) -> di
         res[name]["logprobs"] = engine.forward_logprobs(local).logprobs
         engine.close()
     res["split"] = split(2)[dp_rank]
+    return res
+
+
+P2T2_CASES = (("untied", "1F1B"), ("untied", "I1F1B"), ("tied", "ZBV"))  # (model, schedule) at pp=2 x tp=2
+
+
+def p2t2_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
+    """pp=2 x tp=2 at world 4: each stage tensor-parallel (sequence-sharded activations between
+    the stages, loss-parallel head), tied weights under ZBV, export to rank 0."""
+    from tests.train.tp_workers import SCHEDULE as TP_SCHEDULE
+
+    res = {}
+    for name, schedule in P2T2_CASES:
+        engine = pp_engine(untied if name == "untied" else tied, schedule, tp=2, lr_schedule=TP_SCHEDULE)
+        res[name, schedule] = run_case(engine, make_batch(512))
+        engine.close()
     return res

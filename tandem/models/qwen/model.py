@@ -60,9 +60,11 @@ class Attention(nn.Module):
         attn: LayerAttention | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.wq(x).view(num_tokens, self.n_heads, self.head_dim)
-        k = self.wk(x).view(num_tokens, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(num_tokens, self.n_kv_heads, self.head_dim)
+        # Head counts from the projections' widths: under tensor parallelism each rank computes
+        # only its own heads (n_heads / tp and n_kv_heads / tp).
+        q = self.wq(x).view(num_tokens, -1, self.head_dim)
+        k = self.wk(x).view(num_tokens, -1, self.head_dim)
+        v = self.wv(x).view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
@@ -106,6 +108,10 @@ class QwenModel(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # Set by a tensor-parallel plan: the token stream is padded to a multiple of this (the
+        # sequence-parallel shards must be equal), and what the plan did (`TensorParallelInfo`).
+        self.token_multiple = 1
+        self.tensor_parallel = None
 
     @property
     def model_type(self) -> str:
@@ -137,16 +143,24 @@ class QwenModel(nn.Module):
         `attn` (inference) replaces packed causal attention in every layer; it is called with the
         layer's index, so pass `positions` too when the tokens do not start at position 0.
         """
+        num_tokens = input_ids.shape[0]
+        pad = -num_tokens % self.token_multiple
+        if pad:  # trailing padding tokens form their own "sequence"; dropped below
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            if positions is not None:
+                positions = torch.nn.functional.pad(positions, (0, pad))
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         h = self.tok_embeddings(input_ids)
         rope = self.rope(positions, h.dtype)
         for key, layer in self.layers.items():
             h = layer(h, rope, cu_seqlens, None if attn is None else partial(attn, int(key)))
-        return self.norm(h)
+        h = self.norm(h)
+        return h[:num_tokens] if pad else h
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """Apply the output head; callers may pass token chunks to bound logits memory."""
+        """Apply the output head; callers may pass token chunks to bound logits memory. Under
+        tensor parallelism: this rank's vocabulary slice of the logits (`tensor_parallel.vocab_range`)."""
         return self.output(h)
 
     def forward(

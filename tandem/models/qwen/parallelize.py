@@ -1,7 +1,8 @@
 """Parallelism plan for Qwen dense models.
 
 Order (fixed; each step assumes the previous ones):
-1. tensor parallel (later issue) — changes the shapes of the block's linear layers;
+1. tensor parallel (`tensor_plan`) — changes the shapes of the block's linear layers (and the
+   embedding, output head and norms outside the blocks);
 2. activation checkpointing — wraps each chosen block's forward in a recompute;
 3. per-block `torch.compile` — compiles the (checkpointed) block, so AC regions are traced too;
 4. FSDP2 — per block, then the root; it must be last, because it wraps whatever the block has
@@ -15,6 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.config.alloc import TRAINER_DIMS_PENDING
+from tandem.errors import ConfigError
+from tandem.models.qwen.tensor_plan import apply_tensor_parallel
 from tandem.parallel import (
     ParallelDims,
     ParallelizeConfig,
@@ -53,13 +56,28 @@ def parallelize_qwen(
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
+    tp_mesh = parallel_dims.tp_mesh(mesh)
+    if tp_mesh is not None and config.compile and config.activation_checkpoint != "none":
+        # Measured (torch 2.13, CPU): AOTAutograd fails saving a DeviceMesh for backward
+        # ("expected all tensors_saved_with_vc_check to be Tensors") in a compiled, checkpointed
+        # block with DTensor tensor parallelism. Each of the two works with TP on its own.
+        raise ConfigError(
+            "actor.parallelize.compile=true with actor.parallelize.activation_checkpoint="
+            f"{config.activation_checkpoint!r} is not supported with tensor parallelism (tp="
+            f"{tp_mesh.size()}): torch fails compiling checkpointed tensor-parallel blocks; set "
+            "activation_checkpoint: none or compile: false")
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)  # the whole model, or a pipeline rank's part of it
     pipelined = stages is not None
     for part, part_root in ((s, s) for s in stages) if pipelined else [(model, root or model)]:
         blocks = part.layers
         apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
                                        config.ac_memory_budget)
         if config.compile:
-            apply_compile(blocks)
+            # Under TP, `dynamic=True` (every dim symbolic) makes inductor fail compiling the backward
+            # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
+            # shapes compile static first, then mark only the dims that change (the token count).
+            apply_compile(blocks, dynamic=None if tp_mesh is not None else True)
         apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, pipelined=pipelined)
     return model

@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.common import positions_from_cu_seqlens
 from tandem.parallel.pipeline import PipelineLayout, pad_row, unpad_row
 
-# (output head, hidden [n, dim], input_ids [n], cu_seqlens, temperature, wanted [n] | None) -> (logprobs, entropy)
-HeadFn = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, float,
-                   torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+# (output head, hidden [n, dim], input_ids [n], cu_seqlens, temperature, wanted [n] | None, tensor-parallel
+# info | None) -> (logprobs, entropy)
+HeadFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class QwenStage(nn.Module):
@@ -49,18 +50,33 @@ class QwenStage(nn.Module):
         self.args = model.args
         self._head = head
         self.temperature = 1.0
+        object.__setattr__(self, "_owner", model)  # not a submodule: for what a TP plan sets on it
+
+    def local_rows(self, n_tokens: int) -> int:
+        """Rows of this rank's activation for `n_tokens` tokens: all of them, or under tensor
+        parallelism its sequence shard of the stream padded to a multiple of tp."""
+        multiple = getattr(self._owner, "token_multiple", 1)
+        return -(-n_tokens // multiple)
 
     def forward(self, x: torch.Tensor, *, tokens: torch.Tensor, cu_seqlens: torch.Tensor, sizes: torch.Tensor,
                 wanted: torch.Tensor | None = None):
         width = tokens.shape[1]
-        cu, (ids, hidden, want) = unpad_row(sizes, cu_seqlens, tokens, None if self.is_first else x, wanted)
-        h = self.tok_embeddings(ids) if self.is_first else hidden
-        rope = self.rope(positions_from_cu_seqlens(cu, ids.shape[0]), h.dtype)
+        cu, (ids, want) = unpad_row(sizes, cu_seqlens, tokens, wanted)
+        n = ids.shape[0]
+        rows = self.local_rows(n)
+        padded = rows * getattr(self._owner, "token_multiple", 1)  # as QwenModel.hidden_states pads
+        if self.is_first:
+            h = self.tok_embeddings(F.pad(ids, (0, padded - n)))
+        else:
+            h = x[0, :rows]
+        rope = self.rope(positions_from_cu_seqlens(cu, padded), h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, cu)
         if not self.is_last:
-            return pad_row(h, width)
-        logprobs, entropy = self._head(self.output, self.norm(h), ids, cu, self.temperature, want)
+            return pad_row(h, self.local_rows(width))
+        hidden = self.norm(h)[:n]
+        tp = getattr(self._owner, "tensor_parallel", None)
+        logprobs, entropy = self._head(self.output, hidden, ids, cu, self.temperature, want, tp)
         return pad_row(logprobs, width), pad_row(entropy, width)
 
 

@@ -25,11 +25,15 @@ class Preset:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
+    tie_word_embeddings: bool = True
 
 
-# Parameter counts (tied embeddings, qwen3): tiny ~107k, small ~2.9M, medium ~23M.
+# Parameter counts (tied embeddings, qwen3): tiny ~107k, small ~2.9M, medium ~23M. `tiny-untied`:
+# 4 layers and a separate output head, the model the parallel layouts are checked on (every size
+# a multiple of 2 and 4: heads split over tensor-parallel ranks, layers over pipeline stages).
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(512, 64, 2, 4, 2, 16, 128),
+    "tiny-untied": Preset(512, 64, 4, 4, 2, 16, 128, tie_word_embeddings=False),
     "small": Preset(2048, 256, 4, 4, 2, 64, 512),
     "medium": Preset(8192, 512, 6, 8, 4, 64, 1536),
 }
@@ -55,7 +59,6 @@ def hf_config_for(arch: str, preset: str, special_ids: dict[str, int], overrides
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
         "initializer_range": 0.02,
         # Qwen convention: no BOS is prepended; bos_token_id names the end-of-turn token.
         "bos_token_id": special_ids["eos_token_id"],

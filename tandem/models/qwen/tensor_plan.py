@@ -1,0 +1,110 @@
+"""Tensor-parallel plan of the Qwen dense models (DTensor `parallelize_module`).
+
+Activations are flat `[T, dim]` (packed sequences, no batch dim), so the sequence dim is dim 0.
+Per block (Megatron layout with sequence parallelism):
+- `attention_norm`, `ffn_norm`: sequence parallel, each rank normalises its `T / tp` tokens
+  (weights replicated DTensors); the residual stream between them stays sequence-sharded;
+- the attention / feed-forward input is all-gathered to all `T` tokens, `wq wk wv` and `w1 w3`
+  (gate, up) are column-parallel (each rank computes its `n_heads / tp` query heads,
+  `n_kv_heads / tp` key/value heads, `intermediate / tp` hidden units), `wo` and `w2` row-parallel
+  with their outputs reduce-scattered back onto the sequence shards;
+- Qwen3's `q_norm` / `k_norm` (per head, shared by all heads) stay plain replicated tensors that
+  see only the rank's heads, so their gradients are partial: they are listed in
+  `TensorParallelInfo.partial_grad_params` and summed over the TP group by the trainer
+  (`tandem.parallel.tensor_parallel.sum_partial_grads`).
+Outside the blocks:
+- `tok_embeddings`: row-parallel (vocab-sharded table, a masked lookup, then a reduce-scatter onto
+  the sequence shards): it keeps `vocab / tp` rows per rank instead of the whole table, and it has
+  the output head's layout, so tied embeddings stay one (vocab-sharded) parameter;
+- `norm` (final): its input is gathered to all `T` tokens and it runs replicated (a plain weight
+  whose gradient every rank computes whole), so the hidden states the trainer receives are full;
+- `output`: column-parallel on the vocabulary with local output: each rank's head returns its
+  vocabulary slice of the logits (loss-parallel log-probs, no full-vocabulary gather).
+`T` must be a multiple of `tp` for the sequence shards: the model pads the token stream to
+`token_multiple` and drops the padding from the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from tandem.parallel.tensor_parallel import TensorParallelInfo, check_divides
+
+SEQ = Shard(0)  # the token dim of a flat [T, dim] activation
+
+
+def _block_plan() -> dict:
+    return {
+        "attention_norm": SequenceParallel(sequence_dim=0),
+        # Attention(x, rope, cu_seqlens, attn): only x is a sharded activation.
+        "attention": PrepareModuleInput(
+            input_layouts=(SEQ, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=SEQ),
+        "ffn_norm": SequenceParallel(sequence_dim=0),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=SEQ),
+    }
+
+
+def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's local output is a view of its DTensor's local tensor; a compiled block that
+    receives such a view returns no gradient through it (measured with torch 2.13: the embedding's
+    gradient was 0). A copy (`[T / tp, dim]`, small) gives the first block a tensor of its own."""
+    del module, inputs
+    return output.clone()
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParallelInfo:
+    """Shard `model` (a `QwenModel`, on any device, typically meta) over the 1-D `tp_mesh` in
+    place; sets and returns `model.tensor_parallel`. Raises `ConfigError` when tp does not divide
+    the key/value heads (each rank must own whole KV heads with their query heads)."""
+    tp = tp_mesh.size()
+    args = model.args
+    check_divides(tp, **{"num_key_value_heads": args.n_kv_heads, "num_attention_heads": args.n_heads})
+    check_divides(tp, intermediate_size=args.intermediate_size)
+    if args.o_bias:
+        raise NotImplementedError("tensor parallelism of a Qwen model with an output-projection bias "
+                                  "(attention_bias with Qwen3) is not implemented")
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
+        "norm": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True),
+        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
+    }
+    # A pipeline rank's part of the model lacks the modules other stages hold (None).
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_own_storage)
+    partial: list[str] = []
+    for key, block in model.layers.items():
+        parallelize_module(block, tp_mesh, _block_plan())
+        for norm in ("q_norm", "k_norm"):
+            if getattr(block.attention, norm) is not None:
+                partial.append(f"layers.{key}.attention.{norm}.weight")
+    # parallelize_module gives each module its own new parameter: tie the (identically sharded)
+    # embedding and output head again.
+    model.tie_weights()
+    model.token_multiple = tp
+    info = TensorParallelInfo(tp_mesh, args.vocab_size, tuple(partial))
+    model.tensor_parallel = info
+    return info
