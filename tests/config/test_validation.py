@@ -48,7 +48,7 @@ def model_dir(tmp_path_factory) -> Path:
         ("rollout.backend=tandem:d2t2", ["rollout.backend", "one device per server", "tandem:d4"]),
         ("rollout.min_servers=3", ["rollout.min_servers=3 is more than the 1 server(s) the run starts with",
                                    "rollout.backend='tandem:d1'"]),
-        ("actor.backend=archon:d2p2", ["actor.backend", "does not apply pp=2 yet"]),
+        ("actor.backend=archon:d2c2", ["actor.backend", "does not apply cp=2 yet"]),
         ("actor.tp=2", ["actor.tp", "actor.backend (e.g. archon:d2t2)"]),
         ("actor.parallelize.offload_params=true", ["actor.parallelize.offload_params=true needs an accelerator",
                                                    "actor.parallelize.offload_params=false"]),
