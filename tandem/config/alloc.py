@@ -30,7 +30,7 @@ MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
 )
 # Parallel dims the trainer parses but does not apply yet (each leaves this list when it is built).
-TRAINER_DIMS_PENDING = ("pp", "ep", "etp")
+TRAINER_DIMS_PENDING = ("ep", "etp")
 _SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size")  # JSON keys read from `sizes`
 
 
@@ -69,6 +69,10 @@ class Component:
             dims = "".join(f"{k}{v}" for k, v in (("t", s.tp), ("p", s.pp), ("c", s.cp)) if v > 1)
             return (f"`tandem serve` runs one device per server; tandem:d{s.dp}{dims} asks for "
                     f"{s.world_size // s.dp} devices per server (use tandem:d{s.world_size})")
+        if not self.is_inference and s.pp > 1 and s.cp > 1:
+            return (f"the trainer does not combine pipeline and context parallelism yet (pipeline stages do not "
+                    f"split tokens over CP ranks); use {self.backend}:d{s.dp}p{s.pp}t{s.tp} or "
+                    f"{self.backend}:d{s.dp}c{s.cp}t{s.tp}")
         pending = [f"{name}={getattr(s, name)}" for name in TRAINER_DIMS_PENDING if getattr(s, name) > 1]
         if not self.is_inference and pending:
             return (f"the trainer does not apply {', '.join(pending)} yet (it applies "

@@ -11,6 +11,10 @@ from tandem.errors import ConfigError
 AC_MODES = ("none", "full", "selective", "memory_budget")
 AC_SELECTIVE = ("layer", "op")
 RESHARD_POLICIES = ("default", "always", "never")
+# Pipeline schedules (torch.distributed.pipelining names) and AReaL's short names for them.
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SHORT_NAMES = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
+PP_SCHEDULE_CHOICES = SCHEDULES + tuple(SHORT_NAMES)
 
 
 @dataclass
@@ -33,7 +37,17 @@ class ParallelizeConfig:
     compile: bool = _f(False, "torch.compile each transformer block.")
     reshard_after_forward: str = _f(
         "default", "Free gathered block parameters after forward: default (all but the last block, which "
-        "backward needs at once), always or never.", choices=RESHARD_POLICIES)
+        "backward needs at once; never under pipeline parallelism, where every micro-batch would gather "
+        "again), always or never.", choices=RESHARD_POLICIES)
+    pp_schedule: str = _f(
+        "1F1B", "Pipeline schedule when pp > 1 (short names I1F1B, IZB, ZBV accepted).",
+        choices=PP_SCHEDULE_CHOICES)
+    pp_microbatches: int | None = _f(
+        None, "Pipeline micro-batches per step, at least (raised to the number of stages, with a warning, "
+        "when lower; None: the number of stages). Each is one engine micro-batch.", min=1)
+    pp_stages_per_rank: int | None = _f(
+        None, "Pipeline stages per rank (None: 1 for 1F1B, 2 for the interleaved and V schedules; "
+        "ZBVZeroBubble needs exactly 2).", min=1)
     offload_params: bool = _f(
         False, "FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and move "
         "to the accelerator per block (accelerator runs only).")
@@ -61,3 +75,41 @@ class ParallelizeConfig:
                 f"{prefix}offload_params=true needs an accelerator: FSDP2 offload keeps parameters in host "
                 "memory and copies them to the device per block, and on a CPU run they are in host memory "
                 f"already; set {prefix}offload_params=false")
+
+    def check_pipeline(self, prefix: str = "") -> None:
+        """The pipeline options, when the layout has pp > 1 (see `check_pipeline_options`). The
+        zero-bubble schedules split backward into input and weight gradients, which
+        torch.distributed.pipelining does not support for compiled blocks."""
+        name, _ = check_pipeline_options(self.pp_schedule, self.pp_stages_per_rank, prefix)
+        if self.compile and name in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+            raise ConfigError(f"{prefix}pp_schedule={self.pp_schedule!r} splits backward into input and weight "
+                              f"gradients, which does not work with compiled blocks: set {prefix}compile=false or "
+                              f"{prefix}pp_schedule to 1F1B or Interleaved1F1B")
+
+
+def normalize_schedule(name: str, prefix: str = "actor.parallelize.") -> str:
+    """The full schedule name for `name` (a full name or AReaL's short one, any case)."""
+    by_lower = {n.lower(): n for n in SCHEDULES} | {k.lower(): v for k, v in SHORT_NAMES.items()}
+    if name.lower() not in by_lower:
+        raise ConfigError(f"{prefix}pp_schedule={name!r} is unknown; choose one of {', '.join(PP_SCHEDULE_CHOICES)}")
+    return by_lower[name.lower()]
+
+
+def check_pipeline_options(schedule: str, stages_per_rank: int | None,
+                           prefix: str = "actor.parallelize.") -> tuple[str, int]:
+    """(full schedule name, stages per rank): 1 for 1F1B, at least 2 for the interleaved
+    schedules, exactly 2 for ZBVZeroBubble (default 2 for those). Raises `ConfigError` naming the key."""
+    name = normalize_schedule(schedule, prefix)
+    key = f"{prefix}pp_stages_per_rank"
+    if stages_per_rank is None:
+        return name, 1 if name == "1F1B" else 2
+    if name == "1F1B" and stages_per_rank != 1:
+        raise ConfigError(f"{key}={stages_per_rank}: 1F1B runs one stage per rank; set it to 1 (or leave it "
+                          f"unset), or set {prefix}pp_schedule to Interleaved1F1B or InterleavedZeroBubble")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and stages_per_rank < 2:
+        raise ConfigError(f"{key}={stages_per_rank}: {name} needs at least 2 stages per rank; raise it, or set "
+                          f"{prefix}pp_schedule to 1F1B")
+    if name == "ZBVZeroBubble" and stages_per_rank != 2:
+        raise ConfigError(f"{key}={stages_per_rank}: ZBVZeroBubble runs exactly 2 stages per rank (a V); set it "
+                          "to 2 or leave it unset")
+    return name, stages_per_rank

@@ -24,10 +24,11 @@ from torch.distributed.fsdp import (
 from tandem.parallel.config import ParallelizeConfig
 
 
-def _reshard_block(policy: str, is_last: bool) -> bool:
+def _reshard_block(policy: str, is_last: bool, pipelined: bool = False) -> bool:
     if policy == "always":
         return True
-    if policy == "never":
+    if policy == "never" or pipelined:
+        # Under pipeline parallelism every micro-batch's forward would gather the block again.
         return False
     # "default": the last block's parameters are needed again first thing in backward.
     return not is_last
@@ -40,10 +41,12 @@ def apply_fsdp(
     config: ParallelizeConfig,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    pipelined: bool = False,
 ) -> list[FSDPModule]:
     """Shard each of `blocks`, then `root` (the module whose forward is the training entry point,
     which must contain the blocks). Returns the FSDP modules, root last. FSDP casts parameters to
     `param_dtype` for compute (master weights keep theirs) and reduces gradients in `reduce_dtype`.
+    `pipelined`: `root` is a pipeline stage (the "default" reshard policy then means never).
     `config.offload_params` keeps parameters, gradients and optimizer state in host memory (an
     accelerator run only: `ParallelizeConfig.check_device`)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -51,13 +54,15 @@ def apply_fsdp(
     units: list[FSDPModule] = []
     names = list(blocks)
     for i, name in enumerate(names):
-        reshard = _reshard_block(config.reshard_after_forward, i == len(names) - 1)
+        reshard = _reshard_block(config.reshard_after_forward, i == len(names) - 1, pipelined)
         fully_shard(blocks[name], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
                     offload_policy=offload)
         units.append(blocks[name])  # type: ignore[arg-type]
     # The root keeps its parameters gathered from forward to backward (FSDP2 never reshards the
     # root after forward), so the head computed inside the root's forward can use them freely.
-    fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    # A pipeline stage is its own root: it keeps its parameters between micro-batches unless "always".
+    extra = {"reshard_after_forward": config.reshard_after_forward == "always"} if pipelined else {}
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, **extra)
     units.append(root)  # type: ignore[arg-type]
     return units
 

@@ -77,6 +77,8 @@ class ActorConfig(TrainEngineConfig):
         if comp.sizes.dp % self.dp_replicate:
             raise ConfigError(f"{prefix}dp_replicate={self.dp_replicate} must divide the data-parallel size "
                               f"{comp.sizes.dp} of {prefix}backend={self.backend!r}")
+        if comp.sizes.pp > 1:
+            self.parallelize.check_pipeline(f"{prefix}parallelize.")
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")

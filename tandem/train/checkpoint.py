@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.errors import CheckpointError
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint_stream
@@ -26,6 +27,10 @@ from tandem.train.dist import rng_state, set_rng_state
 from tandem.train.weight_export import iter_hf_tensors_from_model
 
 TRAIN_STATE_FILE = "train_state.pt"
+# Optimizer state keyed by parameter name, param groups included: unflattened, each rank's group
+# would be saved under the same `param_groups.0.params` key, which pipeline stages (ranks holding
+# different parameters) would overwrite on one another.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rank() -> int:
@@ -45,14 +50,18 @@ def save_hf_weights(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write `model` (native, possibly FSDP-sharded) as an HF directory. Collective."""
+    """Write `model` (native, possibly FSDP-sharded) as an HF directory. Collective.
+    `tensors`: the `(hf_name, full tensor)` stream to write (on rank 0; consumed on every rank),
+    when the model's own parameters are not the whole model (a pipeline stage)."""
     out = Path(out_dir)
     # Checked on every rank before any gather: a rank-0-only failure would leave the others
     # blocked in the first collective.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise CheckpointError(f"{str(out)!r} exists and is not empty; pass overwrite=True or choose another path")
-    tensors = iter_hf_tensors_from_model(model, dtype, dst=0)  # rank 0 writes; shards travel to it alone
+    if tensors is None:
+        tensors = iter_hf_tensors_from_model(model, dtype, dst=0)  # rank 0 writes; shards travel to it alone
     if _rank() == 0:
         config = dict(model.hf_config)
         config["architectures"] = [model.spec.hf_architecture(model.args)]
@@ -74,7 +83,7 @@ def save_train_state(
     all ranks) and every rank's RNG state. Collective."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(root))
     if _rank() == 0:
         torch.save(extra, root / TRAIN_STATE_FILE)
@@ -91,10 +100,11 @@ def load_train_state(
     root = Path(path)
     if not (root / TRAIN_STATE_FILE).is_file():
         raise CheckpointError(f"{str(root)!r} is not a training-state checkpoint (no {TRAIN_STATE_FILE})")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(root))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_OPTIONS)
     rng_file = root / f"rng-rank{_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

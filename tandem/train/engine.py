@@ -34,8 +34,15 @@ from tandem.train.logprobs import LogprobModel
 from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
+from tandem.train.pipeline_step import PipelineRunner
 from tandem.train.sharded_load import load_hf_weights_sharded
-from tandem.train.weight_export import Alloc, export_nbytes, iter_weight_buckets, local_parameters
+from tandem.train.weight_export import (
+    SAVE_BUCKET_BYTES,
+    Alloc,
+    export_nbytes,
+    iter_weight_buckets,
+    local_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +78,36 @@ class TrainEngine:
         hf_config = read_hf_config(config.path)
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
-        n_params = len(list(self.model.parameters()))  # shared parameters count once
         # Context parallelism lives in the forward: each CP rank runs its slice of every micro-batch.
         cp_mesh = self.parallel_dims.cp_mesh(self.mesh)
         self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size,
                                    cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
-        parallelize = self.model.spec.parallelize
-        if parallelize is None:
-            raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")
-        parallelize(self.model, self.parallel_dims, mesh=self.mesh, config=config.parallelize, root=self.module,
-                    param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        # Pipeline parallelism: this rank's stages of the model (tandem.train.pipeline_step).
+        self.pipeline: PipelineRunner | None = None
+        if self.parallel_dims.sizes.pp > 1:
+            self.pipeline = PipelineRunner.build(self.model, self.parallel_dims, self.mesh, config.parallelize,
+                                                 self.device, self.param_dtype, chunk_size=config.logprob_chunk_size)
+        n_params = len(list(self.model.parameters()))  # shared parameters count once
+        if self.pipeline is None:
+            parallelize = self.model.spec.parallelize
+            if parallelize is None:
+                raise NotImplementedError(f"model family {self.model.spec.name!r} has no parallelize function")
+            parallelize(self.model, self.parallel_dims, mesh=self.mesh, config=config.parallelize, root=self.module,
+                        param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         # Gradients are SUMMED over DP ranks (not averaged): each rank's loss is already divided
         # by the global loss-token count, so the sum is the gradient of the global token mean.
-        for unit in fsdp_units(self.module):
+        for unit in fsdp_units(self.module) if self.pipeline is None else self.pipeline.fsdp_units():
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         self.module.to_empty(device=self.device)
         # Tied weights (e.g. embedding and output head) must still be one parameter.
         if len(list(self.model.parameters())) != n_params:
             raise AssertionError("shared parameters came apart during parallelize / to_empty")
-        load_hf_weights_sharded(self.model, config.path)
+        if self.pipeline is None:
+            load_hf_weights_sharded(self.model, config.path)
+        else:
+            load_hf_weights_sharded(self.model, config.path, partial=True, aliases=self.pipeline.load_aliases())
+        self._mb_config = config.mb if self.pipeline is None else self.pipeline.mb_config(config.mb)
 
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer, self.device.type)
         self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
@@ -99,7 +116,7 @@ class TrainEngine:
     # ------------------------------------------------------------------------------ batches
 
     def _micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        plan = plan_micro_batches(batch.lengths, self.config.mb, self.dp_group, self.device)
+        plan = plan_micro_batches(batch.lengths, self._mb_config, self.dp_group, self.device)
         return [mb.to(self.device) for mb in build_micro_batches(batch, plan)]
 
     @torch.no_grad()
@@ -109,17 +126,18 @@ class TrainEngine:
         `loss_tokens_only`: only where the batch's loss mask is set (0 elsewhere), exactly as the
         training forward computes them (same rows through the head, so the same numbers)."""
         mbs = self._micro_batches(batch)
-        self.module.eval()
+        wanted = [self._loss_positions(mb.next_token_view()) if loss_tokens_only else None for mb in mbs]
+        if self.pipeline is not None:
+            outputs = self.pipeline.forward(mbs, wanted, temperature)
+        else:
+            self.module.eval()
+            outputs = [self.module(mb.input_ids, mb.cu_seqlens, temperature, w) for mb, w in zip(mbs, wanted, strict=True)]
+            self.module.reshard()  # the root stays gathered after a forward; free it
         per_mb: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for mb in mbs:
-            wanted = self._loss_positions(mb.next_token_view()) if loss_tokens_only else None
-            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature, wanted)
-            if mb.is_padding:
-                per_mb.append([])
-                continue
-            bounds = mb.lengths
-            per_mb.append(list(zip(logprobs.cpu().split(bounds), entropy.cpu().split(bounds), strict=True)))
-        self.module.reshard()  # the root stays gathered after a forward; free it
+        for mb, (logprobs, entropy) in zip(mbs, outputs, strict=True):
+            bounds = [] if mb.is_padding else mb.lengths
+            per_mb.append(list(zip(logprobs.cpu().split(bounds), entropy.cpu().split(bounds), strict=True))
+                          if bounds else [])
         ordered = restore_order(mbs, per_mb, len(batch))
         return TokenOutputs([lp for lp, _ in ordered], [e for _, e in ordered])
 
@@ -162,6 +180,23 @@ class TrainEngine:
         (total_weight,) = all_reduce_sum([local_weight], self.device, self.dp_group)
         denominator = total_weight if total_weight > 0 else 1.0
 
+        if self.pipeline is not None:
+            wanted = [self._loss_positions(v) for v in views]
+            loss_sum = self.pipeline.forward_backward(views, wanted, loss_fn, denominator, temperature)
+        else:
+            loss_sum = self._forward_backward_local(views, loss_fn, denominator, temperature)
+        total_loss, n_tokens = all_reduce_sum(
+            [float(loss_sum), float(sum(mb.n_tokens for mb in mbs))], self.device, self.dp_group
+        )
+        return {
+            "loss": total_loss / denominator,
+            "n_tokens": n_tokens,
+            "n_loss_tokens": total_weight,
+            "n_mbs": float(len(mbs)),
+        }
+
+    def _forward_backward_local(self, views: list[MicroBatch], loss_fn: LossFn, denominator: float,
+                                temperature: float) -> float:
         self.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in views:
@@ -174,15 +209,7 @@ class TrainEngine:
                 loss = loss_fn(logprobs, entropy, mb)
             (loss / denominator).backward()
             loss_sum += loss.detach().double()
-        total_loss, n_tokens = all_reduce_sum(
-            [float(loss_sum), float(sum(mb.n_tokens for mb in mbs))], self.device, self.dp_group
-        )
-        return {
-            "loss": total_loss / denominator,
-            "n_tokens": n_tokens,
-            "n_loss_tokens": total_weight,
-            "n_mbs": float(len(mbs)),
-        }
+        return float(loss_sum)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip to the global grad norm, step AdamW (skipped when the norm is not finite) and the
@@ -190,7 +217,11 @@ class TrainEngine:
         # Tensor parallelism: plain parameters that each TP rank saw only part of (Qwen3's q/k norms)
         # hold partial gradients until summed over the TP group; nothing may read them before.
         sum_partial_grads(self.model, getattr(self.model, "tensor_parallel", None))
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.optimizer.gradient_clipping)
+        max_norm = self.config.optimizer.gradient_clipping
+        if self.pipeline is not None:
+            grad_norm = self.pipeline.clip_grad_norm(max_norm)  # also sums a tied weight's gradient copies
+        else:
+            grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
@@ -212,13 +243,18 @@ class TrainEngine:
         overwrite: bool = False,
     ) -> Path:
         """HF directory of the current weights, in `dtype` (default: the compute dtype). Collective."""
+        dtype = dtype or self.param_dtype
+        tensors = None
+        if self.pipeline is not None:  # gathered per stage, bucket by bucket, to rank 0
+            tensors = (t for b in self.export_weights(SAVE_BUCKET_BYTES, dtype, dst=0) for t in b)
         return ckpt.save_hf_weights(
             self.model,
             out_dir,
-            dtype=dtype or self.param_dtype,
+            dtype=dtype,
             tokenizer_dir=tokenizer_dir,
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
+            tensors=tensors,
         )
 
     def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
@@ -226,14 +262,24 @@ class TrainEngine:
         """Buckets of `(hf_name, full tensor)`, at most `bucket_bytes` each, in the compute dtype
         by default, written into `alloc`'s tensors when it gives some, on rank `dst` only when
         given (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
+        if self.pipeline is not None:
+            return self.pipeline.export_buckets(self.mesh, bucket_bytes, dtype or self.param_dtype, alloc, dst)
         return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
 
     def local_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """Every parameter whole and uncast when this rank holds them all (a world of one), else
         None (see `tandem.weights.source.WeightSource`)."""
-        return local_parameters(self.model)
+        return local_parameters(self.model) if self.pipeline is None else None
+
+    def num_parameters(self) -> int:
+        """Elements of the whole model (every stage's under pipeline parallelism; tied weights once)."""
+        if self.pipeline is not None:
+            return self.pipeline.num_parameters()
+        return sum(p.numel() for p in self.model.parameters())
 
     def export_nbytes(self, dtype: torch.dtype | None) -> int:
+        if self.pipeline is not None:
+            return self.pipeline.export_nbytes(dtype or self.param_dtype)
         return export_nbytes(self.model, dtype or self.param_dtype)
 
     def save_state(self, path: str | Path) -> Path:

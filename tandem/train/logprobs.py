@@ -103,33 +103,50 @@ class LogprobModel(nn.Module):
         sparse = wanted is not None
         if wanted is not None:
             valid = valid & wanted
+        tp = getattr(self.model, "tensor_parallel", None)
+        head = self.model.logits_from_hidden
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
             hidden = self.model.hidden_states(input_ids, cu_seqlens)
-            return self._head(hidden, labels, valid, temperature, sparse)
+            return head_outputs(head, hidden, labels, valid, temperature, sparse, self.chunk_size, tp)
         split = ContextSplit.of(input_ids.shape[0], self.cp_group)
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         hidden = self.model.hidden_states(split.local(input_ids), cu_seqlens, positions=split.local(positions),
                                           attn=split.attention(cu_seqlens))
-        logprobs, entropy = self._head(hidden, split.local(labels), split.local(valid, False), temperature, sparse)
+        logprobs, entropy = head_outputs(head, hidden, split.local(labels), split.local(valid, False), temperature,
+                                         sparse, self.chunk_size, tp)
         return split.gather(logprobs), split.gather(entropy)
 
-    def _head(self, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, temperature: float,
-              sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy at the `valid` rows of `hidden` (0 elsewhere); `sparse`: run the
-        head on those rows only (at least one, so its parameters always get a gradient)."""
-        tp = getattr(self.model, "tensor_parallel", None)
-        if sparse:
-            picked = valid.nonzero().squeeze(-1)
-            empty = picked.numel() == 0
-            if empty:  # still run the head on one row, so its parameters get a (zero) gradient
-                picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
-            lp, ent = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden[picked], labels[picked],
-                                               temperature, self.chunk_size, tp)
-            if empty:
-                lp, ent = lp * 0, ent * 0
-            zeros = lp.new_zeros(hidden.shape[0])
-            return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
-        logprobs, entropy = chunked_logprobs_entropy(self.model.logits_from_hidden, hidden, labels, temperature,
-                                                     self.chunk_size, tp)
-        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-        return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
+
+def next_token_outputs(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor, temperature: float = 1.0, wanted: torch.Tensor | None = None, chunk_size: int = 1024,
+    tp: TensorParallelInfo | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T]` next-token log-probs and entropy from final hidden states `[T, dim]` (0 at each
+    sequence's last token, and outside `wanted` when given; see `LogprobModel.forward`). A
+    pipeline's last stage calls it too, so both compute exactly the same numbers."""
+    labels, valid = next_token_labels(input_ids, cu_seqlens)
+    if wanted is not None:
+        valid = valid & wanted
+    return head_outputs(head, hidden, labels, valid, temperature, wanted is not None, chunk_size, tp)
+
+
+def head_outputs(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+    temperature: float, sparse: bool, chunk_size: int, tp: TensorParallelInfo | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy at the `valid` rows of `hidden` (0 elsewhere); `sparse`: run the
+    head on those rows only (at least one, so its parameters always get a gradient)."""
+    if sparse:
+        picked = valid.nonzero().squeeze(-1)
+        empty = picked.numel() == 0
+        if empty:  # still run the head on one row, so its parameters get a (zero) gradient
+            picked = torch.zeros(1, dtype=picked.dtype, device=picked.device)
+        lp, ent = chunked_logprobs_entropy(head, hidden[picked], labels[picked], temperature, chunk_size, tp)
+        if empty:
+            lp, ent = lp * 0, ent * 0
+        zeros = lp.new_zeros(hidden.shape[0])
+        return zeros.index_add(0, picked, lp), zeros.index_add(0, picked, ent)  # differentiable in lp, ent
+    logprobs, entropy = chunked_logprobs_entropy(head, hidden, labels, temperature, chunk_size, tp)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)

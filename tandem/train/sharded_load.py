@@ -27,12 +27,21 @@ def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str]) -> None:
+def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False,
+                            aliases: dict[str, str] | None = None) -> None:
     """Strict: every parameter filled, every tensor used (bar ones the adapter skips, such as a
-    tied `lm_head`), shapes equal to the parameters' global shapes."""
+    tied `lm_head`), shapes equal to the parameters' global shapes.
+
+    `partial` (a pipeline stage's model): tensors of parameters the model does not hold are
+    skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
+    stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`)."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())  # tied weights once, under the embedding's name
-    plan: dict[str, str] = {}
+    sources = {n: n for n in params} | {n: src for n, src in (aliases or {}).items() if n in params}
+    wanted: dict[str, list[str]] = {}
+    for native, source in sources.items():
+        wanted.setdefault(source, []).append(native)
+    plan: dict[str, list[str]] = {}
     problems: list[str] = []
     for hf_name, (shape, file) in read_tensor_shapes(path).items():
         try:
@@ -41,14 +50,19 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str]) -> N
             native = ""
         if native is None:
             continue
-        if native not in params:
-            problems.append(f"unexpected tensor {hf_name}")
-        elif tuple(params[native].shape) != shape:
-            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[native].shape)}")
+        if native not in wanted:
+            if not partial:
+                problems.append(f"unexpected tensor {hf_name}")
+            continue
+        bad = [n for n in wanted[native] if tuple(params[n].shape) != shape]
+        if bad:
+            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[bad[0]].shape)}")
         else:
-            plan[hf_name] = native
-    problems += [f"missing tensor {adapter.native_to_hf(n)}" for n in sorted(params.keys() - set(plan.values()))]
+            plan[hf_name] = wanted[native]
+    filled = {n for names in plan.values() for n in names}
+    problems += [f"missing tensor {adapter.native_to_hf(sources[n])}" for n in sorted(params.keys() - filled)]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        _load_into(params[plan[hf_name]], tensor)
+        for native in plan[hf_name]:
+            _load_into(params[native], tensor)

@@ -86,8 +86,7 @@ class TrainWorker:
         if self.engine is not None:
             raise RuntimeError("the engine is initialised already")
         self.engine = TrainEngine(config)
-        n_params = sum(p.numel() for p in self.engine.model.parameters())
-        return EngineInfo(self.rank, self.engine.step, int(n_params))
+        return EngineInfo(self.rank, self.engine.step, self.engine.num_parameters())
 
     def _engine(self) -> TrainEngine:
         if self.engine is None:

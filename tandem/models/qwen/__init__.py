@@ -3,6 +3,7 @@
 from tandem.models.qwen.args import MODEL_TYPES, QwenArgs
 from tandem.models.qwen.model import QwenModel
 from tandem.models.qwen.parallelize import parallelize_qwen
+from tandem.models.qwen.pipeline import split_qwen
 from tandem.models.qwen.state_dict_adapter import QwenStateDictAdapter
 from tandem.models.registry import ModelSpec, register_model_spec
 
@@ -19,6 +20,7 @@ QWEN_SPEC = ModelSpec(
     state_dict_adapter_cls=QwenStateDictAdapter,
     hf_architecture=_hf_architecture,
     parallelize=parallelize_qwen,
+    pipeline_split=split_qwen,
 )
 register_model_spec(QWEN_SPEC)
 

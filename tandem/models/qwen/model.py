@@ -126,6 +126,8 @@ class QwenModel(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output head. Call again after `to_empty`/`_apply`, which
         materialise each module's parameters separately and so break the sharing."""
+        if getattr(self, "untied_copies", False):
+            return  # a pipeline rank holding the first and last stage keeps one copy per stage
         if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 

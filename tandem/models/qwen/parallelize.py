@@ -36,6 +36,7 @@ def parallelize_qwen(
     root: nn.Module | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    stages: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Apply the layout of `parallel_dims` to `model` (on the meta device) in place; return it.
 
@@ -43,6 +44,10 @@ def parallelize_qwen(
     CPU). `root` is the module whose forward the trainer calls (e.g. a wrapper computing log-probs
     around `model`); FSDP's root unit goes there so that its forward hooks fire. Default: `model`.
     `param_dtype` / `reduce_dtype`: FSDP's compute and gradient-reduction dtypes.
+    `stages` (pipeline parallelism): `model` is one pipeline rank's part (`split_qwen`) and these
+    are its stage modules (`QwenStage`, each with its own `layers`); the model-wide steps (tensor
+    parallel) apply to `model`, then activation checkpointing, compile and FSDP to each stage, which
+    is its own FSDP root (`root` is not used).
     """
     config = config or ParallelizeConfig()
     pending = [name for name in TRAINER_DIMS_PENDING if getattr(parallel_dims.sizes, name) > 1]
@@ -58,15 +63,17 @@ def parallelize_qwen(
     tp_mesh = parallel_dims.tp_mesh(mesh)
     if tp_mesh is not None:
         config.check_layout(tp_mesh.size(), "parallelize.")
-        apply_tensor_parallel(model, tp_mesh)
-    blocks = model.layers
-    apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
-                                   config.ac_memory_budget)
-    if config.compile:
-        # Under TP, `dynamic=True` (every dim symbolic) makes inductor fail compiling the backward
-        # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
-        # shapes compile static first, then mark only the dims that change (the token count).
-        apply_compile(blocks, dynamic=None if tp_mesh is not None else True)
-    apply_fsdp(root if root is not None else model, blocks, parallel_dims.fsdp_mesh(mesh), config,
-               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_tensor_parallel(model, tp_mesh)  # the whole model, or a pipeline rank's part of it
+    pipelined = stages is not None
+    for part, part_root in ((s, s) for s in stages) if pipelined else [(model, root or model)]:
+        blocks = part.layers
+        apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
+                                       config.ac_memory_budget)
+        if config.compile:
+            # Under TP, `dynamic=True` (every dim symbolic) makes inductor fail compiling the backward
+            # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
+            # shapes compile static first, then mark only the dims that change (the token count).
+            apply_compile(blocks, dynamic=None if tp_mesh is not None else True)
+        apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype, pipelined=pipelined)
     return model

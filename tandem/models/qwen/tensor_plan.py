@@ -85,13 +85,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
     if args.o_bias:
         raise NotImplementedError("tensor parallelism of a Qwen model with an output-projection bias "
                                   "(attention_bias with Qwen3) is not implemented")
-    parallelize_module(model, tp_mesh, {
+    top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
         "norm": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
                                    use_local_output=True),
         "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
-    })
-    model.tok_embeddings.register_forward_hook(_own_storage)
+    }
+    # A pipeline rank's part of the model lacks the modules other stages hold (None).
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_own_storage)
     partial: list[str] = []
     for key, block in model.layers.items():
         parallelize_module(block, tp_mesh, _block_plan())

@@ -1,0 +1,116 @@
+"""Pipeline stages of a Qwen model.
+
+`split_qwen` cuts a (meta) `QwenModel` down to what one pipeline rank runs and returns one
+`QwenStage` per stage of that rank. The rank's model keeps only its stages' layers (the
+`layers` ModuleDict keeps the original keys, so names stay `layers.{i}.*`), the embedding when it
+runs the first stage and the final norm + output head when it runs the last. The stages share the
+model's submodules (the same parameter objects under the same names), so the model is still what
+the optimizer, checkpoints and weight export see.
+
+Tied word embeddings: when the first and last stage are on different ranks each holds a copy of
+the tied weight (`tok_embeddings.weight` / `output.weight`); when one rank runs both (the V
+schedule) it holds two copies too, so that each stage stays its own FSDP unit. The trainer keeps
+the copies equal by summing their gradients after backward (`tandem.parallel.pipeline.sum_tied_grads`)
+and exports the weight once, under the embedding's HF name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.common import positions_from_cu_seqlens
+from tandem.parallel.pipeline import PipelineLayout, pad_row, unpad_row
+
+# (output head, hidden [n, dim], input_ids [n], cu_seqlens, temperature, wanted [n] | None, tensor-parallel
+# info | None) -> (logprobs, entropy)
+HeadFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class QwenStage(nn.Module):
+    """One pipeline stage. Called by `torch.distributed.pipelining` with one stacked row (see
+    `tandem.parallel.pipeline.StackedMicroBatches`): `x` is `[1, T]` token ids on the first stage
+    and `[1, T, dim]` hidden states elsewhere; it returns `[1, T, dim]` hidden states, or on the
+    last stage `([1, T], [1, T])` float32 next-token log-probs and entropy from `head` (zero
+    after the real tokens). `temperature` is set on the module before a schedule runs."""
+
+    def __init__(self, model: nn.Module, stage: int, layout: PipelineLayout, head: HeadFn):
+        super().__init__()
+        self.stage, self.is_first, self.is_last = stage, stage == 0, stage == layout.n_stages - 1
+        # None where another stage holds them: the model's attribute names, so a parallelize plan
+        # written for the whole model (e.g. tensor parallel) applies to a stage as it is.
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        self.rope = model.rope
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layout.stage_layers(stage)})
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+        self.args = model.args
+        self._head = head
+        self.temperature = 1.0
+        object.__setattr__(self, "_owner", model)  # not a submodule: for what a TP plan sets on it
+
+    def local_rows(self, n_tokens: int) -> int:
+        """Rows of this rank's activation for `n_tokens` tokens: all of them, or under tensor
+        parallelism its sequence shard of the stream padded to a multiple of tp."""
+        multiple = getattr(self._owner, "token_multiple", 1)
+        return -(-n_tokens // multiple)
+
+    def forward(self, x: torch.Tensor, *, tokens: torch.Tensor, cu_seqlens: torch.Tensor, sizes: torch.Tensor,
+                wanted: torch.Tensor | None = None):
+        width = tokens.shape[1]
+        cu, (ids, want) = unpad_row(sizes, cu_seqlens, tokens, wanted)
+        n = ids.shape[0]
+        rows = self.local_rows(n)
+        padded = rows * getattr(self._owner, "token_multiple", 1)  # as QwenModel.hidden_states pads
+        if self.is_first:
+            h = self.tok_embeddings(F.pad(ids, (0, padded - n)))
+        else:
+            h = x[0, :rows]
+        rope = self.rope(positions_from_cu_seqlens(cu, padded), h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, cu)
+        if not self.is_last:
+            return pad_row(h, self.local_rows(width))
+        hidden = self.norm(h)[:n]
+        tp = getattr(self._owner, "tensor_parallel", None)
+        logprobs, entropy = self._head(self.output, hidden, ids, cu, self.temperature, want, tp)
+        return pad_row(logprobs, width), pad_row(entropy, width)
+
+
+def split_qwen(model: nn.Module, layout: PipelineLayout, pp_rank: int, head: HeadFn) -> list[QwenStage]:
+    """Cut `model` (in place, before parallelising and materialising) to pipeline rank `pp_rank`'s
+    part and return its stages in ascending order (see the module docstring)."""
+    stages = layout.rank_stages(pp_rank)
+    keep = {str(i) for s in stages for i in layout.stage_layers(s)}
+    for key in [k for k in model.layers if k not in keep]:
+        del model.layers[key]
+    has_first, has_last = 0 in stages, layout.n_stages - 1 in stages
+    if has_last and model.args.tie_word_embeddings:
+        # Its own copy of the tied weight (filled from the embedding when loading); `tie_weights`
+        # (called again by e.g. a tensor-parallel plan) must leave the copies apart.
+        model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))
+        model.untied_copies = True
+    if not has_first:
+        model.tok_embeddings = None
+    if not has_last:
+        model.norm, model.output = None, None
+    return [QwenStage(model, s, layout, head) for s in stages]
+
+
+def tied_copies(model: nn.Module) -> list[nn.Parameter]:
+    """This rank's copies of a tied embedding/output weight (none for untied models)."""
+    if not model.args.tie_word_embeddings:
+        return []
+    return [m.weight for m in (model.tok_embeddings, model.output) if m is not None]
+
+
+def parameter_stage(name: str, layout: PipelineLayout) -> int:
+    """The stage holding native parameter `name` (the tied output copy: the last stage)."""
+    if name.startswith("tok_embeddings."):
+        return 0
+    if name.startswith("layers."):
+        return layout.layer_stage(int(name.split(".")[1]))
+    return layout.n_stages - 1

@@ -1,0 +1,124 @@
+"""Full HF tensors out of a pipeline-parallel model, in buckets, gathered per stage.
+
+Every rank knows the whole model's parameter list (names, shapes, and which pipeline rank holds
+each) from a meta copy of the model, so every rank walks the same buckets in the same order. A
+bucket holds parameters of one pipeline rank only (a new bucket starts where the owner changes).
+For each bucket only the owner's ranks gather (FSDP shards over their data-parallel group, with
+`weight_export.gather_bucket`); the full tensors then go where they are needed:
+- `dst` given (weight sync, save): the owner-stage rank in `dst`'s pipeline group receives the
+  gathered tensors and sends them point to point to `dst` (nothing to do when it is `dst`);
+  every other rank gets `[]`. No rank ever holds more than one bucket of another stage.
+- `dst` None: the owner's ranks all-gather and broadcast over their pipeline group, so every
+  rank gets every bucket.
+A tied embedding/output weight is exported once, from the first stage, under the embedding's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tandem.models import build_model
+from tandem.models.qwen.pipeline import parameter_stage
+from tandem.parallel.pipeline import PipelineLayout
+from tandem.train.weight_export import Alloc, _destinations, gather_bucket
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    native: str
+    hf_name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    owner: int  # pipeline rank holding the parameter
+
+
+def export_plan(model: nn.Module, layout: PipelineLayout) -> list[ExportEntry]:
+    """Every parameter of the whole model in export order (that of an unsplit model's
+    `named_parameters`, tied weights once), with its owning pipeline rank."""
+    full = build_model(model.hf_config, dtype=torch.float32, device="meta")
+    adapter = model.spec.state_dict_adapter_cls(model.args)
+    return [ExportEntry(name, adapter.native_to_hf(name), p.shape, p.dtype,
+                        layout.stage_rank(parameter_stage(name, layout)))
+            for name, p in full.named_parameters()]
+
+
+def _buckets(plan: list[ExportEntry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[ExportEntry]]:
+    out: list[list[ExportEntry]] = []
+    size = 0
+    for e in plan:
+        nbytes = e.shape.numel() * (dtype or e.dtype).itemsize
+        if not out or e.owner != out[-1][0].owner or (out[-1] and size + nbytes > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += nbytes
+    return out
+
+
+def _peer_of(mesh: DeviceMesh, rank: int, pp_rank: int) -> int:
+    """The global rank at pipeline position `pp_rank` in global `rank`'s pipeline group."""
+    ranks = mesh.mesh
+    coords = (ranks == rank).nonzero()[0].tolist()
+    coords[mesh.mesh_dim_names.index("pp")] = pp_rank
+    return int(ranks[tuple(coords)])
+
+
+@torch.no_grad()
+def iter_pipeline_buckets(model: nn.Module, plan: list[ExportEntry], mesh: DeviceMesh, bucket_bytes: int,
+                          dtype: torch.dtype | None = None, alloc: Alloc | None = None, dst: int | None = None,
+                          ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of `(hf_name, full tensor)` (see the module docstring; the contract of
+    `weight_export.iter_weight_buckets`). Collective: iterate it fully, on every rank."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    params = dict(model.named_parameters())
+    me = dist.get_rank()
+    pp_mesh = mesh["pp"]
+    my_pp = pp_mesh.get_local_rank()
+    group = pp_mesh.get_group()
+    device = next(iter(params.values())).device
+    scratch: dict[str, torch.Tensor] = {}
+    for bucket in _buckets(plan, bucket_bytes, dtype):
+        owner = bucket[0].owner
+        names = [e.hf_name for e in bucket]
+        shapes = [e.shape for e in bucket]
+        out_dtype = dtype or bucket[0].dtype
+        mine = [(e.hf_name, params[e.native]) for e in bucket] if my_pp == owner else None
+        if dst is None:
+            if mine is not None:
+                got = gather_bucket(mine, dtype, scratch, alloc, None)
+                tensors = [t for _, t in got]
+            else:
+                tensors = _destinations(alloc, names, [torch.empty(s, device="meta") for s in shapes], out_dtype,
+                                        device) or [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+            for t in tensors:
+                dist.broadcast(t, src=dist.get_global_rank(group, owner), group=group)
+            yield list(zip(names, tensors, strict=True))
+            continue
+        sender = _peer_of(mesh, dst, owner)
+        if mine is not None:
+            got = gather_bucket(mine, dtype, scratch, alloc if me == dst else None, dst=sender)
+            if me == sender and sender != dst:
+                for _, t in got:
+                    dist.send(t.contiguous(), dst=dst)
+                got = []
+            yield got
+        elif me == dst:
+            tensors = _destinations(alloc, names, [torch.empty(s, device="meta") for s in shapes], out_dtype,
+                                    device) or [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+            for t in tensors:
+                dist.recv(t, src=sender)
+            yield list(zip(names, tensors, strict=True))
+        else:
+            yield []
+
+
+def plan_nbytes(plan: list[ExportEntry], dtype: torch.dtype | None, align: int = 64) -> int:
+    """Bytes of an export in `dtype`, each tensor rounded up to `align` bytes (as `export_nbytes`)."""
+    return sum(-(-e.shape.numel() * (dtype or e.dtype).itemsize // align) * align for e in plan)

@@ -1,0 +1,122 @@
+"""Worker bodies and models of the pipeline-parallel engine tests (module level, so spawn can
+import them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.parallel import ParallelizeConfig
+from tandem.train import MicroBatchConfig, TrainEngine
+from tests.train.dist_workers import SCHEDULE, split
+from tests.train.helpers import engine_config, full_params, make_batch, train_steps
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SHORT = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
+EXPORT_BYTES = 40_000
+DP_CASES = (("untied", "1F1B"), ("tied", "ZBV"))  # pp=2 x dp=2 cases: (model, schedule)
+
+
+def make_model(out_dir: Path, tied: bool, n_layers: int = 4) -> Path:
+    """A tiny qwen3 with `n_layers` layers (tied or untied embeddings) as an HF directory."""
+    from tandem.models.tiny import init_model
+
+    return init_model(out_dir, arch="qwen3", preset="tiny", seed=0,
+                      overrides={"num_hidden_layers": n_layers, "tie_word_embeddings": tied})
+
+
+def n_mbs(schedule: str) -> int:
+    """Micro-batches per step at pp=2: one per stage (the d1 reference uses the same plan, so
+    both sum the same micro-batches' gradients)."""
+    return 2 if SHORT.get(schedule, schedule) == "1F1B" else 4
+
+
+def pp_engine(path: str, schedule: str, pp: int = 2, lr_schedule: dict | None = None, **overrides) -> TrainEngine:
+    """An engine at pipeline size `pp` with `schedule`; `lr_schedule`: optimizer and step count
+    (default `dist_workers.SCHEDULE`)."""
+    parallelize = ParallelizeConfig(pp_schedule=schedule, **overrides.pop("parallelize", {}))
+    mb = MicroBatchConfig(n_mbs=n_mbs(schedule))
+    return TrainEngine(engine_config(path, mb=mb, pp=pp, parallelize=parallelize, **(lr_schedule or SCHEDULE),
+                                     **overrides))
+
+
+def run_case(engine: TrainEngine, batch, steps: int = 3) -> dict:
+    """Train `steps` steps, then every full tensor (to all ranks and to rank 0 only) and the logprobs."""
+    res = {"stats": train_steps(engine, batch, steps), "params": full_params(engine)}
+    res["export_rank0"] = [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES, torch.float32,
+                                                                                          dst=0)]
+    res["logprobs"] = engine.forward_logprobs(batch).logprobs
+    res["nbytes"] = engine.export_nbytes(torch.float32)
+    return res
+
+
+def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir: str) -> dict:
+    """Every schedule at pp=2 (world 2) on the untied model, then the tied model under 1F1B (first
+    and last stage on different ranks) and ZBV (both on rank 0), a save_hf and a resume."""
+    out = Path(out_dir)
+    batch = make_batch(512)
+    res: dict = {}
+    for schedule in SCHEDULES:
+        engine = pp_engine(untied, schedule)
+        res[schedule] = run_case(engine, batch)
+        if schedule == "1F1B":
+            engine.save_hf(out / "hf")
+        engine.close()
+    for schedule in ("1F1B", "ZBV"):
+        engine = pp_engine(tied, schedule)
+        res[f"tied-{schedule}"] = run_case(engine, batch)
+        engine.close()
+    # The data-parallel reference of `pipeline_dp_checks` (same DP split, same micro-batch plans).
+    for name, schedule in DP_CASES:
+        path = untied if name == "untied" else tied
+        local = batch.select(split(2)[rank])
+        engine = TrainEngine(engine_config(path, mb=MicroBatchConfig(n_mbs=n_mbs(schedule)), **SCHEDULE))
+        res[f"d2-{name}"] = {"stats": train_steps(engine, local, 3), "params": full_params(engine)}
+        res[f"d2-{name}"]["logprobs"] = engine.forward_logprobs(local).logprobs
+        engine.close()
+    engine = pp_engine(untied, "I1F1B")
+    res["resume-before"] = train_steps(engine, batch, 2)
+    engine.save_state(out / "state")
+    res["resume-uninterrupted"] = train_steps(engine, batch, 1)[0]
+    engine.close()
+    engine = pp_engine(untied, "I1F1B")
+    engine.load_state(out / "state")
+    res["resume-resumed"] = train_steps(engine, batch, 1)[0]
+    engine.close()
+    return res
+
+
+def pipeline_dp_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
+    """pp=2 x dp=2 (FSDP per stage) at world 4, each DP rank with its share of the batch (the
+    controller's split), untied under 1F1B and tied under ZBV (rank 0 of each pp group holds
+    both copies of the tied weight, each stage its own FSDP unit)."""
+    from tandem.config.parallel_sizes import ParallelSizes
+
+    dp_rank = ParallelSizes(dp=2, pp=2).dp_rank(rank)
+    local = make_batch(512).select(split(2)[dp_rank])
+    res = {}
+    for name, schedule in DP_CASES:
+        path = untied if name == "untied" else tied
+        engine = pp_engine(path, schedule)
+        res[name] = {"stats": train_steps(engine, local, 3), "params": full_params(engine)}
+        res[name]["logprobs"] = engine.forward_logprobs(local).logprobs
+        engine.close()
+    res["split"] = split(2)[dp_rank]
+    return res
+
+
+P2T2_CASES = (("untied", "1F1B"), ("untied", "I1F1B"), ("tied", "ZBV"))  # (model, schedule) at pp=2 x tp=2
+
+
+def p2t2_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
+    """pp=2 x tp=2 at world 4: each stage tensor-parallel (sequence-sharded activations between
+    the stages, loss-parallel head), tied weights under ZBV, export to rank 0."""
+    from tests.train.tp_workers import SCHEDULE as TP_SCHEDULE
+
+    res = {}
+    for name, schedule in P2T2_CASES:
+        engine = pp_engine(untied if name == "untied" else tied, schedule, tp=2, lr_schedule=TP_SCHEDULE)
+        res[name, schedule] = run_case(engine, make_batch(512))
+        engine.close()
+    return res
