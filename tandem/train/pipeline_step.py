@@ -116,6 +116,13 @@ class PipelineRunner:
     def has_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
+    def from_last_stage(self, values: dict[str, float]) -> dict[str, float]:
+        """The last stage's `values` on every rank of the pp group (what only the loss records,
+        e.g. a policy loss's stats, is empty on the other stages). Collective over the pp group."""
+        box: list[dict[str, float] | None] = [values if self.has_last else None]
+        dist.broadcast_object_list(box, src=self._last_rank(), group=self.group)
+        return dict(box[0] or {})
+
     def _last_rank(self) -> int:
         """Global rank of the last stage's rank in this pp group."""
         return dist.get_global_rank(self.group, self.layout.stage_rank(self.layout.n_stages - 1))

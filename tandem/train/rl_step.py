@@ -46,6 +46,8 @@ def ppo_update(
     for part in _minibatches(shard, n_minibatches):
         train_stats.append(engine.train_batch(part, loss, policy_loss_weight, temperature=temperature))
     reduce_stats(loss_stats, engine.dp_group)
+    if engine.pipeline is not None:  # the loss ran on the last stage only
+        loss_stats = engine.pipeline.from_last_stage(loss_stats)
     summary = summarize_stats(loss_stats)
     if fused:
         stats.update(_fused_mismatch(summary))

@@ -55,6 +55,7 @@ def hf_config_for(arch: str, preset: str, special_ids: dict[str, int], overrides
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
         "initializer_range": 0.02,
         # Qwen convention: no BOS is prepended; bos_token_id names the end-of-turn token.
         "bos_token_id": special_ids["eos_token_id"],
