@@ -25,6 +25,7 @@ from torch import nn
 
 from tandem.errors import ConfigError
 from tandem.parallel.config import check_pipeline_options
+from tandem.parallel.tensor_parallel import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +185,6 @@ def tied_weight_groups(mesh_ranks: torch.Tensor, pp_dim: int, first: int, last: 
     return mine
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def sum_tied_grads(copies: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Make every copy of a tied weight hold the SUM of all copies' gradients (Megatron's
@@ -201,13 +196,13 @@ def sum_tied_grads(copies: Sequence[nn.Parameter], group: dist.ProcessGroup | No
     grads = [p.grad for p in copies]
     if any(g is None for g in grads):
         raise RuntimeError("a tied weight copy has no gradient after backward")
-    total = _local(grads[0]).clone()
+    total = local_tensor(grads[0]).clone()
     for g in grads[1:]:
-        total += _local(g)
+        total += local_tensor(g)
     if group is not None:
         dist.all_reduce(total, group=group)
     for g in grads:
-        _local(g).copy_(total)
+        local_tensor(g).copy_(total)
 
 
 def all_reduce_norm(local_norm: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

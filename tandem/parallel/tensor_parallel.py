@@ -113,7 +113,7 @@ def sum_partial_grads(model: nn.Module, info: TensorParallelInfo | None) -> None
     missing = [n for n in info.partial_grad_params if n not in params]
     if missing:
         raise KeyError(f"tensor_parallel.partial_grad_params names no parameter: {missing[:3]}")
-    grads = [_local(params[n].grad) for n in info.partial_grad_params if params[n].grad is not None]
+    grads = [local_tensor(params[n].grad) for n in info.partial_grad_params if params[n].grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -124,6 +124,6 @@ def sum_partial_grads(model: nn.Module, info: TensorParallelInfo | None) -> None
         offset += g.numel()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
-

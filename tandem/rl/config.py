@@ -22,12 +22,11 @@ from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
 from tandem.errors import ConfigError
 from tandem.rl.config_checks import (
-    check_context_parallel_heads,
     check_cpus,
     check_model_dir,
+    check_model_split,
     check_reward_fn,
     check_runnable_algo,
-    check_tensor_parallel_split,
     check_weight_sync,
 )
 from tandem.rollout.config import RolloutConfig
@@ -82,10 +81,8 @@ class ActorConfig(TrainEngineConfig):
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")
-            if comp.sizes.cp > 1:
-                check_context_parallel_heads(self.path, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
-            if comp.sizes.tp > 1:
-                check_tensor_parallel_split(self.path, comp.sizes.tp, f"{prefix}backend={self.backend!r}")
+            if comp.sizes.tp > 1 or comp.sizes.cp > 1:
+                check_model_split(self.path, comp.sizes.tp, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
 
 
 @dataclass

@@ -83,9 +83,12 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str) -> 
                           "use tandem servers (rollout.backend=tandem:dN)")
 
 
-def check_context_parallel_heads(path: str, cp: int, key: str) -> None:
-    """Context parallelism (Ulysses) splits attention heads over the `cp` ranks: the model at
-    `path` (a directory `check_model_dir` accepted) must have query heads that `cp` divides."""
+def check_model_split(path: str, tp: int, cp: int, key: str) -> None:
+    """The model at `path` (a directory `check_model_dir` accepted) splits over the layout: tensor
+    parallelism gives each of the `tp` ranks whole key/value heads with their query heads and a
+    slice of the MLP (tp divides the key/value heads, query heads and intermediate size); context
+    parallelism (Ulysses) splits the query heads over the `cp` ranks. Counts missing from
+    config.json are left to the model loader, which names them."""
     import json
     from pathlib import Path
 
@@ -93,22 +96,13 @@ def check_context_parallel_heads(path: str, cp: int, key: str) -> None:
 
     config = json.loads((Path(path) / "config.json").read_text())
     heads = config.get("num_attention_heads")
-    if isinstance(heads, int) and heads > 0:  # otherwise the model loader names what is missing
-        check_heads(heads, config.get("num_key_value_heads") or heads, cp, key)
-
-
-def check_tensor_parallel_split(path: str, tp: int, key: str) -> None:
-    """Tensor parallelism gives each of the `tp` ranks whole key/value heads with their query heads
-    and a slice of the MLP: the model at `path` (a directory `check_model_dir` accepted) must have
-    key/value heads, query heads and an intermediate size that `tp` divides."""
-    import json
-    from pathlib import Path
-
-    config = json.loads((Path(path) / "config.json").read_text())
-    heads = config.get("num_attention_heads")
-    counts = {"num_key_value_heads": config.get("num_key_value_heads") or heads, "num_attention_heads": heads,
-              "intermediate_size": config.get("intermediate_size")}
-    for name, count in counts.items():
-        if isinstance(count, int) and count > 0 and count % tp:  # otherwise the loader names what is missing
-            raise ConfigError(f"{key}: tensor parallelism splits the model over tp={tp} ranks, and its {name} "
-                              f"({count}) is not divisible by {tp}; choose a tp that divides it")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if cp > 1 and isinstance(heads, int) and heads > 0:
+        check_heads(heads, kv_heads, cp, key)
+    if tp > 1:
+        counts = {"num_key_value_heads": kv_heads, "num_attention_heads": heads,
+                  "intermediate_size": config.get("intermediate_size")}
+        for name, count in counts.items():
+            if isinstance(count, int) and count > 0 and count % tp:
+                raise ConfigError(f"{key}: tensor parallelism splits the model over tp={tp} ranks, and its {name} "
+                                  f"({count}) is not divisible by {tp}; choose a tp that divides it")

@@ -92,28 +92,44 @@ class LRSchedule:
 
 
 @torch.no_grad()
+def grads_by_layout(params: Iterable[torch.nn.Parameter]) -> dict[object, list[torch.nn.Parameter]]:
+    """Parameters with gradients grouped by their gradients' (mesh, placements): a DTensor norm
+    (and a foreach op) works within one layout, and FSDP x TP mixes 2-D and 1-D meshes in one model."""
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    return groups
+
+
+def total_grad_norm(groups: dict[object, list[torch.nn.Parameter]]) -> torch.Tensor:
+    """L2 norm of the gradients of `grads_by_layout` groups (not empty): each group's norm is a
+    DTensor whose `full_tensor()` all-reduces the squares over the shards (counting a replicated
+    value once), so every rank of the groups' meshes gets the same norm."""
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients down to `max_norm` when `total` exceeds it (and `max_norm > 0`)."""
+    if max_norm > 0:
+        for group in grads_by_layout(params).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+
+
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (over every shard on every rank); scales them down to
     `max_norm` when it is exceeded and `max_norm > 0`. Returns the norm before clipping.
 
     With FSDP / tensor parallelism the grads are DTensors, possibly on different meshes and with
-    different placements in one model (FSDP `Shard` x TP `Shard` / `Replicate` on a 2-D mesh, a
-    plain FSDP-sharded norm on the 1-D data-parallel mesh, ...). They are grouped by (mesh,
-    placements); each group's norm is a DTensor whose `full_tensor()` all-reduces the squares over
-    the shards (and counts a replicated value once), so every rank gets the true global norm."""
+    different placements in one model (see `grads_by_layout`, `total_grad_norm`)."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    groups: dict[object, list[torch.nn.Parameter]] = {}
-    for p in params:
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
-    if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    total = total_grad_norm(grads_by_layout(params))
+    clip_grads(params, max_norm, total)
     return total

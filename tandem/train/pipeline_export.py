@@ -61,6 +61,14 @@ def _buckets(plan: list[ExportEntry], bucket_bytes: int, dtype: torch.dtype | No
     return out
 
 
+def _receive_buffers(alloc: Alloc | None, names: list[str], shapes: list[torch.Size], dtype: torch.dtype,
+                     device: torch.device) -> list[torch.Tensor]:
+    """Where a bucket another rank sends arrives: the caller's tensors (`alloc`), or new ones."""
+    meta = [torch.empty(s, device="meta") for s in shapes]
+    return _destinations(alloc, names, meta, dtype, device) or [torch.empty(s, dtype=dtype, device=device)
+                                                                 for s in shapes]
+
+
 def _peer_of(mesh: DeviceMesh, rank: int, pp_rank: int) -> int:
     """The global rank at pipeline position `pp_rank` in global `rank`'s pipeline group."""
     ranks = mesh.mesh
@@ -95,8 +103,7 @@ def iter_pipeline_buckets(model: nn.Module, plan: list[ExportEntry], mesh: Devic
                 got = gather_bucket(mine, dtype, scratch, alloc, None)
                 tensors = [t for _, t in got]
             else:
-                tensors = _destinations(alloc, names, [torch.empty(s, device="meta") for s in shapes], out_dtype,
-                                        device) or [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+                tensors = _receive_buffers(alloc, names, shapes, out_dtype, device)
             for t in tensors:
                 dist.broadcast(t, src=dist.get_global_rank(group, owner), group=group)
             yield list(zip(names, tensors, strict=True))
@@ -110,8 +117,7 @@ def iter_pipeline_buckets(model: nn.Module, plan: list[ExportEntry], mesh: Devic
                 got = []
             yield got
         elif me == dst:
-            tensors = _destinations(alloc, names, [torch.empty(s, device="meta") for s in shapes], out_dtype,
-                                    device) or [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+            tensors = _receive_buffers(alloc, names, shapes, out_dtype, device)
             for t in tensors:
                 dist.recv(t, src=sender)
             yield list(zip(names, tensors, strict=True))

@@ -13,7 +13,7 @@ communication beyond the schedule's own).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 
 from tandem.parallel import ParallelDims, ParallelizeConfig, fsdp_units
 from tandem.parallel.pipeline import (
@@ -39,6 +38,7 @@ from tandem.train.batch import MicroBatch
 from tandem.train.config import MicroBatchConfig
 from tandem.train.logprobs import next_token_outputs
 from tandem.train.losses import LossFn
+from tandem.train.optim import clip_grads, grads_by_layout, total_grad_norm
 
 
 def _lcm(a: int, b: int) -> int:
@@ -244,25 +244,9 @@ class PipelineRunner:
         """Tied gradients summed, then the global L2 norm over every stage and shard; gradients
         scaled down to `max_norm` when it is exceeded (and `max_norm > 0`). Returns the norm."""
         self.sync_tied()
-        counted = _by_layout(self.norm_parameters())
-        norms = []
-        for group in counted.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
-            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(self.device, torch.float32))
-        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.device)
+        counted = grads_by_layout(self.norm_parameters())
+        local = (total_grad_norm(counted).to(self.device, torch.float32) if counted
+                 else torch.zeros((), device=self.device))
         total = all_reduce_norm(local, self.group)
-        if max_norm > 0:
-            for group in _by_layout(self.model.parameters()).values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        clip_grads(self.model.parameters(), max_norm, total)
         return total
-
-
-def _by_layout(params: Iterable[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
-    """Parameters with gradients grouped by their gradients' (mesh, placements): a DTensor norm
-    (and a foreach op) works within one layout; FSDP x TP mixes 2-D and 1-D meshes in one model."""
-    groups: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    return groups

@@ -80,8 +80,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
     the key/value heads (each rank must own whole KV heads with their query heads)."""
     tp = tp_mesh.size()
     args = model.args
-    check_divides(tp, **{"num_key_value_heads": args.n_kv_heads, "num_attention_heads": args.n_heads})
-    check_divides(tp, intermediate_size=args.intermediate_size)
+    check_divides(tp, num_key_value_heads=args.n_kv_heads, num_attention_heads=args.n_heads,
+                  intermediate_size=args.intermediate_size)
     if args.o_bias:
         raise NotImplementedError("tensor parallelism of a Qwen model with an output-projection bias "
                                   "(attention_bias with Qwen3) is not implemented")
