@@ -9,6 +9,7 @@ Typical use:
 
 # Importing a family registers its ModelSpec.
 from tandem.models import qwen as qwen
+from tandem.models import qwen3_moe as qwen3_moe
 from tandem.models.hf_checkpoint import read_hf_config
 from tandem.models.loader import build_model, config_dtype, load_hf_weights, load_model, save_model
 from tandem.models.registry import ModelSpec, get_model_spec, register_model_spec, supported_model_types

@@ -73,25 +73,28 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     parameter must be filled, every tensor used (bar known-harmless ones), shapes must match."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding name
-    plan: dict[str, str] = {}
+    wanted = {piece: name for name, p in params.items() for piece in adapter.pieces(name, p.shape)}
+    plan: dict[str, tuple[str, int | None]] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
     for hf_name, (shape, file) in read_tensor_shapes(path).items():
         try:
-            native = adapter.hf_to_native(hf_name)
+            piece = adapter.hf_to_piece(hf_name)
         except CheckpointError:
             unexpected.append(hf_name)
             continue
-        if native is None:
+        if piece is None:
             continue
-        if native not in params:
+        native, index = piece
+        if native not in params or (hf_name, index) not in wanted:
             unexpected.append(hf_name)
-        elif tuple(params[native].shape) != shape:
-            expected = tuple(params[native].shape)
+            continue
+        expected = tuple(params[native].shape if index is None else params[native].shape[1:])
+        if expected != shape:
             mismatched.append(f"{hf_name} (expected {expected}, got {shape} in {file.name})")
         else:
-            plan[hf_name] = native
-    missing = sorted(adapter.native_to_hf(n) for n in params.keys() - set(plan.values()))
+            plan[hf_name] = piece
+    missing = sorted(hf for hf, _ in wanted.keys() - {(hf, index) for hf, (_, index) in plan.items()})
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
@@ -105,7 +108,8 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
             + " | ".join(problems)
         )
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        params[plan[hf_name]].copy_(tensor)
+        native, index = plan[hf_name]
+        (params[native] if index is None else params[native][index]).copy_(tensor)
     model.tie_weights()
 
 

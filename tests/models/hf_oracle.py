@@ -50,6 +50,15 @@ CASES = [
     Case("qwen2-tied-mqa-theta1e6", "qwen2", 100, 48, 1, 6, 1, tie=True, rope_theta=1e6),
     Case("qwen2-mha-3layers", "qwen2", 256, 32, 3, 2, 2, tie=False),
     Case("qwen2-tied-gqa-hd12", "qwen2", 700, 32, 2, 4, 2, tie=True, head_dim=12, rope_theta=2e4),
+    # Qwen3-MoE: renormalised top-k or not, dense layers among the MoE ones, tied and untied.
+    Case("qwen3moe-tied-norm-8x2", "qwen3_moe", 200, 32, 2, 4, 2, tie=True,
+         extra={"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True}),
+    Case("qwen3moe-untied-raw-6x3-mlp-only", "qwen3_moe", 300, 48, 3, 4, 2, tie=False, head_dim=16,
+         extra={"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "norm_topk_prob": False,
+                "mlp_only_layers": [1]}),
+    Case("qwen3moe-untied-norm-step2-4x1", "qwen3_moe", 128, 32, 4, 4, 4, tie=False,
+         extra={"num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 8, "norm_topk_prob": True,
+                "decoder_sparse_step": 2, "attention_bias": True}),
 ]
 
 

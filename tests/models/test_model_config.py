@@ -64,6 +64,7 @@ def test_registry():
     spec = get_model_spec("qwen3")
     assert spec.hf_architecture(_args("qwen3")) == "Qwen3ForCausalLM"
     assert spec.hf_architecture(_args("qwen2")) == "Qwen2ForCausalLM"
-    with pytest.raises(ModelConfigError, match=r"'qwen3_moe'.*supported: qwen2, qwen3"):
-        get_model_spec("qwen3_moe")
+    assert get_model_spec("qwen3_moe").name == "qwen3_moe"
+    with pytest.raises(ModelConfigError, match=r"'llama'.*supported: qwen2, qwen3, qwen3_moe"):
+        get_model_spec("llama")
     assert spec.parallelize is parallelize_qwen

@@ -11,6 +11,7 @@ import transformers
 from safetensors import safe_open
 
 from tandem.models import load_model, save_model
+from tandem.models.common import Routing
 from tandem.models.hf_checkpoint import INDEX_NAME, SINGLE_FILE_NAME, iter_hf_tensors
 from tests.models.hf_oracle import CASES, Case, hf_padded_logits, make_hf_model, pack, random_sequences
 
@@ -75,7 +76,7 @@ def test_hf_round_trip_is_bit_exact_and_loads_in_transformers(case, tmp_path):
         assert torch.equal(saved[name], tensor), name
     assert ("lm_head.weight" in saved) == (not spec.tie)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [f"{spec.model_type.capitalize()}ForCausalLM"]
+    assert config["architectures"] == [type(hf_model).__name__]
     assert config["model_type"] == spec.model_type and config["dtype"] == "float32"
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -113,7 +114,11 @@ def test_bf16_load_is_close_to_fp32_and_to_hf_bf16(case):
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
     assert load_model(path, dtype=None).tok_embeddings.weight.dtype == torch.float32  # config dtype
     seqs = random_sequences(spec.vocab_size, LENGTHS, seed=4)
-    want, got = fp32(*pack(seqs)), bf16(*pack(seqs))
+    # MoE: bf16 round-off flips some top-k choices, and a flipped expert moves a logit by far more
+    # than round-off; the bf16 forward replays fp32's routes so that only precision is compared.
+    routes = Routing(record=True)
+    want = fp32(*pack(seqs), routing=routes)
+    got = bf16(*pack(seqs), routing=Routing(replay=routes.recorded))
     assert got.dtype == torch.bfloat16
     diff = (got.float() - want).abs().max().item()
     scale = want.abs().max().item()

@@ -2,11 +2,17 @@
 
 from tandem.models.common.attention import packed_causal_attention, packed_document_mask
 from tandem.models.common.mlp import SwiGLU
+from tandem.models.common.moe import GroupedExperts, MoE, Routing, grouped_swiglu, load_balancing_loss
 from tandem.models.common.norm import RMSNorm
 from tandem.models.common.packing import positions_from_cu_seqlens, sequence_ids
 from tandem.models.common.rope import RotaryEmbedding, apply_rotary_emb
 
 __all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Routing",
+    "grouped_swiglu",
+    "load_balancing_loss",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLU",

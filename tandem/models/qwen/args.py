@@ -44,33 +44,11 @@ class QwenArgs:
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ModelConfigError(f"model_type {model_type!r} is not a Qwen dense type {MODEL_TYPES}")
-        for key in _REQUIRED:
-            if cfg.get(key) is None:
-                raise ModelConfigError(f"config.json for {model_type} lacks required key {key!r}")
-        _check_supported(cfg)
-        n_heads = int(cfg["num_attention_heads"])
-        default_head_dim = _QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else cfg["hidden_size"] // n_heads
-        is_qwen3 = model_type == "qwen3"
-        attention_bias = bool(cfg.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            dim=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or default_head_dim),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and none on o; Qwen3's `attention_bias` covers q/k/v/o.
-            qkv_bias=attention_bias if is_qwen3 else True,
-            o_bias=attention_bias if is_qwen3 else False,
-            qk_norm=is_qwen3,
-            max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
-            initializer_range=float(cfg.get("initializer_range", 0.02)),
-        )
+        return cls(**qwen_fields(cfg, default_head_dim=_QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else None))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a mixture of experts instead of a dense feed-forward."""
+        return False
 
     def to_hf_config(self) -> dict[str, Any]:
         """A minimal HF config for a model built from args alone (no source config.json)."""
@@ -91,9 +69,41 @@ class QwenArgs:
             "initializer_range": self.initializer_range,
             "use_sliding_window": False,
         }
-        if self.model_type == "qwen3":
+        if self.model_type != "qwen2":
             cfg["attention_bias"] = self.qkv_bias
         return cfg
+
+
+def qwen_fields(cfg: dict[str, Any], default_head_dim: int | None = None) -> dict[str, Any]:
+    """The `QwenArgs` fields of an HF config of any Qwen decoder (dense or MoE); `default_head_dim`
+    when the config has no `head_dim` (None: hidden_size / num_attention_heads)."""
+    model_type = cfg["model_type"]
+    for key in _REQUIRED:
+        if cfg.get(key) is None:
+            raise ModelConfigError(f"config.json for {model_type} lacks required key {key!r}")
+    _check_supported(cfg)
+    n_heads = int(cfg["num_attention_heads"])
+    is_qwen2 = model_type == "qwen2"
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        dim=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or default_head_dim or cfg["hidden_size"] // n_heads),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and none on o; Qwen3's `attention_bias` covers q/k/v/o.
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        qk_norm=not is_qwen2,
+        max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+    )
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:

@@ -14,7 +14,10 @@ import torch
 from torch import nn
 
 from tandem.models.common import (
+    GroupedExperts,
+    MoE,
     RMSNorm,
+    Routing,
     RotaryEmbedding,
     SwiGLU,
     apply_rotary_emb,
@@ -76,12 +79,21 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: QwenArgs):
+    """Attention then a feed-forward: dense (`feed_forward`) or, where `args.is_moe_layer(layer)`,
+    a mixture of experts (`moe`); the other attribute is None."""
+
+    def __init__(self, args: QwenArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = SwiGLU(args.dim, args.intermediate_size)
+        self.feed_forward: SwiGLU | None = None
+        self.moe: MoE | None = None
+        if args.is_moe_layer(layer):
+            self.moe = MoE(layer, args.dim, args.moe_intermediate_size, args.num_experts,
+                           args.num_experts_per_tok, args.norm_topk_prob)
+        else:
+            self.feed_forward = SwiGLU(args.dim, args.intermediate_size)
 
     def forward(
         self,
@@ -89,8 +101,11 @@ class TransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         cu_seqlens: torch.Tensor,
         attn: LayerAttention | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, cu_seqlens, attn)
+        if self.moe is not None:
+            return h + self.moe(self.ffn_norm(h), routing)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -104,7 +119,7 @@ class QwenModel(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
         # A ModuleDict keyed by str(i), so pipeline stages can delete layers and keep the others' names.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -137,11 +152,14 @@ class QwenModel(nn.Module):
         cu_seqlens: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn: AttentionBackend | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """`[T]` token ids -> `[T, dim]` final-normed hidden states.
 
         `attn` (inference) replaces packed causal attention in every layer; it is called with the
         layer's index, so pass `positions` too when the tokens do not start at position 0.
+        `routing` (MoE layers): records or replays the experts each token is routed to; its
+        tensors have one row per token of `input_ids` (see `tandem.models.common.Routing`).
         """
         num_tokens = input_ids.shape[0]
         pad = -num_tokens % self.token_multiple
@@ -154,7 +172,7 @@ class QwenModel(nn.Module):
         h = self.tok_embeddings(input_ids)
         rope = self.rope(positions, h.dtype)
         for key, layer in self.layers.items():
-            h = layer(h, rope, cu_seqlens, None if attn is None else partial(attn, int(key)))
+            h = layer(h, rope, cu_seqlens, None if attn is None else partial(attn, int(key)), routing)
         h = self.norm(h)
         return h[:num_tokens] if pad else h
 
@@ -169,9 +187,10 @@ class QwenModel(nn.Module):
         cu_seqlens: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn: AttentionBackend | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """`[T]` token ids of packed sequences -> `[T, vocab]` logits (model dtype)."""
-        return self.logits_from_hidden(self.hidden_states(input_ids, cu_seqlens, positions, attn))
+        return self.logits_from_hidden(self.hidden_states(input_ids, cu_seqlens, positions, attn, routing))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -191,3 +210,6 @@ class QwenModel(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            elif isinstance(module, GroupedExperts):
+                for weight in (module.w1, module.w2, module.w3):
+                    weight.normal_(0.0, std, generator=generator)

@@ -12,6 +12,7 @@ import torch
 
 from tandem.errors import CheckpointError
 from tandem.models.qwen.args import QwenArgs
+from tandem.models.state_dict_adapter import StateDictAdapter
 
 # HF suffix inside `model.layers.{i}.` -> native suffix inside `layers.{i}.`
 _LAYER_NAMES = {
@@ -40,7 +41,7 @@ _NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HARMLESS = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
-class QwenStateDictAdapter:
+class QwenStateDictAdapter(StateDictAdapter):
     def __init__(self, args: QwenArgs):
         self.args = args
 
@@ -71,17 +72,8 @@ class QwenStateDictAdapter:
             return f"model.layers.{match.group(1)}.{_NATIVE_LAYER_NAMES[match.group(2)]}"
         raise KeyError(f"no HF name for native parameter {name!r}")
 
-    def to_hf(self, native_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tied models drop `output.weight`: HF files store the shared tensor once, as the embedding."""
-        return {
-            self.native_to_hf(name): tensor
-            for name, tensor in native_sd.items()
-            if not (name == "output.weight" and self.args.tie_word_embeddings)
-        }
-
-    def from_hf(self, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        native: dict[str, torch.Tensor] = {}
-        for name, tensor in hf_sd.items():
-            if (native_name := self.hf_to_native(name)) is not None:
-                native[native_name] = tensor
-        return native
+    def pieces(self, native_name: str, shape: torch.Size | tuple[int, ...]) -> list[tuple[str, int | None]]:
+        """Tied models have no `lm_head.weight` piece: HF files store the shared tensor once."""
+        if native_name == "output.weight" and self.args.tie_word_embeddings:
+            return []
+        return super().pieces(native_name, shape)

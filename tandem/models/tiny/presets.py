@@ -33,7 +33,10 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(2048, 256, 4, 4, 2, 64, 512),
     "medium": Preset(8192, 512, 6, 8, 4, 64, 1536),
 }
-ARCHES = ("qwen3", "qwen2")
+ARCHES = ("qwen3", "qwen2", "qwen3_moe")
+# What a qwen3_moe model of a preset adds: 8 experts, 2 per token, each a quarter of the dense
+# feed-forward's width (Qwen3-30B-A3B's proportions are 128 experts, 8 per token, 768 of 6144).
+MOE_PRESET = {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}
 
 
 def get_preset(name: str) -> Preset:
@@ -46,7 +49,7 @@ def hf_config_for(arch: str, preset: str, special_ids: dict[str, int], overrides
     """A complete `config.json` dict, written by transformers' own config class for `arch`;
     `overrides` replaces preset values or defaults (e.g. `{"num_hidden_layers": 4,
     "tie_word_embeddings": False}`)."""
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch not in ARCHES:
         raise ModelConfigError(f"arch {arch!r} is not supported; choose one of {', '.join(ARCHES)}")
@@ -61,9 +64,11 @@ def hf_config_for(arch: str, preset: str, special_ids: dict[str, int], overrides
         "bos_token_id": special_ids["eos_token_id"],
         "eos_token_id": special_ids["eos_token_id"],
         "pad_token_id": special_ids["pad_token_id"],
-        **(overrides or {}),
     }
-    config_cls = Qwen3Config if arch == "qwen3" else Qwen2Config
+    if arch == "qwen3_moe":
+        values.update(MOE_PRESET, moe_intermediate_size=values["intermediate_size"] // 4)
+    values.update(overrides or {})
+    config_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     config = config_cls(**values)
     # The diff against the class defaults, as `save_pretrained` writes it: real checkpoints look so.
     return config.to_diff_dict()
