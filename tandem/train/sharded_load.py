@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tandem.errors import CheckpointError
 from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
+from tandem.train.weight_export import piece_shape
 
 
 def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -41,28 +42,43 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
     wanted: dict[str, list[str]] = {}
     for native, source in sources.items():
         wanted.setdefault(source, []).append(native)
-    plan: dict[str, list[str]] = {}
+    pieces = {piece: native for native in wanted for piece in adapter.pieces(native, params[wanted[native][0]].shape)}
+    plan: dict[str, tuple[list[str], int | None]] = {}
     problems: list[str] = []
     for hf_name, (shape, file) in read_tensor_shapes(path).items():
         try:
-            native = adapter.hf_to_native(hf_name)
+            piece = adapter.hf_to_piece(hf_name)
         except CheckpointError:
-            native = ""
-        if native is None:
+            piece = ("", None)
+        if piece is None:
             continue
-        if native not in wanted:
+        native, index = piece
+        if native not in wanted or (hf_name, index) not in pieces:
             if not partial:
                 problems.append(f"unexpected tensor {hf_name}")
             continue
-        bad = [n for n in wanted[native] if tuple(params[n].shape) != shape]
+        bad = [n for n in wanted[native] if tuple(piece_shape(params[n].shape, index)) != shape]
         if bad:
-            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[bad[0]].shape)}")
+            expected = tuple(piece_shape(params[bad[0]].shape, index))
+            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
-            plan[hf_name] = wanted[native]
-    filled = {n for names in plan.values() for n in names}
-    problems += [f"missing tensor {adapter.native_to_hf(sources[n])}" for n in sorted(params.keys() - filled)]
+            plan[hf_name] = (wanted[native], index)
+    got = {(hf_name, index) for hf_name, (_, index) in plan.items()}
+    problems += [f"missing tensor {hf}" for hf, index in sorted(pieces.keys() - got, key=lambda p: p[0])]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
+    # A stacked parameter (several HF pieces) is assembled whole, then distributed like any other.
+    left = {n: sum(1 for piece_native in pieces.values() if piece_native == n) for n in wanted}
+    stacks: dict[str, torch.Tensor] = {}
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        for native in plan[hf_name]:
+        natives, index = plan[hf_name]
+        source = sources[natives[0]]
+        if index is not None:
+            stack = stacks.setdefault(source, torch.empty(params[natives[0]].shape, dtype=tensor.dtype))
+            stack[index].copy_(tensor)
+            left[source] -= 1
+            if left[source]:
+                continue
+            tensor = stacks.pop(source)
+        for native in natives:
             _load_into(params[native], tensor)
