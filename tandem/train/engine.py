@@ -266,9 +266,9 @@ class TrainEngine:
             return self.pipeline.export_buckets(self.mesh, bucket_bytes, dtype or self.param_dtype, alloc, dst)
         return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
 
-    def local_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """Every parameter whole and uncast when this rank holds them all (a world of one), else
-        None (see `tandem.weights.source.WeightSource`)."""
+    def local_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """Every parameter whole and uncast, as its HF pieces, when this rank holds them all (a
+        world of one), else None (see `tandem.weights.source.WeightSource`)."""
         return local_parameters(self.model) if self.pipeline is None else None
 
     def num_parameters(self) -> int:

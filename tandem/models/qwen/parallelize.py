@@ -14,13 +14,14 @@ Order (fixed; each step assumes the previous ones):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dataclasses import replace
-
 from tandem.config.alloc import TRAINER_DIMS_PENDING
+from tandem.errors import ConfigError
 from tandem.models.qwen.expert_plan import apply_expert_parallel, check_expert_layout
 from tandem.models.qwen.tensor_plan import apply_tensor_parallel
 from tandem.parallel import (
@@ -30,7 +31,6 @@ from tandem.parallel import (
     apply_compile,
     apply_fsdp,
 )
-from tandem.errors import ConfigError
 from tandem.parallel.context_parallel import check_heads
 
 
