@@ -68,3 +68,22 @@ def dispatch_worker(rank: int, world_size: int) -> dict[str, float]:
         diffs["w_grad"] = max(diffs["w_grad"], (shard.grad - full.grad[mine]).abs().max().item())
     diffs["w_grad_norm"] = sum(float(s.grad.norm()) for s in shards)
     return diffs
+
+
+def layout_worker(rank: int, world_size: int, model_dir: str, backend: str) -> dict:
+    """The expert layout a TrainEngine builds for `backend` on this rank: the log line, the
+    local shape and placements of one expert weight and whether its `full_tensor()` is the
+    checkpoint's stacked weight."""
+    from tandem.config.alloc import parse_allocation
+    from tandem.models import load_model
+    from tandem.train.config import TrainEngineConfig
+    from tandem.train.engine import TrainEngine
+
+    sizes = parse_allocation(backend).components[0].sizes
+    engine = TrainEngine(TrainEngineConfig(path=model_dir, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp, ep=sizes.ep,
+                                           etp=sizes.etp))
+    w1 = dict(engine.model.named_parameters())["layers.0.moe.experts.w1"]
+    full = w1.full_tensor()
+    reference = load_model(model_dir).layers["0"].moe.experts.w1
+    return {"describe": engine.parallel_dims.describe(), "local": tuple(w1.to_local().shape),
+            "placements": str(w1.placements), "full_equal": bool(torch.equal(full, reference))}

@@ -26,6 +26,8 @@ LAYOUTS = {  # name -> actor.backend
     "hybrid-d2|e2": "archon:(attn:d2|ffn:e2)",
     "hybrid-d2t2|e2t2": "archon:(attn:d2t2|ffn:e2t2)",
     "d2t2e2": "archon:d2t2e2",
+    "d2p2e2": "archon:d2p2e2",
+    "d4e2": "archon:d4e2",
 }
 
 
