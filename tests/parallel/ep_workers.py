@@ -70,20 +70,33 @@ def dispatch_worker(rank: int, world_size: int) -> dict[str, float]:
     return diffs
 
 
-def layout_worker(rank: int, world_size: int, model_dir: str, backend: str) -> dict:
+def layout_worker(rank: int, world_size: int, model_dir: str, out_dir: str, backend: str) -> dict:
     """The expert layout a TrainEngine builds for `backend` on this rank: the log line, the
     local shape and placements of one expert weight and whether its `full_tensor()` is the
-    checkpoint's stacked weight."""
+    checkpoint's stacked weight; then 3 training steps with a DCP state saved after 2, and step 3
+    again from that state in a new engine."""
     from tandem.config.alloc import parse_allocation
     from tandem.models import load_model
-    from tandem.train.config import TrainEngineConfig
     from tandem.train.engine import TrainEngine
+    from tests.train.helpers import engine_config, make_batch, train_steps
 
     sizes = parse_allocation(backend).components[0].sizes
-    engine = TrainEngine(TrainEngineConfig(path=model_dir, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp, ep=sizes.ep,
-                                           etp=sizes.etp))
+    config = dict(path=model_dir, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp, ep=sizes.ep, etp=sizes.etp)
+    engine = TrainEngine(engine_config(**config))
     w1 = dict(engine.model.named_parameters())["layers.0.moe.experts.w1"]
     full = w1.full_tensor()
     reference = load_model(model_dir).layers["0"].moe.experts.w1
-    return {"describe": engine.parallel_dims.describe(), "local": tuple(w1.to_local().shape),
-            "placements": str(w1.placements), "full_equal": bool(torch.equal(full, reference))}
+    res = {"describe": engine.parallel_dims.describe(), "local": tuple(w1.to_local().shape),
+           "placements": str(w1.placements), "full_equal": bool(torch.equal(full, reference))}
+    batch = make_batch(512)
+    local = batch.select(list(range(rank, len(batch), world_size)))  # this data-parallel rank's shard
+    res["stats"] = train_steps(engine, local, 2)
+    engine.save_state(f"{out_dir}/state")
+    res["stats"] += train_steps(engine, local, 1)
+    engine.close()
+    resumed = TrainEngine(engine_config(**config))
+    resumed.load_state(f"{out_dir}/state")
+    res["resumed"] = train_steps(resumed, local, 1)[0]
+    resumed.close()
+    return res
+
