@@ -147,3 +147,20 @@ def test_train_refuses_before_creating_anything(tmp_path, model_dir, args, fragm
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
     assert took < 5
+
+
+def test_expert_layout_checked_against_the_model(tmp_path, model_dir):
+    """`e` needs a MoE model whose experts it divides; etp must divide its moe_intermediate_size."""
+    with pytest.raises(ConfigError, match=r"actor.backend='archon:d2e2': expert parallelism \(ep=2, etp=1\) needs "
+                                          r"a mixture-of-experts model"):
+        load_run_config(None, [f"actor.path={model_dir}", "actor.backend=archon:d2e2"])
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "num_experts": 6, "moe_intermediate_size": 6}))
+    (moe / "model.safetensors").write_bytes(b"")
+    load_run_config(None, [f"actor.path={moe}", "actor.backend=archon:d2e2"])
+    with pytest.raises(ConfigError, match=r"num_experts \(6\) is not divisible by the expert layout's 4"):
+        load_run_config(None, [f"actor.path={moe}", "actor.backend=archon:d4e4"])
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(6\) is not divisible by the expert layout's 4"):
+        load_run_config(None, [f"actor.path={moe}", "actor.backend=archon:(attn:d1t4|ffn:e1t4)"])

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
+from tandem.errors import ConfigError
 from tandem.models.common.moe import GroupedExperts, Routing, grouped_swiglu
 from tandem.parallel.expert_parallel import expert_parallel_dispatch, gather_tokens, reduce_scatter_tokens
 from tandem.parallel.tensor_parallel import check_divides, local_tensor
@@ -39,8 +40,6 @@ _HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
 
 def check_expert_layout(args, ep: int, etp: int) -> None:
     """Raise `ConfigError` unless ep divides the experts and etp their hidden size."""
-    from tandem.errors import ConfigError
-
     if args.num_experts % ep:
         raise ConfigError(f"expert parallel size ep={ep} must divide the model's num_experts ({args.num_experts}): "
                           f"choose an 'e' of actor.backend that divides it")
