@@ -1,6 +1,9 @@
 """`tandem sft` of a tiny untied Qwen3-MoE under expert-parallel layouts equals `archon:d1`, as a
 user runs it: per-step loss within 1e-5 and grad norm within 1e-4 (relative), and the saved HF
 weights within 1e-5 (3 steps of 8 sequences; 8 experts, top-2, one dense layer among the MoE ones).
+Layouts: plain and hybrid EP, ETP over the attention's TP pair, whole experts per TP rank (etp=1),
+EP inside pipeline stages, experts FSDP-sharded over two ranks each (d4e2: edp=2), EP over the
+context-parallel pair.
 
 Same settings as tests/rl/test_parallel_sft.py (4 micro-batches per data-parallel rank, Adam eps
 1e-6; see there why).
@@ -28,6 +31,7 @@ LAYOUTS = {  # name -> actor.backend
     "d2t2e2": "archon:d2t2e2",
     "d2p2e2": "archon:d2p2e2",
     "d4e2": "archon:d4e2",
+    "c2e2": "archon:c2e2",
 }
 
 
