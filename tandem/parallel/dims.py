@@ -12,8 +12,10 @@ must divide ep). The experts' other copies, `edp = world / (ep * etp * pp)` of t
 `dp_replicate x dp_shard_mod_ep` ranks (FSDP shards the experts over those, the expert FSDP
 mesh) times the tp ranks when etp == 1 (each TP rank then runs the MoE on its own sequence
 shard with whole experts; their gradients are summed over the TP group like other partial
-gradients). With etp == tp the experts are tensor-parallel over the attention's TP group. Which dims a model family can apply is its
-`parallelize` function's business (it refuses the others by name).
+gradients). With etp == tp the experts are tensor-parallel over the attention's TP group.
+
+Which dims a model family can apply is its `parallelize` function's business (it refuses the
+others by name).
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A mesh over all ranks with a named dim for every size > 1 (`dp_shard` always, so
         FSDP has a mesh even on one rank), plus the flattened dims the layout needs: `dp`
-        (dp_replicate x dp_shard) when HSDP replicates, `dp_shard_cp` when cp > 1. Needs an
+        (dp_replicate x dp_shard) when HSDP replicates, `dp_shard_cp` when cp > 1; under expert
+        parallelism `dp_shard` is flattened from `dp_shard_mod_ep x dp_shard_in_ep`, and `ep` from
+        `dp_shard_in_ep x cp` when cp > 1. Needs an
         initialised default process group; every rank must call it (it is collective)."""
         dims = [(n, s) for n, s in self.mesh_sizes().items() if s > 1 or n == "dp_shard"]
         if self.ep_enabled:  # dp_shard as dp_shard_mod_ep x dp_shard_in_ep (both kept, even of size 1)
@@ -174,11 +178,15 @@ class ParallelDims:
         """The pipeline-parallel submesh, or None without pipeline parallelism."""
         return self._submesh(mesh, "pp")
 
-    def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
-        """The 1-D mesh the experts are split over (`dp_shard_in_ep x cp`), or None without EP."""
+    def _ep_dim(self) -> str | None:
         if not self.ep_enabled:
             return None
-        return mesh["ep"] if self.sizes.cp > 1 else mesh["dp_shard_in_ep"]
+        return "ep" if self.sizes.cp > 1 else "dp_shard_in_ep"
+
+    def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The 1-D mesh the experts are split over (`dp_shard_in_ep x cp`), or None without EP."""
+        ep = self._ep_dim()
+        return None if ep is None else mesh[ep]
 
     def etp_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The mesh each expert's hidden units are split over (the TP mesh), or None when etp == 1."""
@@ -187,7 +195,7 @@ class ParallelDims:
     def experts_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The mesh expert weights are DTensors on: `(ep, tp)` with EP and ETP, the ep or the TP
         mesh with one of them, None with neither."""
-        ep = None if not self.ep_enabled else ("ep" if self.sizes.cp > 1 else "dp_shard_in_ep")
+        ep = self._ep_dim()
         if ep is not None and self.etp_enabled:
             return mesh[ep, "tp"]
         return mesh[ep] if ep is not None else self.etp_mesh(mesh)
