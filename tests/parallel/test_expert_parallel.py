@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tandem.models.tiny import init_model
+from tandem.train import TrainEngine
 from tests.distributed import run_distributed
 from tests.parallel import ep_workers
+from tests.train.helpers import engine_config, make_batch, rel_diff, train_steps
 
 
 def test_dispatch_with_uneven_and_empty_splits_equals_plain_layer():
@@ -25,7 +27,7 @@ def moe_model(tmp_path_factory):
 def test_engine_expert_layout_and_resume(tmp_path, moe_model):
     """d2e2: each rank holds 4 of the 8 experts (Shard(0) over ep; the expert FSDP mesh has size 1),
     `full_tensor()` gathers the checkpoint's stacked weight, and a DCP state of the EP engine
-    resumes exactly."""
+    resumes exactly, and at d1 (DCP reshards the experts) to the same step."""
     results = run_distributed(ep_workers.layout_worker, world_size=2,
                               args=(str(moe_model), str(tmp_path), "archon:d2e2"))
     for result in results:
@@ -34,4 +36,10 @@ def test_engine_expert_layout_and_resume(tmp_path, moe_model):
         assert "Shard(dim=0)" in result["placements"]
         assert result["resumed"]["loss"] == result["stats"][2]["loss"]
         assert result["resumed"]["grad_norm"] == result["stats"][2]["grad_norm"]
+    engine = TrainEngine(engine_config(str(moe_model)))
+    engine.load_state(tmp_path / "state")
+    step = train_steps(engine, make_batch(512), 1)[0]
+    engine.close()
+    assert rel_diff(step["loss"], results[0]["stats"][2]["loss"]) <= 1e-6
+    assert rel_diff(step["grad_norm"], results[0]["stats"][2]["grad_norm"]) <= 1e-5
 
