@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tandem.errors import CheckpointError
 from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
-from tandem.train.weight_export import piece_shape
+from tandem.models.state_dict_adapter import piece_shape
 
 
 def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
