@@ -24,7 +24,15 @@ from tests.distributed import run_distributed
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import request
 from tests.train.helpers import engine_config, full_params, make_batch, weighted_loss
-from tests.weights.common import NEW, PROMPTS, expected_checksums, greedy_reference, load_into, start_server
+from tests.weights.common import (
+    NEW,
+    PROMPTS,
+    expected_checksums,
+    greedy_reference,
+    load_into,
+    mapped_segments,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 Q = {"qwen3": "model.layers.0.mlp.down_proj.weight", "qwen3_moe": "model.layers.1.mlp.experts.5.down_proj.weight"}
@@ -124,6 +132,9 @@ def test_updates_reach_every_server_exactly(setup, world, tmp_path):
         # At world size 2 every bucket is all-gathered straight into its send memory (flat buffer
         # or shm segment); at world size 1 the parameters are cast into it (no gather).
         assert r["in_place"] == (r["buckets"] if world == 2 and r["kind"] != "disk" else 0), (label, r)
+    # The last update (shm) is served zero-copy: every parameter, expert stacks included (one view
+    # over their back-to-back pieces), was rebound to the segment, which the servers still map.
+    assert all(mapped_segments(s.pid) for s in servers), arch
     # Disk: only the newest acknowledged copy stays.
     assert sorted(p.name for p in (tmp_path / "versions").iterdir()) == [f"v{first:08d}"]
     assert not math.isnan(rows[-1]["lp_vs_trainer"])
