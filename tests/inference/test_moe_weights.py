@@ -96,3 +96,22 @@ def test_back_to_back_pieces_are_adopted_and_scattered_ones_copied(dirs):
     assert not swap_weights(model, stage_weights(model, moved))
     assert stacked.data_ptr() == ptr and not any(getattr(t, ADOPTED, False) for _, t in moved)
     assert weight_checksums(model) == {n: tensor_checksum(t) for n, t in good}
+
+
+def test_a_copy_never_writes_into_a_shared_stack(dirs):
+    """A stack served from another process's memory (zero-copy shared memory) gets memory of its
+    own before a later update's pieces are copied in: the writer's pages are never touched."""
+    old_dir, new_dir = dirs
+    engine = LLMEngine(old_dir, kv_cache_tokens=256, block_size=8)
+    model = engine.model
+    files = dict(iter_hf_tensors(new_dir))
+    order = [hf for _, pieces, _ in hf_parameter_names(model) for hf, _ in pieces]
+    shared = [(n, mark_adoptable(t, shared=True)) for n, t in _packed([(hf, files[hf]) for hf in order])]
+    assert swap_weights(model, stage_weights(model, shared))
+    stacked = dict(model.named_parameters())["layers.1.moe.experts.w1"]
+    segment = {n: t.clone() for n, t in shared}
+    old = dict(iter_hf_tensors(old_dir))
+    assert not swap_weights(model, stage_weights(model, old.items()))  # unmarked: copied
+    assert all(torch.equal(t, segment[n]) for n, t in shared)  # the "segment" is as written
+    assert stacked.data_ptr() != shared[order.index("model.layers.1.mlp.experts.0.gate_proj.weight")][1].data_ptr()
+    assert weight_checksums(model) == {n: tensor_checksum(t) for n, t in old.items()}

@@ -97,3 +97,30 @@ def moe_pipeline_export(rank: int, world_size: int, model_dir: str, out_dir: str
     engine.save_hf(Path(out_dir) / "hf")
     engine.close()
     return res
+
+
+def ep_like_export(rank: int, world_size: int, model_dir: str) -> dict:
+    """A tiny MoE laid out as expert parallelism lays it out: every expert stack a DTensor sharded on
+    dim 0 (experts) over an "ep" mesh, everything else replicated over another mesh: buckets mix
+    meshes, so nothing is fused and each parameter goes through `full_tensor()`. The export (to
+    every rank, and to rank 0) must still be the checkpoint's HF tensors."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tandem.models import load_model
+    from tandem.train.weight_export import iter_weight_buckets
+
+    model = load_model(model_dir)
+    ep = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            experts = type(module).__name__ == "GroupedExperts"
+            mesh, placement = (ep, Shard(0)) if experts else (dp, Replicate())
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])))
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n]
+    everywhere = [(n, t.clone()) for b in iter_weight_buckets(model, EXPORT_BYTES, torch.float32) for n, t in b]
+    to_rank0 = [(n, t.clone()) for b in iter_weight_buckets(model, EXPORT_BYTES, torch.bfloat16, dst=0) for n, t in b]
+    return {"sharded": bool(stacks) and all(p.to_local().shape[0] == p.shape[0] // world_size for p in stacks),
+            "everywhere": everywhere, "to_rank0": to_rank0}

@@ -13,7 +13,13 @@ import torch
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
 from tests.distributed import run_distributed
-from tests.train.moe_export_workers import EXPORT_BYTES, gather_pieces, moe_export, moe_pipeline_export
+from tests.train.moe_export_workers import (
+    EXPORT_BYTES,
+    ep_like_export,
+    gather_pieces,
+    moe_export,
+    moe_pipeline_export,
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +98,16 @@ def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path):
         else:
             assert res["to_rank0"] == []
     _check_equals_checkpoint(list(iter_hf_tensors(tmp_path / "hf")), reference, torch.float32)
+
+
+def test_moe_export_of_an_expert_parallel_layout(moe_dir):
+    """Experts sharded over an EP mesh, the rest over another: the `full_tensor()` path of every
+    bucket still yields the checkpoint's HF tensors."""
+    reference = dict(iter_hf_tensors(moe_dir))
+    for rank, res in enumerate(run_distributed(ep_like_export, 2, args=(str(moe_dir),), timeout=120)):
+        assert res["sharded"]
+        _check_equals_checkpoint(res["everywhere"], reference, torch.float32)
+        if rank == 0:
+            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
+        else:
+            assert res["to_rank0"] == []
