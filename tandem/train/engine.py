@@ -68,7 +68,7 @@ class TrainEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(config.seed, config.deterministic)
         self.parallel_dims = ParallelDims.for_world(self.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
-                                                    dp_replicate=config.dp_replicate)
+                                                    ep=config.ep, etp=config.etp, dp_replicate=config.dp_replicate)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dp_group = self.parallel_dims.dp_group(self.mesh)
         if self.rank == 0:

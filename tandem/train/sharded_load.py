@@ -2,7 +2,13 @@
 
 Each rank reads each tensor from the safetensors files (memory-mapped, one tensor at a time) and
 keeps only its own slice, cut according to the parameter's placements: no communication, and
-the same code serves FSDP shards today and tensor-parallel shards later.
+the same code serves FSDP, tensor-parallel and expert-parallel shards.
+
+HF tensors are read as *pieces* of native parameters (`StateDictAdapter.hf_to_piece`): a whole
+parameter is one piece; a MoE layer's stacked expert weight `[E, ...]` is E pieces, piece e being
+`param[e]`. A piece goes into the part of this rank's local tensor that overlaps it, so under
+expert parallelism a rank copies only the experts it holds (and, under FSDP or expert tensor
+parallelism, only its rows of them).
 """
 
 from __future__ import annotations
@@ -12,10 +18,10 @@ import os
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.errors import CheckpointError
 from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
-from tandem.models.state_dict_adapter import piece_shape
 
 
 def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -27,11 +33,29 @@ def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def _load_piece(param: torch.Tensor, index: int, piece: torch.Tensor) -> None:
+    """Copy `piece` (= `param[index]` of the global parameter) into this rank's local part of it,
+    if any: the local tensor of a DTensor is one box of the global tensor (its offset and shape)."""
+    if not isinstance(param, DTensor):
+        param[index].copy_(piece.to(device=param.device, dtype=param.dtype))
+        return
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise AssertionError(f"local shard {tuple(local.shape)} of a {tuple(param.shape)} parameter is not the "
+                             f"box {tuple(shape)} its placements {param.placements} give")
+    row = index - offset[0]
+    if not 0 <= row < shape[0]:
+        return  # another rank's expert
+    box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+    local[row].copy_(piece[box].to(device=local.device, dtype=local.dtype))
+
+
 @torch.no_grad()
 def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False,
                             aliases: dict[str, str] | None = None) -> None:
-    """Strict: every parameter filled, every tensor used (bar ones the adapter skips, such as a
-    tied `lm_head`), shapes equal to the parameters' global shapes.
+    """Strict: every parameter filled (every piece of a stacked one), every tensor used (bar ones
+    the adapter skips, such as a tied `lm_head`), shapes equal to the parameters' global shapes.
 
     `partial` (a pipeline stage's model): tensors of parameters the model does not hold are
     skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
@@ -42,7 +66,6 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
     wanted: dict[str, list[str]] = {}
     for native, source in sources.items():
         wanted.setdefault(source, []).append(native)
-    pieces = {piece: native for native in wanted for piece in adapter.pieces(native, params[wanted[native][0]].shape)}
     plan: dict[str, tuple[list[str], int | None]] = {}
     problems: list[str] = []
     for hf_name, (shape, file) in read_tensor_shapes(path).items():
@@ -53,32 +76,27 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
         if piece is None:
             continue
         native, index = piece
-        if native not in wanted or (hf_name, index) not in pieces:
+        if native not in wanted:
             if not partial:
                 problems.append(f"unexpected tensor {hf_name}")
             continue
-        bad = [n for n in wanted[native] if tuple(piece_shape(params[n].shape, index)) != shape]
-        if bad:
-            expected = tuple(piece_shape(params[bad[0]].shape, index))
+        target = params[wanted[native][0]]
+        expected = tuple(target.shape if index is None else target.shape[1:])
+        if index is not None and not 0 <= index < target.shape[0]:
+            problems.append(f"{hf_name}: piece {index} of {native}, which has {target.shape[0]}")
+        elif expected != shape:
             problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
             plan[hf_name] = (wanted[native], index)
-    got = {(hf_name, index) for hf_name, (_, index) in plan.items()}
-    problems += [f"missing tensor {hf}" for hf, index in sorted(pieces.keys() - got, key=lambda p: p[0])]
+    needed = {(hf, index): n for n in params for hf, index in adapter.pieces(sources[n], params[n].shape)}
+    found = {(hf, index) for hf, (_, index) in plan.items()}
+    problems += [f"missing tensor {hf}" for hf, _ in sorted(needed.keys() - found)]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
-    # A stacked parameter (several HF pieces) is assembled whole, then distributed like any other.
-    left = {n: sum(1 for piece_native in pieces.values() if piece_native == n) for n in wanted}
-    stacks: dict[str, torch.Tensor] = {}
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        natives, index = plan[hf_name]
-        source = sources[natives[0]]
-        if index is not None:
-            stack = stacks.setdefault(source, torch.empty(params[natives[0]].shape, dtype=tensor.dtype))
-            stack[index].copy_(tensor)
-            left[source] -= 1
-            if left[source]:
-                continue
-            tensor = stacks.pop(source)
-        for native in natives:
-            _load_into(params[native], tensor)
+        names, index = plan[hf_name]
+        for native in names:
+            if index is None:
+                _load_into(params[native], tensor)
+            else:
+                _load_piece(params[native], index, tensor)

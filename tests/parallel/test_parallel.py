@@ -39,6 +39,10 @@ def test_parallel_dims_split_and_validate():
         ParallelDims.data_parallel(6, dp_replicate=4)
     with pytest.raises(ConfigError, match=r"ep \(3\) must divide dp_shard \* cp \(2\)"):
         ParallelDims(ParallelSizes(dp=2, tp=3, ep=3))
+    with pytest.raises(ConfigError, match=r"ep \(2\) must be a multiple of cp \(4\)"):
+        ParallelDims(ParallelSizes(dp=1, cp=4, ep=2))
+    with pytest.raises(ConfigError, match=r"etp \(4\) must be 1 or tp \(2\)"):
+        ParallelDims(ParallelSizes(dp=2, tp=2, ep=1, etp=4, edp=1))
     with pytest.raises(ConfigError, match="tp must be >= 1"):
         ParallelSizes(tp=0)
     with pytest.raises(ConfigError, match="activation_checkpoint"):
@@ -103,7 +107,7 @@ def test_qwen_plan_shards_blocks_and_root(one_rank_group):
     units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     assert units == ["", "layers.0", "layers.1"]
     assert model.output.weight is model.tok_embeddings.weight  # tied: one parameter, sharded once
-    with pytest.raises(NotImplementedError, match="ep > 1 is not implemented for Qwen"):
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(ParallelSizes(dp=2, ep=2)))
 
 
@@ -122,7 +126,7 @@ def test_coords_lay_ranks_out_pp_dp_cp_tp():
 
 
 LAYOUTS = {"d2t2": {"tp": 2}, "d2c2": {"cp": 2}, "p2t2": {"pp": 2, "tp": 2}, "d2p2": {"pp": 2},
-           "hsdp2x2": {"dp_replicate": 2}}
+           "hsdp2x2": {"dp_replicate": 2}, "d4e2": {"ep": 2}, "d2c2e2": {"cp": 2, "ep": 2}}
 
 
 def _layout_worker(rank: int, world_size: int) -> dict[str, dict]:
@@ -140,6 +144,9 @@ def _layout_worker(rank: int, world_size: int) -> dict[str, dict]:
             **{f"{k}_ranks": None if m is None else dist.get_process_group_ranks(m.get_group()) for k, m in sub.items()},
             "describe": dims.describe(),
         }
+        if dims.ep_enabled:
+            out[name]["ep_ranks"] = dist.get_process_group_ranks(dims.ep_mesh(mesh).get_group())
+            out[name]["expert_fsdp_ranks"] = dist.get_process_group_ranks(dims.expert_fsdp_mesh(mesh).get_group())
     return out
 
 
@@ -168,6 +175,12 @@ def test_meshes_agree_with_coords_at_world_4():
     assert d2c2["fsdp_ranks"] == [0, 1, 2, 3]  # dp_shard x cp flattened: CP ranks share the shards
     assert results[0]["d2t2"]["describe"] == "pp=1 dp_shard=2 dp_replicate=1 tp=2 cp=1"
     assert results[0]["hsdp2x2"]["dp_ranks"] is None
+    # Experts: ep ranks innermost in dp_shard x cp, the expert FSDP mesh over the rest of them.
+    assert [(r["d4e2"]["ep_ranks"], r["d4e2"]["expert_fsdp_ranks"]) for r in results] == [
+        ([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    assert [r["d2c2e2"]["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # the cp pairs
+    assert results[0]["d2c2e2"]["fsdp_ranks"] == [0, 1, 2, 3]
+    assert results[0]["d4e2"]["describe"] == "pp=1 dp_shard=4 dp_replicate=1 tp=1 cp=1 ep=2 etp=1 edp=2"
 
 
 def _hsdp_worker(rank: int, world_size: int, path: str) -> list[float]:
