@@ -12,12 +12,14 @@ from tests.train.helpers import engine_config
 EXPORT_BYTES = 20_000  # the tiny MoE (~1 MB in fp32) in a few dozen buckets; an expert stack (~16 KB) fits one
 
 
-def moe_export(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
-    """A tiny MoE's export from a `TrainEngine` (FSDP over the world): every rank's buckets, rank
-    0's gathered straight into per-HF-tensor destinations (`alloc`, `dst=0`), `save_hf`, and the
-    engine's own byte count and local view."""
-    engine = TrainEngine(engine_config(model_dir))
-    res: dict = {}
+def moe_export(rank: int, world_size: int, model_dir: str, out_dir: str, ep: int = 1) -> dict:
+    """A tiny MoE's export from a `TrainEngine` (FSDP over the world; experts over `ep` ranks):
+    every rank's buckets, rank 0's gathered straight into per-HF-tensor destinations (`alloc`,
+    `dst=0`), `save_hf`, and the engine's own byte count and local view."""
+    engine = TrainEngine(engine_config(model_dir, ep=ep))
+    w1 = dict(engine.model.named_parameters())["layers.0.moe.experts.w1"]
+    res_layout = (tuple(w1.to_local().shape), str(w1.placements)) if ep > 1 else None
+    res: dict = {"layout": res_layout}
     res["buckets"] = [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES, torch.float32)]
     given: dict[str, torch.Tensor] = {}
 

@@ -42,12 +42,14 @@ def _parameter_of(hf_name: str) -> str:
     return f"{m[1]}.{m[2]}" if m else hf_name
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["d1", "d2"])
-def test_moe_export_equals_the_checkpoint(moe_dir, tmp_path, world):
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2)], ids=["d1", "d2", "d2e2"])
+def test_moe_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep):
     reference = dict(iter_hf_tensors(moe_dir))
     assert any(".mlp.experts.7.down_proj.weight" in n for n in reference)  # the checkpoint holds pieces
-    results = run_distributed(moe_export, world, args=(str(moe_dir), str(tmp_path)), timeout=300)
+    results = run_distributed(moe_export, world, args=(str(moe_dir), str(tmp_path), ep), timeout=300)
     for rank, res in enumerate(results):
+        if ep > 1:  # the experts really are split over the ranks (4 of 8 each), sharded on dim 0
+            assert res["layout"][0][0] == 8 // ep and "Shard(dim=0)" in res["layout"][1], res["layout"]
         buckets = res["buckets"]
         _check_equals_checkpoint([t for b in buckets for t in b], reference, torch.float32)
         # Cut between parameters: an expert stack's pieces share a bucket, and a bucket over the
