@@ -77,12 +77,12 @@ def _nan_alloc(dests: list[torch.Tensor]):
     return alloc
 
 
-def moe_pipeline_export(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
-    """The same export from a pipeline-parallel engine (pp = world, one MoE layer per stage): to
-    every rank, to rank 0 into per-HF-tensor destinations, and saved."""
+def moe_pipeline_export(rank: int, world_size: int, model_dir: str, out_dir: str, ep: int = 1) -> dict:
+    """The same export from a pipeline-parallel engine (pp=2, one MoE layer per stage; experts over
+    `ep` ranks): to every rank, to rank 0 into per-HF-tensor destinations, and saved."""
     from tests.train.pp_workers import pp_engine
 
-    engine = pp_engine(model_dir, "1F1B", pp=world_size)
+    engine = pp_engine(model_dir, "1F1B", pp=2, ep=ep)
     res: dict = {"buckets": [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES,
                                                                                            torch.float32)]}
     given: dict[str, torch.Tensor] = {}

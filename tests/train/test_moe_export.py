@@ -85,11 +85,12 @@ def test_gather_bucket_splits_any_placement_into_pieces():
 
 
 @pytest.mark.slow
-def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path):
-    """Pipeline parallel (pp=2): each stage's expert stacks leave as HF pieces, to every rank and to
-    rank 0 (the last stage's buckets travel point to point)."""
+@pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)], ids=["p2", "d2p2e2"])
+def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep):
+    """Pipeline parallel (pp=2), also with experts over an EP mesh: each stage's expert stacks leave
+    as HF pieces, to every rank and to rank 0 (the last stage's buckets travel point to point)."""
     reference = dict(iter_hf_tensors(moe_dir))
-    results = run_distributed(moe_pipeline_export, 2, args=(str(moe_dir), str(tmp_path)), timeout=300)
+    results = run_distributed(moe_pipeline_export, world, args=(str(moe_dir), str(tmp_path), ep), timeout=300)
     nbytes = sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
     for rank, res in enumerate(results):
         _check_equals_checkpoint([t for b in res["buckets"] for t in b], reference, torch.float32)
