@@ -13,7 +13,13 @@ import torch
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
 from tests.distributed import run_distributed
-from tests.train.moe_export_workers import EXPORT_BYTES, gather_pieces, moe_export
+from tests.train.moe_export_workers import (
+    EXPORT_BYTES,
+    ep_like_export,
+    gather_pieces,
+    moe_export,
+    moe_pipeline_export,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +42,14 @@ def _parameter_of(hf_name: str) -> str:
     return f"{m[1]}.{m[2]}" if m else hf_name
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["d1", "d2"])
-def test_moe_export_equals_the_checkpoint(moe_dir, tmp_path, world):
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2)], ids=["d1", "d2", "d2e2"])
+def test_moe_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep):
     reference = dict(iter_hf_tensors(moe_dir))
     assert any(".mlp.experts.7.down_proj.weight" in n for n in reference)  # the checkpoint holds pieces
-    results = run_distributed(moe_export, world, args=(str(moe_dir), str(tmp_path)), timeout=300)
+    results = run_distributed(moe_export, world, args=(str(moe_dir), str(tmp_path), ep), timeout=300)
     for rank, res in enumerate(results):
+        if ep > 1:  # the experts really are split over the ranks (4 of 8 each), sharded on dim 0
+            assert res["layout"][0][0] == 8 // ep and "Shard(dim=0)" in res["layout"][1], res["layout"]
         buckets = res["buckets"]
         _check_equals_checkpoint([t for b in buckets for t in b], reference, torch.float32)
         # Cut between parameters: an expert stack's pieces share a bucket, and a bucket over the
@@ -74,3 +82,35 @@ def test_gather_bucket_splits_any_placement_into_pieces():
     for rank, res in enumerate(run_distributed(gather_pieces, 2, timeout=120)):
         for label, checks in res.items():
             assert all(checks.values()), (rank, label, checks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)], ids=["p2", "d2p2e2"])
+def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep):
+    """Pipeline parallel (pp=2), also with experts over an EP mesh: each stage's expert stacks leave
+    as HF pieces, to every rank and to rank 0 (the last stage's buckets travel point to point)."""
+    reference = dict(iter_hf_tensors(moe_dir))
+    results = run_distributed(moe_pipeline_export, world, args=(str(moe_dir), str(tmp_path), ep), timeout=300)
+    nbytes = sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
+    for rank, res in enumerate(results):
+        _check_equals_checkpoint([t for b in res["buckets"] for t in b], reference, torch.float32)
+        assert res["nbytes"] == nbytes
+        if rank == 0:
+            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
+            assert res["in_alloc"]
+        else:
+            assert res["to_rank0"] == []
+    _check_equals_checkpoint(list(iter_hf_tensors(tmp_path / "hf")), reference, torch.float32)
+
+
+def test_moe_export_of_an_expert_parallel_layout(moe_dir):
+    """Experts sharded over an EP mesh, the rest over another: the `full_tensor()` path of every
+    bucket still yields the checkpoint's HF tensors."""
+    reference = dict(iter_hf_tensors(moe_dir))
+    for rank, res in enumerate(run_distributed(ep_like_export, 2, args=(str(moe_dir),), timeout=120)):
+        assert res["sharded"]
+        _check_equals_checkpoint(res["everywhere"], reference, torch.float32)
+        if rank == 0:
+            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
+        else:
+            assert res["to_rank0"] == []

@@ -1,6 +1,7 @@
 """End to end: a real FSDP2 trainer (world size 1 and 2, spawned gloo groups) trains a step, then
 updates two real `tandem serve` servers by disk, distributed broadcast (pipelined and serial) and
-shared memory. After each update every server holds the trainer's weights bit for bit (checksums
+shared memory; for a dense Qwen3 and a mixture-of-experts Qwen3-MoE (whose stacked experts travel
+as per-expert HF tensors). After each update every server holds the trainer's weights bit for bit (checksums
 of every tensor, and one whole tensor via /get_weights_by_name), its greedy outputs equal greedy
 decoding with the native model loaded with the trainer's weights, and its logprobs agree with
 the trainer's own (FSDP) logprobs within 1e-5 (fp32)."""
@@ -23,10 +24,18 @@ from tests.distributed import run_distributed
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import request
 from tests.train.helpers import engine_config, full_params, make_batch, weighted_loss
-from tests.weights.common import NEW, PROMPTS, expected_checksums, greedy_reference, load_into, start_server
+from tests.weights.common import (
+    NEW,
+    PROMPTS,
+    expected_checksums,
+    greedy_reference,
+    load_into,
+    mapped_segments,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
-Q = "model.layers.0.mlp.down_proj.weight"
+Q = {"qwen3": "model.layers.0.mlp.down_proj.weight", "qwen3_moe": "model.layers.1.mlp.experts.5.down_proj.weight"}
 STEPS = (("disk", True), ("distributed", True), ("distributed", False), ("shm", True))
 DEADLINES = Deadlines(init_group_s=30, bucket_s=30, update_s=120, http_s=30)
 
@@ -37,8 +46,9 @@ def _post(url: str, path: str, body: dict) -> dict:
     return data
 
 
-def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int) -> list[dict]:
-    engine = TrainEngine(engine_config(model_dir))
+def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int,
+            q: str, ep: int) -> list[dict]:
+    engine = TrainEngine(engine_config(model_dir, ep=ep))
     fleet = HttpFleet(urls, deadlines=DEADLINES) if rank == 0 else None
     batch = make_batch(engine.model.args.vocab_size)
     results = []
@@ -74,9 +84,9 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
                "versions": [], "lp_vs_reference": 0.0, "lp_vs_trainer": 0.0}
         for url in urls:
             row["checksums_equal"].append(_post(url, "/get_weights_checksum", {})["checksums"] == want)
-            full = _post(url, "/get_weights_by_name", {"name": Q, "truncate_size": tensors[Q].numel()})
+            full = _post(url, "/get_weights_by_name", {"name": q, "truncate_size": tensors[q].numel()})
             row["full_tensor_equal"].append(torch.equal(torch.tensor(full, dtype=torch.float32).view(-1),
-                                                        tensors[Q].view(-1)))
+                                                        tensors[q].view(-1)))
         for (_, prompt, out, lps, served_version), lp_trainer in zip(gens, trainer_lps, strict=True):
             ref_out, ref_lps = greedy_reference(reference, prompt, NEW)
             row["greedy_equal"].append(out == ref_out)
@@ -91,26 +101,28 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
     return results
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model_dir = make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=5)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def setup(request, tmp_path_factory):
+    model_dir = make_model_dir(tmp_path_factory.mktemp("models"), request.param, seed=5)
     log_dir = tmp_path_factory.mktemp("serve")
     weights_dir = tmp_path_factory.getbasetemp()  # disk updates write below each test's tmp_path
     servers = [start_server(model_dir, log_dir, weights_dir), start_server(model_dir, log_dir, weights_dir)]
-    yield model_dir, servers
+    yield model_dir, servers, request.param
     for s in servers:
         assert s.stop() == 0, s.log.read_text()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_updates_reach_every_server_exactly(setup, world, tmp_path):
-    model_dir, servers = setup
-    first = 10 * world
-    (rows, *_) = run_distributed(_worker, world, args=(str(model_dir), [s.url for s in servers], str(tmp_path), first),
-                                 timeout=240)
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 1), (2, 2)], ids=["d1", "d2", "d2e2"])
+def test_updates_reach_every_server_exactly(setup, world, ep, tmp_path):
+    model_dir, servers, arch = setup
+    if ep > 1 and arch != "qwen3_moe":
+        pytest.skip("expert parallelism needs experts")
+    first = 10 * world + 100 * ep
+    (rows, *_) = run_distributed(_worker, world, args=(str(model_dir), [s.url for s in servers], str(tmp_path), first,
+                                                       Q[arch], ep), timeout=240)
     assert [(r["kind"], r["pipeline"]) for r in rows] == list(STEPS)
     for r in rows:
-        label = f"world {world} {r['kind']}{'' if r['pipeline'] else ' (serial)'}"
+        label = f"{arch} world {world} ep {ep} {r['kind']}{'' if r['pipeline'] else ' (serial)'}"
         print(f"\n[{label}] buckets {r['buckets']} ({r['in_place']} gathered in place), max |logprob diff| vs native greedy {r['lp_vs_reference']:.2e}, "
               f"vs trainer {r['lp_vs_trainer']:.2e}")
         assert r["verified"], label
@@ -122,6 +134,9 @@ def test_updates_reach_every_server_exactly(setup, world, tmp_path):
         # At world size 2 every bucket is all-gathered straight into its send memory (flat buffer
         # or shm segment); at world size 1 the parameters are cast into it (no gather).
         assert r["in_place"] == (r["buckets"] if world == 2 and r["kind"] != "disk" else 0), (label, r)
+    # The last update (shm) is served zero-copy: every parameter, expert stacks included (one view
+    # over their back-to-back pieces), was rebound to the segment, which the servers still map.
+    assert all(mapped_segments(s.pid) for s in servers), arch
     # Disk: only the newest acknowledged copy stays.
     assert sorted(p.name for p in (tmp_path / "versions").iterdir()) == [f"v{first:08d}"]
     assert not math.isnan(rows[-1]["lp_vs_trainer"])
