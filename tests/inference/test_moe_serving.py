@@ -24,6 +24,7 @@ from tandem.models import load_model
 from tandem.models.common.moe import Routing
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest
+from tandem.rollout.workflows.multi_turn import Feedback, MultiTurnWorkflow
 from tandem.rollout.workflows.rlvr import RLVRWorkflow
 from tests.inference.conftest import prompts
 from tests.inference.server_utils import ServerProcess, sse_events, wait_for
@@ -199,3 +200,22 @@ def test_rlvr_trajectories_carry_routes(server, trainer_model, layout):
         assert traj.routed_experts[-1] == [[-1, -1], [-1, -1]]
         want = recorded_routes(trainer_model, traj.input_ids)[:-1, [0, 2]]
         assert torch.equal(torch.tensor(traj.routed_experts[:-1], dtype=torch.int32), want)
+
+
+def test_multi_turn_trajectory_carries_routes_of_every_turn(server, moe_dir, trainer_model, layout):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(moe_dir)
+    client = InferenceClient([server.url], ClientConfig(route_layout=layout))
+    workflow = MultiTurnWorkflow(tokenizer, lambda messages, item: Feedback("more"),
+                                 GenerationParams(max_new_tokens=5, temperature=0.0, ignore_eos=True), max_turns=2)
+
+    async def run():
+        try:
+            return await workflow.arun_episode(client, {"prompt": "hi"})
+        finally:
+            await client.aclose()
+
+    traj = asyncio.run(run())
+    assert traj.num_turns == 2 and traj.loss_mask.count(0) > 0 and len(traj.routed_experts) == len(traj.input_ids)
+    assert traj.routed_experts[-1] == [[-1, -1], [-1, -1]]
+    want = recorded_routes(trainer_model, traj.input_ids)[:-1, [0, 2]]
+    assert torch.equal(torch.tensor(traj.routed_experts[:-1], dtype=torch.int32), want)
