@@ -41,28 +41,42 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
     wanted: dict[str, list[str]] = {}
     for native, source in sources.items():
         wanted.setdefault(source, []).append(native)
-    plan: dict[str, list[str]] = {}
+    plan: dict[str, tuple[list[str], int | None]] = {}
     problems: list[str] = []
     for hf_name, (shape, file) in read_tensor_shapes(path).items():
         try:
-            native = adapter.hf_to_native(hf_name)
+            piece = adapter.hf_to_piece(hf_name)
         except CheckpointError:
-            native = ""
-        if native is None:
+            piece = ("", None)
+        if piece is None:
             continue
+        native, index = piece
         if native not in wanted:
             if not partial:
                 problems.append(f"unexpected tensor {hf_name}")
             continue
-        bad = [n for n in wanted[native] if tuple(params[n].shape) != shape]
+        # A piece (index not None) is one row of a stacked parameter (e.g. one MoE expert).
+        bad = [n for n in wanted[native] if tuple(params[n].shape[0 if index is None else 1:]) != shape]
         if bad:
             problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[bad[0]].shape)}")
         else:
-            plan[hf_name] = wanted[native]
-    filled = {n for names in plan.values() for n in names}
-    problems += [f"missing tensor {adapter.native_to_hf(sources[n])}" for n in sorted(params.keys() - filled)]
+            plan[hf_name] = (wanted[native], index)
+    found = {(hf, index) for hf, (_, index) in plan.items()}
+    for n in sorted(params):
+        problems += [f"missing tensor {hf}" for hf, index in adapter.pieces(sources[n], params[n].shape)
+                     if (hf, index) not in found]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
+    stacked: dict[str, tuple[torch.Tensor, int]] = {}  # native -> (full buffer, pieces still to come)
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        for native in plan[hf_name]:
-            _load_into(params[native], tensor)
+        natives, index = plan[hf_name]
+        for native in natives:
+            if index is None:
+                _load_into(params[native], tensor)
+                continue
+            buffer, left = stacked.get(native) or (torch.empty(params[native].shape, dtype=tensor.dtype),
+                                                   params[native].shape[0])
+            buffer[index] = tensor
+            stacked[native] = (buffer, left - 1)
+            if left == 1:
+                _load_into(params[native], stacked.pop(native)[0])
