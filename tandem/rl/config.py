@@ -25,7 +25,9 @@ from tandem.rl.config_checks import (
     check_cpus,
     check_model_dir,
     check_model_split,
+    check_moe_options,
     check_reward_fn,
+    check_route_source,
     check_runnable_algo,
     check_weight_sync,
 )
@@ -83,6 +85,7 @@ class ActorConfig(TrainEngineConfig):
             check_model_dir(self.path, f"{prefix}path")
             if comp.sizes.tp > 1 or comp.sizes.cp > 1:
                 check_model_split(self.path, comp.sizes.tp, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
+        check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix)
 
 
 @dataclass
@@ -217,7 +220,12 @@ class TandemConfig:
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":
+            check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix)
+        elif self.actor.router_replay != "off":
+            raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
+                              f"updates (tandem train); `tandem sft` has none to replay: set "
+                              f"{prefix}actor.router_replay=off")
 
 
 @dataclass
