@@ -254,3 +254,33 @@ def test_router_replay_config_errors(moe_dir, overrides, command, match):
     load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3", "actor.moe_aux_loss_coef=0.01"])
     with pytest.raises(ConfigError, match=match):
         load_run_config(None, [f"actor.path={moe_dir}", *overrides], command=command)
+
+
+@pytest.mark.slow
+def test_context_parallel_replay_equals_one_rank(moe_dir):
+    """Two gloo CP ranks: every rank replays its slice of the routes and returns the whole
+    micro-batch's records; log-probs, recorded routes, agreement, aux loss and the router's
+    gradient equal one rank's."""
+    import torch.distributed as dist
+
+    from tests.distributed import run_distributed
+    from tests.train.replay_workers import replay_forward
+
+    batch = make_batch(512)
+    for seq in batch.seqs:
+        seq[ROUTED_EXPERTS][1::4] = -1
+    one = replay_forward(0, 1, str(moe_dir), batch, 1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ranks = run_distributed(replay_forward, 2, args=(str(moe_dir), batch, 2), timeout=300)
+    for got in ranks:
+        for a, b in zip(got["logprobs"], one["logprobs"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+        for a, b, seq in zip(got["routes"], one["routes"], batch.seqs, strict=True):
+            assert torch.equal(a, b)
+            known = (seq[ROUTED_EXPERTS] >= 0).all(-1)
+            assert torch.equal(a[known], seq[ROUTED_EXPERTS][known].int())  # replayed where known
+        assert got["counts"] == one["counts"] and one["counts"][1] > 0
+        for key in ("loss", "aux_loss", "route_matches", "route_pairs"):
+            assert got["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
+        torch.testing.assert_close(got["grad"], one["grad"], rtol=1e-4, atol=1e-7)
