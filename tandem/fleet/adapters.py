@@ -177,7 +177,9 @@ class ServerAdapter:
         return Answer(True, message, ops.Acknowledged())
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
+        """The generate call's body; `return_routed_experts` asks for the experts each token was
+        routed to (SGLang's field; UnsupportedOperation where the server kind has none)."""
         raise NotImplementedError
 
     def parse_generate(self, body: dict[str, Any]) -> Chunk:
@@ -188,13 +190,16 @@ class _SGLangProtocol(ServerAdapter):
     generate_path = "/generate"
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "min_new_tokens": min(params.min_new_tokens, max_new_tokens),
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
         }
-        return {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+        body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        return body
 
     def parse_generate(self, body: dict[str, Any]) -> Chunk:
         meta = body.get("meta_info", {})
@@ -204,8 +209,11 @@ class _SGLangProtocol(ServerAdapter):
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         if finish not in ("stop", "length", "abort"):
             raise ValueError(f"unknown finish reason {finish!r}")
+        routes = meta.get("routed_experts")
+        if routes is not None and not isinstance(routes, str):
+            raise ValueError(f"meta_info.routed_experts must be a base64 string, got {type(routes).__name__}")
         return Chunk([int(p[1]) for p in pairs], [float(p[0]) for p in pairs], finish,
-                     parse_version(meta.get("weight_version")))
+                     parse_version(meta.get("weight_version")), routes)
 
 
 class TandemAdapter(_SGLangProtocol):
@@ -241,7 +249,10 @@ class VLLMAdapter(ServerAdapter):
         self.model = model  # vLLM checks it against the served model name when given
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
+        if return_routed_experts:
+            raise UnsupportedOperation("vllm servers are not mapped for routed experts; routing replay (r3) needs "
+                                       "a tandem or sglang server")
         body: dict[str, Any] = {
             "prompt": list(input_ids), "max_tokens": max_new_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k, "min_tokens": min(params.min_new_tokens, max_new_tokens),

@@ -30,6 +30,8 @@ class Chunk:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None  # None: the server did not say; the client uses its last known version
+    # meta_info["routed_experts"] as sent (base64; `tandem.fleet.routes`), when asked for and given.
+    routed_experts: str | None = None
 
 
 def parse_version(value: object) -> int | None:

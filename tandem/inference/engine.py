@@ -59,14 +59,20 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------- requests
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | None = None,
-                    return_logprob: bool = False, stream: bool = False) -> None:
+                    return_logprob: bool = False, stream: bool = False, return_routed_experts: bool = False) -> None:
+        """Queue a request. `return_routed_experts` (MoE models): its outputs carry the experts
+        each token was routed to (`RequestOutput.routed_experts`)."""
         params = params or SamplingParams()
         if rid in self._live:
             raise RequestError(f"request id {rid!r} is already in flight")
         self.check_request(input_ids, params)
+        if return_routed_experts and not self.routes_experts:
+            raise RequestError(f"return_routed_experts needs a mixture-of-experts model; {self.model_path} "
+                               f"({type(self.model.args).__name__}) routes no experts: drop the flag")
         seeds = [params.seed + i if params.seed is not None else self._draw_seed() for i in range(params.n)]
         seq = Sequence(rid, list(input_ids), params, self._generator(seeds[0]), return_logprob,
-                       sibling_seeds=seeds[1:], arrival_time=time.monotonic())
+                       return_routed_experts=return_routed_experts, sibling_seeds=seeds[1:],
+                       arrival_time=time.monotonic())
         self._live[rid] = [seq]
         if stream:
             self._streaming.add(rid)
@@ -101,6 +107,15 @@ class LLMEngine:
         for rid in rids:
             self._end(rid, {"type": "abort", "message": "aborted by request"})
         return rids
+
+    @property
+    def routes_experts(self) -> bool:
+        """Whether requests may ask for routed experts (a mixture-of-experts model)."""
+        return self.runner.route_cache is not None
+
+    def unknown_routes(self, num_tokens: int) -> torch.Tensor:
+        """`RequestOutput.routed_experts` of `num_tokens` tokens this engine never computed (all -1)."""
+        return self.runner.route_cache.read([], num_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._done)
@@ -148,13 +163,13 @@ class LLMEngine:
         return deltas
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 return_logprob: bool = True) -> list[RequestOutput]:
+                 return_logprob: bool = True, return_routed_experts: bool = False) -> list[RequestOutput]:
         """Offline: run `prompts` to completion; -> outputs ordered by prompt, then sample index."""
         if self.has_unfinished():
             raise EngineBusyError("generate() needs an idle engine; requests are in flight")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         for i, (ids, p) in enumerate(zip(prompts, plist, strict=True)):
-            self.add_request(f"generate-{i}", ids, p, return_logprob)
+            self.add_request(f"generate-{i}", ids, p, return_logprob, return_routed_experts=return_routed_experts)
         outputs: list[RequestOutput] = []
         while self.has_unfinished():
             outputs += self.step()
@@ -204,12 +219,14 @@ class LLMEngine:
         self.runner.zero_blocks(freed)
 
     def _output(self, seq: Sequence, reason: dict[str, Any]) -> RequestOutput:
+        """The output of a finished `seq`; read before its blocks are freed (its routes live there)."""
         seq.finish_reason = reason
-        return make_output(seq, self.weight_version, self.detokenizer.final_text(seq))
+        routes = self.runner.routes(seq, len(seq) - 1) if seq.return_routed_experts else None
+        return make_output(seq, self.weight_version, self.detokenizer.final_text(seq), routes)
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
-        self.scheduler.finish(seq)
         self._done.append(self._output(seq, reason))
+        self.scheduler.finish(seq)
         siblings = self._live.get(seq.rid, [])
         if seq in siblings and all(s.is_finished for s in siblings):
             del self._live[seq.rid]

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tandem.inference.sequence import Sequence
 
 
@@ -26,6 +28,10 @@ class RequestOutput:
     weight_version: int  # the engine's weight version when the output was made
     e2e_latency: float
     text: str | None = None  # None when the engine has no tokenizer
+    # With return_routed_experts: `[prompt + output tokens - 1, n_layers, top_k]` int32 (CPU) expert
+    # ids of every token but the last (never forwarded); -1 in dense layers and for tokens whose KV
+    # this server never computed (a request aborted while queued).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -70,7 +76,8 @@ class Detokenizer:
         return text
 
 
-def make_output(seq: Sequence, weight_version: int, text: str | None) -> RequestOutput:
+def make_output(seq: Sequence, weight_version: int, text: str | None,
+                routed_experts: torch.Tensor | None = None) -> RequestOutput:
     aborted_in_queue = not seq.was_started and (seq.finish_reason or {}).get("type") == "abort"
     return RequestOutput(
         rid=seq.rid,
@@ -83,4 +90,5 @@ def make_output(seq: Sequence, weight_version: int, text: str | None) -> Request
         weight_version=weight_version,
         e2e_latency=time.monotonic() - seq.arrival_time,
         text=text,
+        routed_experts=routed_experts,
     )

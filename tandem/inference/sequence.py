@@ -31,6 +31,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator
     return_logprob: bool = False
+    return_routed_experts: bool = False  # the output carries the experts of every forwarded token
     index: int = 0  # which of the request's n samples
     sibling_seeds: list[int] = field(default_factory=list)  # seeds of samples 1..n-1, until forked
     arrival_time: float = 0.0
@@ -85,6 +86,7 @@ class Sequence:
             params=self.params,
             generator=generator,
             return_logprob=self.return_logprob,
+            return_routed_experts=self.return_routed_experts,
             index=index,
             arrival_time=self.arrival_time,
             num_prompt_tokens=self.num_prompt_tokens,

@@ -7,6 +7,12 @@ the budget is spent. Transport failures are retried with exponential backoff, on
 the first one is gone (a *resubmission*: prompt + the tokens received so far, their versions kept),
 all inside one deadline per request; while no server may serve (the fleet is warming up or every
 server was evicted) the request waits, inside the same deadline.
+
+With `ClientConfig.route_layout` (a MoE model; routing replay) every call asks for the routed
+experts, and the response carries them for prompt and output (`ModelResponse.routed_experts`). A
+resubmitted call's answer covers the whole prefix again (the server reads routes from the KV that
+made its tokens), so each chunk's rows replace the earlier ones wherever they are known
+(`splice_routes`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import aiohttp
 
 from tandem.fleet.adapters import adapter_for
 from tandem.fleet.generation import Chunk, FinishReason
+from tandem.fleet.routes import RouteLayout, Routes, decode_routed_experts, splice_routes
 from tandem.rollout.errors import (
     GenerationDeadlineError,
     NoServerError,
@@ -47,6 +54,12 @@ class ClientConfig:
     max_connections: int = 1024  # aiohttp connector limits, per event loop
     max_connections_per_host: int = 0  # 0 = no per-host limit
     api_key: str | None = None
+    # Set (a MoE model's layout, `RouteLayout.of_model`): ask for routed experts (routing replay r3).
+    route_layout: RouteLayout | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.route_layout, dict):  # crossed a process boundary as `asdict`
+            self.route_layout = RouteLayout(**self.route_layout)
 
 
 class _TransientHTTPError(Exception):
@@ -115,14 +128,18 @@ class InferenceClient:
         out_ids: list[int] = []
         out_lp: list[float] = []
         out_ver: list[int] = []
+        routes: Routes = []
         finish: FinishReason = "length"
         empty = 0  # consecutive aborts that produced no token
         try:
             while True:
                 remaining = budget - len(out_ids)
-                chunk, server = await self._call(state, req, [*req.input_ids, *out_ids], remaining)
+                sent = [*req.input_ids, *out_ids]
+                chunk, server = await self._call(state, req, sent, remaining)
                 state.servers_used.append(server)
                 new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
+                if self.config.route_layout is not None:
+                    routes = splice_routes(routes, self._routes(chunk, server, len(sent), len(new)))
                 version = chunk.weight_version if chunk.weight_version is not None else self.version.value
                 out_ids += new
                 out_lp += chunk.logprobs[: len(new)]
@@ -141,6 +158,9 @@ class InferenceClient:
                     await asyncio.sleep(self._backoff(empty - 1, state))
         finally:
             self.pool.forget(req.rid)
+        if self.config.route_layout is not None:  # the last token was never forwarded: unknown
+            total = len(req.input_ids) + len(out_ids)
+            routes = routes[:total] + [self.config.route_layout.unknown_row() for _ in range(total - len(routes))]
         return ModelResponse(
             rid=req.rid,
             input_ids=list(req.input_ids),
@@ -153,11 +173,26 @@ class InferenceClient:
             num_aborts=state.aborts,
             num_retries=state.retries,
             latency_s=time.monotonic() - start,
+            routed_experts=routes if self.config.route_layout is not None else None,
         )
+
+    def _routes(self, chunk: Chunk, server: str, num_sent: int, num_new: int) -> Routes:
+        """The chunk's rows for the `num_sent + num_new - 1` tokens the server forwarded."""
+        layout = self.config.route_layout
+        assert layout is not None
+        if chunk.routed_experts is None and chunk.finish_reason == "abort":
+            return []  # aborted before it ran: nothing computed (the next chunk brings the rows)
+        if chunk.routed_experts is None:
+            raise ServerRequestError(server, 200, "the server answered without meta_info.routed_experts although "
+                                     "return_routed_experts was asked (an SGLang server needs "
+                                     "--enable-return-routed-experts; a dense model has no routes)")
+        rows = num_sent + len(chunk.output_ids) - 1
+        return decode_routed_experts(chunk.routed_experts, rows, layout)[: num_sent + num_new - 1]
 
     async def _call(self, state: _RequestState, req: ModelRequest, ids: list[int], remaining: int) -> tuple[Chunk, str]:
         """One generation call, retried across transient failures until the deadline."""
-        body = self.adapter.generate_body(req.rid, ids, req.params, remaining)
+        body = self.adapter.generate_body(req.rid, ids, req.params, remaining,
+                                          return_routed_experts=self.config.route_layout is not None)
         attempt = 0
         while True:
             left = state.deadline - time.monotonic()

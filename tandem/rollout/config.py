@@ -14,6 +14,7 @@ from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
 from tandem.config.fields import check_field_metadata
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
+from tandem.fleet.routes import RouteLayout
 from tandem.launch.affinity import parse_cpus
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
@@ -99,10 +100,12 @@ class RolloutConfig:
                 f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN"
             )
 
-    def client_config(self) -> ClientConfig:
+    def client_config(self, route_layout: RouteLayout | None = None) -> ClientConfig:
+        """The inference client's config; `route_layout` (a MoE model's, routing replay r3) makes
+        every generation ask for the routed experts."""
         return ClientConfig(
             server_kind=self.server_kind, model=self.model, deadline_s=self.request_deadline_s,
-            call_timeout_s=self.call_timeout_s, api_key=self.api_key,
+            call_timeout_s=self.call_timeout_s, api_key=self.api_key, route_layout=route_layout,
         )
 
     def executor_config(self) -> ExecutorConfig:

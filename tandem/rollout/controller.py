@@ -33,6 +33,7 @@ from tandem.fleet.adapters import Capabilities, ServerAdapter
 from tandem.fleet.ops import Deadlines, FleetOp
 from tandem.fleet.protocol import Topology
 from tandem.fleet.results import FleetResult
+from tandem.fleet.routes import RouteLayout
 from tandem.rollout.callback import RolloutCallback
 from tandem.rollout.callback_server import CallbackServer, build_app
 from tandem.rollout.client import InferenceClient
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 class RolloutController:
     def __init__(self, config: RolloutConfig, secret: str | None = None, deadlines: Deadlines | None = None,
-                 start: bool = True):
+                 start: bool = True, route_layout: RouteLayout | None = None):
+        """`route_layout` (a MoE model's, `RouteLayout.of_model`): rollouts ask the servers for the
+        routed experts and trajectories carry them (`Trajectory.routed_experts`; routing replay r3)."""
         config.check()
         if not config.servers:
             raise ConfigError("the rollout controller needs server addresses (rollout.servers); for a tandem "
@@ -59,7 +62,7 @@ class RolloutController:
         self.join_token = secrets.token_urlsafe(32)  # for `tandem serve --join` and `tandem fleet` only
         self.pool = ServerPool(config.servers)
         self.version = WeightVersion()  # the one copy of the version on the rollout side
-        self.client = InferenceClient(self.pool, config.client_config(), self.version)
+        self.client = InferenceClient(self.pool, config.client_config(route_layout), self.version)
         self.adapter: ServerAdapter = self.client.adapter
         self.executor = WorkflowExecutor(self.client, config.executor_config())
         self.deadlines = deadlines or Deadlines(http_s=config.control_timeout_s)
@@ -87,7 +90,7 @@ class RolloutController:
         self.fleet.watch_ready(self._set_fleet_ready)
         self.fleet.start(on_too_small=self.executor.fail)
         if self.config.workers > 0:
-            self.workers = WorkerPool(self.config.workers, self.pool.addresses, self.config.client_config(),
+            self.workers = WorkerPool(self.config.workers, self.pool.addresses, self.client.config,
                                       self.callback_address(), self.secret, self.version)
             self.workers.start()
             try:

@@ -34,9 +34,13 @@ class ModelResponse:
     num_aborts: int = 0
     num_retries: int = 0
     latency_s: float = 0.0
+    # With ClientConfig.route_layout: `[len(input_ids) + len(output_ids)][moe layers][top_k]` expert
+    # ids in input alignment (`Trajectory.routed_experts`; the last token's row is -1s).
+    routed_experts: list[list[list[int]]] | None = None
 
     def to_trajectory(self, **fields: Any) -> Trajectory:
         fields.setdefault("finish_reasons", [self.finish_reason])
+        fields.setdefault("routed_experts", self.routed_experts)
         fields.setdefault("timing", {"generate": self.latency_s})
         return Trajectory.from_generation(
             self.input_ids, self.output_ids, self.output_logprobs, self.output_versions, **fields

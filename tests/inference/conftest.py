@@ -17,8 +17,8 @@ from tandem.models.tiny import init_model
 
 
 @torch.no_grad()
-def make_model_dir(root: Path, arch: str = "qwen3", seed: int = 0) -> Path:
-    base = init_model(root / f"{arch}-base", arch=arch, preset="tiny", seed=seed)
+def make_model_dir(root: Path, arch: str = "qwen3", seed: int = 0, overrides: dict | None = None) -> Path:
+    base = init_model(root / f"{arch}-base", arch=arch, preset="tiny", seed=seed, overrides=overrides)
     model = load_model(base)
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
@@ -65,6 +65,15 @@ def qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("models"), "qwen2")
+
+
+# Three layers, the middle one dense: routes come back on the whole layer axis with -1 there.
+MOE_OVERRIDES = {"num_hidden_layers": 3, "mlp_only_layers": [1]}
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3_moe", overrides=MOE_OVERRIDES)
 
 
 def prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:

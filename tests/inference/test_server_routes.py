@@ -155,6 +155,8 @@ def test_stream_events(server):
     (json.dumps({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}).encode(), "temperature"),
     (json.dumps({"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}).encode(), "unknown sampling_params"),
     (json.dumps({"input_ids": [1, 2], "colour": 3}).encode(), "unknown request field"),
+    (json.dumps({"input_ids": [1, 2], "return_routed_experts": True}).encode(),
+     "return_routed_experts needs a mixture-of-experts model"),
     (json.dumps({"input_ids": [5] * 4090, "sampling_params": {"max_new_tokens": 16}}).encode(), "exceeds the context"),
     (json.dumps({"input_ids": [10**6]}).encode(), "token ids in"),
     (json.dumps({"sampling_params": {}}).encode(), "send 'input_ids'"),

@@ -69,14 +69,15 @@ class EngineLoop:
         return fut
 
     def add(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-            stream: bool) -> tuple[PendingRequest, asyncio.Future]:
+            stream: bool, return_routed_experts: bool = False) -> tuple[PendingRequest, asyncio.Future]:
         """Queue a request. -> (its PendingRequest, a future that fails with RequestError if the
         engine rejects it and resolves to None once it is in). Enqueued synchronously, so a caller
         that does not await in between keeps its order against other commands."""
         pending = PendingRequest(rid, params.n, self.loop.create_future(), asyncio.Queue() if stream else None)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(rid, input_ids, params, return_logprob=return_logprob, stream=stream)
+            engine.add_request(rid, input_ids, params, return_logprob=return_logprob, stream=stream,
+                               return_routed_experts=return_routed_experts)
             self._pending[rid] = pending
 
         return pending, self.call(add)

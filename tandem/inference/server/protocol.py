@@ -6,10 +6,12 @@ answers a control route's `{"success": false, "message": ...}` with 400.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from typing import Any
 
+import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -126,7 +128,17 @@ def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: b
     }
     if return_logprob and out.output_logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     return meta
+
+
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """SGLang's wire form of `return_routed_experts` (docs/inference.md): the base64 of the
+    `[prompt + output tokens - 1, num_hidden_layers, top_k]` int32 array's bytes, row-major,
+    little-endian. Decoded by `tandem.fleet.routes.decode_routed_experts`."""
+    array = routes.to(torch.int32).contiguous().numpy()
+    return base64.b64encode(array.astype("<i4", copy=False).tobytes()).decode("ascii")
 
 
 def generate_response(out: RequestOutput, rid: str, return_logprob: bool, n: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from tandem.inference.server.state import ClientGone, ServerState, failure
 
 router = APIRouter()
 
-GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream"}
+GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "return_routed_experts"}
 # Sent by some SGLang clients; accepted and ignored (this server has no multimodal/LoRA/top-logprob paths).
 IGNORED_GENERATE_FIELDS = {"logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path",
                            "image_data", "return_hidden_states", "custom_logit_processor", "data_parallel_rank"}
@@ -66,10 +66,14 @@ async def generate(request: Request) -> Response:
         raise ApiError("send 'input_ids' (a list of token ids) or 'text'")
     params = sampling_params(body.get("sampling_params"))
     return_logprob = get_field(body, "return_logprob", bool, False)
+    routes = get_field(body, "return_routed_experts", bool, False)
+    if routes and not state.engine.routes_experts:
+        raise ApiError(f"return_routed_experts needs a mixture-of-experts model; {state.args.model_path} routes "
+                       "no experts: drop the field")
     if get_field(body, "stream", bool, False):
-        return await _stream(state, rid, input_ids, params, return_logprob)
+        return await _stream(state, rid, input_ids, params, return_logprob, routes)
     try:
-        outs = await state.run_request(request, rid, input_ids, params, return_logprob)
+        outs = await state.run_request(request, rid, input_ids, params, return_logprob, routes)
     except ClientGone:
         return Response(status_code=499)
     items = [generate_response(o, rid, return_logprob, params.n) for o in outs]
@@ -77,8 +81,10 @@ async def generate(request: Request) -> Response:
 
 
 async def _stream(state: ServerState, rid: str, input_ids: list[int], params: SamplingParams,
-                  return_logprob: bool) -> Response:
-    submitted = await state.submit(rid, input_ids, params, return_logprob, stream=True)
+                  return_logprob: bool, return_routed_experts: bool) -> Response:
+    """SSE events; with return_routed_experts only each sample's final event carries the routes."""
+    submitted = await state.submit(rid, input_ids, params, return_logprob, stream=True,
+                                   return_routed_experts=return_routed_experts)
     if isinstance(submitted, list):  # aborted while held at the gate
 
         async def held():

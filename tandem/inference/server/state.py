@@ -82,7 +82,7 @@ class ServerState:
         return uuid.uuid4().hex
 
     async def wait_gate(self, rid: str, params: SamplingParams, return_logprob: bool,
-                        input_ids: list[int]) -> list[RequestOutput] | None:
+                        input_ids: list[int], return_routed_experts: bool = False) -> list[RequestOutput] | None:
         """Hold a new request while generation is paused or memory released. -> None when it may
         go on, or its abort outputs when `/abort_request` hit it while waiting."""
         if self.gate.is_set():
@@ -95,22 +95,23 @@ class ServerState:
                 await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 gate.cancel()
                 if aborted.done():
-                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version)
+                    routes = self.engine.unknown_routes(len(input_ids) - 1) if return_routed_experts else None
+                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version, routes)
                             for i in range(params.n)]
         finally:
             self.waiting.pop(rid, None)
         return None
 
     async def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-                     stream: bool) -> PendingRequest | list[RequestOutput]:
+                     stream: bool, return_routed_experts: bool = False) -> PendingRequest | list[RequestOutput]:
         """Gate, then add to the engine. -> the PendingRequest, or final outputs (aborted at the gate).
         RequestError becomes a 400."""
         if rid in self.waiting:
             raise ApiError(f"request id {rid!r} is already in flight")
-        held = await self.wait_gate(rid, params, return_logprob, input_ids)
+        held = await self.wait_gate(rid, params, return_logprob, input_ids, return_routed_experts)
         if held is not None:
             return held
-        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream)
+        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream, return_routed_experts)
         try:
             await added
         except RequestError as exc:
@@ -118,12 +119,13 @@ class ServerState:
         return pending
 
     async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
-                          return_logprob: bool) -> list[RequestOutput]:
+                          return_logprob: bool, return_routed_experts: bool = False) -> list[RequestOutput]:
         """Run one (non-streaming) request to completion; abort it if the client disconnects. A
         request the engine failed (its logits were not finite) raises ApiError 500."""
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
-            submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False))
+            submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False,
+                                                       return_routed_experts))
             await asyncio.wait({submit, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not submit.done():  # gone while held at the gate
                 submit.cancel()
@@ -172,8 +174,9 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int) -> RequestOutput:
+def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int,
+                  routed_experts: Any = None) -> RequestOutput:
     return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=None,
                          finish_reason={"type": "abort", "message": "aborted while waiting for generation to continue"},
                          prompt_tokens=prompt_tokens, cached_tokens=0, weight_version=version, e2e_latency=0.0,
-                         text="")
+                         text="", routed_experts=routed_experts)
