@@ -4,13 +4,11 @@ server's routes, in bfloat16 and float32.
 
     .venv/bin/python bench/router_replay.py [--preset small] [--prompts 32] [--new-tokens 64]
 
-The "server" is Tandem's in-process inference engine (`tandem.inference.LLMEngine`: paged KV
-cache, prefill then one-token decode steps, the serving numerics of `tandem serve`), loaded in the
-measured dtype. Its routes are captured per token through the model's `Routing(record=True)`
-(this bench wraps the engine's forward; `tandem serve --dtype ... ` with `return_routed_experts`
-returns the same rows over HTTP). The trainer is a `TrainEngine` in the same dtype over the
-returned sequences, routed live (`actor.router_replay=off`) and replaying the server's routes
-(`r3`); the last generated token has no route (never forwarded), so it routes live.
+The server is a real `tandem serve --dtype <dtype>` (paged KV cache, prefill then one-token
+decode steps) sampled through the rollout client with `return_routed_experts`, exactly as a
+`tandem train` rollout is (`Trajectory.routed_experts`). The trainer is a `TrainEngine` in the
+same dtype over the returned sequences, routed live (`actor.router_replay=off`) and replaying the
+server's routes (`r3`); the last generated token has no route (never forwarded), so it routes live.
 
 Reported per dtype: route agreement (fraction of (token, MoE layer) pairs whose top-k set equals
 the server's, over every token with a route; with replay: of the routes the forward used, 1.0 by
@@ -21,6 +19,10 @@ mean / max over generated tokens. The table is printed and appended to docs/benc
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,56 +32,54 @@ from _report import append_benchmark
 
 from tandem.algo.mismatch import logprob_mismatch
 from tandem.data.trajectory import Trajectory
-from tandem.inference.engine import LLMEngine
-from tandem.inference.sampling_params import SamplingParams
-from tandem.models.common.moe import Routing
+from tandem.fleet.generation import GenerationParams
+from tandem.fleet.routes import RouteLayout
 from tandem.models.tiny import init_model
+from tandem.rollout.client import ClientConfig, InferenceClient
+from tandem.rollout.types import ModelRequest
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
-from tandem.train.routes import ROUTED_EXPERTS, agreement_counts, stack_layers
+from tandem.train.routes import ROUTED_EXPERTS, agreement_counts
 
 
-def serve_with_routes(path: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int,
+def start_server(path: Path, dtype: str, seed: int) -> tuple[subprocess.Popen, str]:
+    """`tandem serve --dtype <dtype>` on a free port; -> (process, base URL)."""
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(path), "--port", "0", "--dtype", dtype,
+           "--seed", str(seed), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+)", line)
+    if m is None:
+        proc.kill()
+        raise RuntimeError(f"tandem serve did not start: {line}{proc.stdout.read()}")
+    return proc, m.group(1)
+
+
+async def generate(url: str, layout: RouteLayout, prompts: list[list[int]], new_tokens: int) -> list[Trajectory]:
+    """Sample every prompt through the rollout client, asking for the routed experts."""
+    client = InferenceClient([url], ClientConfig(route_layout=layout))
+    try:
+        for _ in range(600):  # until /health answers 200 (the model loads after the port opens)
+            try:
+                await client.agenerate(ModelRequest([1], GenerationParams(max_new_tokens=1)))
+                break
+            except Exception:  # not ready yet
+                await asyncio.sleep(0.1)
+        params = GenerationParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+        responses = await asyncio.gather(*(client.agenerate(ModelRequest(p, params)) for p in prompts))
+    finally:
+        await client.aclose()
+    return [r.to_trajectory(group_id=str(i)) for i, r in enumerate(responses)]
+
+
+def serve_with_routes(path: Path, dtype: str, prompts: list[list[int]], new_tokens: int,
                       seed: int) -> list[Trajectory]:
-    """Sample from the in-process engine, capturing each token's experts per MoE layer."""
-    engine = LLMEngine(path, dtype=dtype, seed=seed, max_num_seqs=len(prompts))
-    model, runner = engine.model, engine.runner
-    moe_layers = list(model.args.moe_layers)
-    rows: dict[str, dict[int, torch.Tensor]] = {}  # rid -> position -> [moe layers, top_k]
-    step: dict[str, Routing] = {}
-    hidden_states = model.hidden_states
-
-    def recording_hidden_states(*args, **kwargs):
-        step["routing"] = Routing(record=True)
-        return hidden_states(*args, routing=step["routing"], **kwargs)
-
-    run = runner.run
-
-    def recording_run(seqs, is_prefill, copies, shared_blocks=None):
-        spans = [(s.rid, range(s.num_computed_tokens, len(s)) if is_prefill else range(len(s) - 1, len(s)))
-                 for s in seqs]  # the positions this step forwards, per sequence, in packing order
-        out = run(seqs, is_prefill, copies, shared_blocks)
-        routes = stack_layers(step["routing"].recorded, moe_layers).cpu()
-        row = 0
-        for rid, positions in spans:
-            for p in positions:
-                rows.setdefault(rid, {})[p] = routes[row]
-                row += 1
-        return out
-
-    model.hidden_states = recording_hidden_states
-    runner.run = recording_run
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
-    top_k = int(model.args.num_experts_per_tok)
-    trajs = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        mine = rows[out.rid]
-        n = len(prompt) + len(out.output_ids)
-        unknown = torch.full((len(moe_layers), top_k), -1, dtype=torch.int32)
-        routed = [mine.get(p, unknown).tolist() for p in range(n)]
-        trajs.append(Trajectory.from_generation(prompt, out.output_ids, out.output_logprobs,
-                                                [0] * len(out.output_ids), group_id=str(i), routed_experts=routed))
-    return trajs
+    """Trajectories sampled by a real `tandem serve --dtype <dtype>`, with its routes."""
+    proc, url = start_server(path, dtype, seed)
+    try:
+        return asyncio.run(generate(url, RouteLayout.of_model(path), prompts, new_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def trainer_pass(path: Path, dtype: str, batch: SequenceBatch, replay: str) -> dict[str, float]:
@@ -120,8 +120,8 @@ def main() -> None:
         vocab = int(__import__("json").loads((path / "config.json").read_text())["vocab_size"])
         prompts = [torch.randint(10, vocab, (int(torch.randint(8, 48, (), generator=gen)),), generator=gen).tolist()
                    for _ in range(args.prompts)]
-        for dtype, tdtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-            trajs = serve_with_routes(path, tdtype, prompts, args.new_tokens, args.seed)
+        for dtype in ("bfloat16", "float32"):
+            trajs = serve_with_routes(path, dtype, prompts, args.new_tokens, args.seed)
             batch = SequenceBatch([t.to_tensors() for t in trajs])
             for replay in ("off", "r3"):
                 r = trainer_pass(path, dtype, batch, replay)
@@ -141,8 +141,8 @@ def main() -> None:
     pairs, tokens = int(rows[0][2]["pairs"]), int(rows[0][2]["n_tokens"])
     body = "\n".join(table) + (
         f"\n\n`bench/router_replay.py --preset {args.preset} --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens}`: a random-init Qwen3-MoE ({args.preset} preset, 8 experts, top-2) served by the "
-        f"in-process inference engine (paged KV, decode steps) in each dtype, sampled at temperature 1; the "
+        f"{args.new_tokens}`: a random-init Qwen3-MoE ({args.preset} preset, 8 experts, top-2) served by "
+        f"`tandem serve --dtype <dtype>` (routes over HTTP with return_routed_experts), sampled at temperature 1; the "
         f"trainer (`TrainEngine`, same dtype) recomputes the {tokens} generated tokens' logprobs routing live or "
         f"replaying the server's routes ({pairs} (token, MoE layer) pairs with a route). "
         f"{time.perf_counter() - began:.0f} s on CPU.")
