@@ -284,3 +284,18 @@ def test_context_parallel_replay_equals_one_rank(moe_dir):
         for key in ("loss", "aux_loss", "route_matches", "route_pairs"):
             assert got["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
         torch.testing.assert_close(got["grad"], one["grad"], rtol=1e-4, atol=1e-7)
+
+
+def test_rollouts_ask_for_routes_when_they_are_used(moe_dir, dense_dir):
+    from tandem.rl.config import load_run_config
+    from tandem.rl.trainer import route_layout
+
+    layout = route_layout(load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3"]))
+    assert (layout.num_layers, layout.top_k, layout.moe_layers) == (2, 2, (0, 1))
+    assert route_layout(load_run_config(None, [f"actor.path={moe_dir}"])) == layout  # tandem: agreement metric
+    sglang = load_run_config(None, [f"actor.path={moe_dir}"])
+    sglang.rollout.backend = "sglang:d1"  # `tandem train` refuses sglang's weight sync today
+    assert route_layout(sglang) is None
+    sglang.actor.router_replay = "r3"
+    assert route_layout(sglang) == layout
+    assert route_layout(load_run_config(None, [f"actor.path={dense_dir}"])) is None
