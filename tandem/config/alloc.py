@@ -30,7 +30,7 @@ MEGATRON_NOTE = (
     "megatron is parsed for compatibility but Tandem cannot launch it; use archon with the same dims"
 )
 # Parallel dims the trainer parses but does not apply yet (each leaves this list when it is built).
-TRAINER_DIMS_PENDING = ("ep", "etp")
+TRAINER_DIMS_PENDING: tuple[str, ...] = ()
 _SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "edp", "world_size")  # JSON keys read from `sizes`
 
 
@@ -73,6 +73,14 @@ class Component:
             return (f"the trainer does not combine pipeline and context parallelism yet (pipeline stages do not "
                     f"split tokens over CP ranks); use {self.backend}:d{s.dp}p{s.pp}t{s.tp} or "
                     f"{self.backend}:d{s.dp}c{s.cp}t{s.tp}")
+        if not self.is_inference and s.etp not in (1, s.tp):
+            return (f"expert tensor parallel size etp={s.etp} must be 1 or the attention's tp={s.tp} (experts are "
+                    f"whole on each rank, or tensor-parallel over the attention's TP group); write "
+                    f"{self.backend}:(attn:...|ffn:e{s.ep}t{s.tp}) or ffn:e{s.ep}")
+        if not self.is_inference and s.ep > 1 and ((s.dp * s.cp) % s.ep or s.ep % s.cp):
+            return (f"expert parallel size ep={s.ep} must divide d*c = {s.dp * s.cp} and be a multiple of "
+                    f"cp={s.cp}: the experts are split over data- and context-parallel ranks, all of a rank's "
+                    f"context-parallel peers included; change 'e' (e.g. e{s.cp}) or 'd'")
         pending = [f"{name}={getattr(s, name)}" for name in TRAINER_DIMS_PENDING if getattr(s, name) > 1]
         if not self.is_inference and pending:
             return (f"the trainer does not apply {', '.join(pending)} yet (it applies "

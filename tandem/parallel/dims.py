@@ -3,7 +3,16 @@
 The mesh is laid out outermost to innermost as `pp, dp_replicate, dp_shard, cp, tp` (torchtitan's
 order: the innermost dims get the fastest links, so TP stays inside a node and PP spans nodes).
 Each parallelize step takes its submesh from here (`fsdp_mesh`, `tp_mesh`, `cp_mesh`,
-`pp_mesh`); batch-level reductions use `dp_group`. Which dims a model family can apply is its
+`pp_mesh`, and for MoE experts `ep_mesh`, `expert_fsdp_mesh`, `etp_mesh`); batch-level
+reductions use `dp_group`.
+
+Experts (ep > 1): the ep ranks are carved out of `dp_shard x cp`, innermost: `dp_shard` is built
+as two dims `dp_shard_mod_ep x dp_shard_in_ep` and the ep mesh is `dp_shard_in_ep x cp` (so cp
+must divide ep). The experts' other copies, `edp = world / (ep * etp * pp)` of them, are the
+`dp_replicate x dp_shard_mod_ep` ranks (FSDP shards the experts over those, the expert FSDP
+mesh) times the tp ranks when etp == 1 (each TP rank then runs the MoE on its own sequence
+shard with whole experts; their gradients are summed over the TP group like other partial
+gradients). With etp == tp the experts are tensor-parallel over the attention's TP group. Which dims a model family can apply is its
 `parallelize` function's business (it refuses the others by name).
 """
 
@@ -24,8 +33,8 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 class ParallelDims:
     """A job's `ParallelSizes` with its data-parallel size split into `dp_replicate` (HSDP
     replicas) x `dp_shard` (FSDP shards). Raises `ConfigError` when `dp_replicate` does not divide
-    `sizes.dp`, or `ep` does not divide `dp_shard * cp` (experts are sharded over a slice of those
-    ranks; `ep` adds none).
+    `sizes.dp`, `ep` does not divide `dp_shard * cp` (experts are sharded over a slice of those
+    ranks; `ep` adds none) or is not a multiple of cp, or `etp` is neither 1 nor tp.
     """
 
     sizes: ParallelSizes
@@ -37,6 +46,12 @@ class ParallelDims:
                               f"size {self.sizes.dp}")
         if (self.dp_shard * self.sizes.cp) % self.sizes.ep:
             raise ConfigError(f"ep ({self.sizes.ep}) must divide dp_shard * cp ({self.dp_shard * self.sizes.cp})")
+        if self.sizes.ep > 1 and self.sizes.ep % self.sizes.cp:
+            raise ConfigError(f"ep ({self.sizes.ep}) must be a multiple of cp ({self.sizes.cp}): the expert-parallel "
+                              "ranks span the context-parallel ones")
+        if self.sizes.etp not in (1, self.sizes.tp):
+            raise ConfigError(f"etp ({self.sizes.etp}) must be 1 or tp ({self.sizes.tp}): experts are either whole "
+                              "on each rank or tensor-parallel over the attention's TP group")
 
     @classmethod
     def data_parallel(cls, world_size: int, dp_replicate: int = 1) -> ParallelDims:
@@ -44,14 +59,15 @@ class ParallelDims:
         return cls(ParallelSizes(dp=world_size), dp_replicate)
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1,
                   dp_replicate: int = 1) -> ParallelDims:
         """The layout of `world_size` ranks with these model-parallel sizes; the rest is data
-        parallelism. Raises `ConfigError` when tp * pp * cp does not divide the world."""
+        parallelism (`ep`, `etp` add no ranks). Raises `ConfigError` when tp * pp * cp does not
+        divide the world."""
         model_parallel = tp * pp * cp
         if model_parallel < 1 or world_size % model_parallel:
             raise ConfigError(f"tp * pp * cp = {tp} * {pp} * {cp} must divide the trainer's world size {world_size}")
-        return cls(ParallelSizes(dp=world_size // model_parallel, tp=tp, pp=pp, cp=cp), dp_replicate)
+        return cls(ParallelSizes(dp=world_size // model_parallel, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp), dp_replicate)
 
     @property
     def dp_shard(self) -> int:
@@ -74,6 +90,14 @@ class ParallelDims:
     def only_data_parallel(self) -> bool:
         return self.sizes.only_data_parallel
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.sizes.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.sizes.etp > 1
+
     def mesh_sizes(self) -> dict[str, int]:
         """Size of every mesh dimension, in `MESH_ORDER`."""
         s = self.sizes
@@ -85,27 +109,48 @@ class ParallelDims:
         (dp_replicate x dp_shard) when HSDP replicates, `dp_shard_cp` when cp > 1. Needs an
         initialised default process group; every rank must call it (it is collective)."""
         dims = [(n, s) for n, s in self.mesh_sizes().items() if s > 1 or n == "dp_shard"]
+        if self.ep_enabled:  # dp_shard as dp_shard_mod_ep x dp_shard_in_ep (both kept, even of size 1)
+            at = [n for n, _ in dims].index("dp_shard")
+            in_ep = self.sizes.ep // self.sizes.cp
+            dims[at: at + 1] = [("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep)]
         mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        if self.ep_enabled:
+            _flattened(mesh, self._base("dp_shard"), "dp_shard")
+            if self.sizes.cp > 1:
+                _flattened(mesh, ("dp_shard_in_ep", "cp"), "ep")
         if self.dp_replicate > 1:
-            _flattened(mesh, ("dp_replicate", "dp_shard"), "dp")
+            _flattened(mesh, self._base("dp_replicate", "dp_shard"), "dp")
         if self.sizes.cp > 1:
-            _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+            _flattened(mesh, self._base("dp_shard", "cp"), "dp_shard_cp")
         return mesh
+
+    def _base(self, *names: str) -> tuple[str, ...]:
+        """The root mesh's own dims behind `names` (`dp_shard` is two dims under expert parallelism)."""
+        split = {"dp_shard": ("dp_shard_mod_ep", "dp_shard_in_ep")} if self.ep_enabled else {}
+        return tuple(d for n in names for d in split.get(n, (n,)))
+
+    def _dp_shard(self, mesh: DeviceMesh) -> DeviceMesh:
+        return _flattened(mesh, self._base("dp_shard"), "dp_shard") if self.ep_enabled else mesh["dp_shard"]
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards parameters over and reduces gradients over: `dp_shard`, flattened
         with `cp` when cp > 1 (CP ranks hold the same parameters and see different tokens, so
         their gradients are summed like data-parallel ones); (`dp_replicate`, that) for HSDP."""
         if self.sizes.cp == 1:
-            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+            if self.dp_replicate > 1:
+                self._dp_shard(mesh)
+                return mesh["dp_replicate", "dp_shard"]
+            return self._dp_shard(mesh)
         if self.dp_replicate > 1:
             return mesh["dp_replicate", "dp_shard_cp"]
-        return _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        return _flattened(mesh, self._base("dp_shard", "cp"), "dp_shard_cp")
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """1-D mesh over the data-parallel ranks of this rank's TP/CP/PP position (the ranks that
         train on different shards of a batch)."""
-        return _flattened(mesh, ("dp_replicate", "dp_shard"), "dp") if self.dp_replicate > 1 else mesh["dp_shard"]
+        if self.dp_replicate > 1:
+            return _flattened(mesh, self._base("dp_replicate", "dp_shard"), "dp")
+        return self._dp_shard(mesh)
 
     def dp_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         """Process group over the data-parallel ranks (loss-token counts, micro-batch plans,
@@ -129,10 +174,40 @@ class ParallelDims:
         """The pipeline-parallel submesh, or None without pipeline parallelism."""
         return self._submesh(mesh, "pp")
 
+    def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The 1-D mesh the experts are split over (`dp_shard_in_ep x cp`), or None without EP."""
+        if not self.ep_enabled:
+            return None
+        return mesh["ep"] if self.sizes.cp > 1 else mesh["dp_shard_in_ep"]
+
+    def etp_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The mesh each expert's hidden units are split over (the TP mesh), or None when etp == 1."""
+        return self.tp_mesh(mesh) if self.etp_enabled else None
+
+    def experts_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The mesh expert weights are DTensors on: `(ep, tp)` with EP and ETP, the ep or the TP
+        mesh with one of them, None with neither."""
+        ep = None if not self.ep_enabled else ("ep" if self.sizes.cp > 1 else "dp_shard_in_ep")
+        if ep is not None and self.etp_enabled:
+            return mesh[ep, "tp"]
+        return mesh[ep] if ep is not None else self.etp_mesh(mesh)
+
+    def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards the experts over and sums their gradients over: the data-parallel
+        ranks holding the same experts, `dp_shard_mod_ep` (size 1 when ep = dp_shard * cp), with
+        `dp_replicate` for HSDP. Without EP: `fsdp_mesh`."""
+        if not self.ep_enabled:
+            return self.fsdp_mesh(mesh)
+        return mesh["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
+
     def describe(self) -> str:
-        """`pp=.. dp_shard=.. dp_replicate=.. tp=.. cp=..`, what the engine logs at start."""
+        """`pp=.. dp_shard=.. dp_replicate=.. tp=.. cp=..`, what the engine logs at start; with
+        experts laid out (ep or etp > 1) also `ep=.. etp=.. edp=..`."""
         m = self.mesh_sizes()
-        return " ".join(f"{k}={m[k]}" for k in ("pp", "dp_shard", "dp_replicate", "tp", "cp"))
+        text = " ".join(f"{k}={m[k]}" for k in ("pp", "dp_shard", "dp_replicate", "tp", "cp"))
+        if self.ep_enabled or self.etp_enabled:
+            text += f" ep={self.sizes.ep} etp={self.sizes.etp} edp={self.sizes.edp}"
+        return text
 
 
 def _flattened(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:

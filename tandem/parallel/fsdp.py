@@ -42,19 +42,28 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     pipelined: bool = False,
+    inner: Mapping[str, nn.Module] | None = None,
+    inner_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Shard each of `blocks`, then `root` (the module whose forward is the training entry point,
     which must contain the blocks). Returns the FSDP modules, root last. FSDP casts parameters to
     `param_dtype` for compute (master weights keep theirs) and reduces gradients in `reduce_dtype`.
     `pipelined`: `root` is a pipeline stage (the "default" reshard policy then means never).
     `config.offload_params` keeps parameters, gradients and optimizer state in host memory (an
-    accelerator run only: `ParallelizeConfig.check_device`)."""
+    accelerator run only: `ParallelizeConfig.check_device`).
+    `inner[name]`: a module inside block `name` that is its own unit, sharded first over
+    `inner_mesh` (a MoE block's experts, sharded over the ranks that hold the same experts), with
+    the block's reshard policy."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if config.offload_params else OffloadPolicy()
     units: list[FSDPModule] = []
     names = list(blocks)
     for i, name in enumerate(names):
         reshard = _reshard_block(config.reshard_after_forward, i == len(names) - 1, pipelined)
+        if inner and name in inner:
+            fully_shard(inner[name], mesh=inner_mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                        offload_policy=offload)
+            units.append(inner[name])  # type: ignore[arg-type]
         fully_shard(blocks[name], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
                     offload_policy=offload)
         units.append(blocks[name])  # type: ignore[arg-type]

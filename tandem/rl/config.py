@@ -64,12 +64,12 @@ class ActorConfig(TrainEngineConfig):
     cpus: str = _f("", "Pin trainer ranks to these cores, e.g. '1' or '2-3' (empty: no pinning).")
 
     def derive_sizes(self) -> None:
-        """tp, pp and cp from `backend` (left alone when it does not parse: `check` names the key)."""
+        """tp, pp, cp, ep and etp from `backend` (left alone when it does not parse: `check` names the key)."""
         try:
             sizes = parse_allocation_of_kind(self.backend, "actor.backend", inference=False).components[0].sizes
         except ConfigError:
             return
-        self.tp, self.pp, self.cp = sizes.tp, sizes.pp, sizes.cp
+        self.tp, self.pp, self.cp, self.ep, self.etp = sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp
 
     def check(self, prefix: str = "") -> None:
         comp = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False).components[0]
@@ -83,8 +83,9 @@ class ActorConfig(TrainEngineConfig):
         check_cpus(self.cpus, f"{prefix}cpus")
         if self.path:
             check_model_dir(self.path, f"{prefix}path")
-            if comp.sizes.tp > 1 or comp.sizes.cp > 1:
-                check_model_split(self.path, comp.sizes.tp, comp.sizes.cp, f"{prefix}backend={self.backend!r}")
+            s = comp.sizes
+            if s.tp > 1 or s.cp > 1 or s.ep > 1 or s.etp > 1:
+                check_model_split(self.path, s.tp, s.cp, f"{prefix}backend={self.backend!r}", s.ep, s.etp)
         check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix)
 
 
@@ -175,6 +176,8 @@ class TandemConfig:
         "actor.tp": "actor.backend (e.g. archon:d2t2)",
         "actor.pp": "actor.backend (e.g. archon:p2)",
         "actor.cp": "actor.backend (e.g. archon:d2c2)",
+        "actor.ep": "actor.backend (e.g. archon:d2e2)",
+        "actor.etp": "actor.backend (e.g. archon:(attn:d2t2|ffn:e2t2))",
         "actor.total_train_steps": "train.total_steps (tandem train: times train.n_minibatches) or sft.steps "
                                    "(tandem sft)",
         "algo.ppo.max_head_offpolicyness": "rollout.max_head_offpolicyness",

@@ -83,12 +83,14 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str) -> 
                           "use tandem servers (rollout.backend=tandem:dN)")
 
 
-def check_model_split(path: str, tp: int, cp: int, key: str) -> None:
+def check_model_split(path: str, tp: int, cp: int, key: str, ep: int = 1, etp: int = 1) -> None:
     """The model at `path` (a directory `check_model_dir` accepted) splits over the layout: tensor
     parallelism gives each of the `tp` ranks whole key/value heads with their query heads and a
     slice of the MLP (tp divides the key/value heads, query heads and intermediate size); context
-    parallelism (Ulysses) splits the query heads over the `cp` ranks. Counts missing from
-    config.json are left to the model loader, which names them."""
+    parallelism (Ulysses) splits the query heads over the `cp` ranks; expert parallelism needs a
+    mixture-of-experts model whose experts `ep` divides, expert tensor parallelism one whose
+    expert hidden size `etp` divides. Counts missing from config.json are left to the model
+    loader, which names them."""
     import json
     from pathlib import Path
 
@@ -99,6 +101,16 @@ def check_model_split(path: str, tp: int, cp: int, key: str) -> None:
     kv_heads = config.get("num_key_value_heads") or heads
     if cp > 1 and isinstance(heads, int) and heads > 0:
         check_heads(heads, kv_heads, cp, key)
+    if ep > 1 or etp > 1:
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        if not isinstance(experts, int) or experts < 1:
+            raise ConfigError(f"{key}: expert parallelism (ep={ep}, etp={etp}) needs a mixture-of-experts model, and "
+                              f"{path} has no num_experts in config.json; drop 'e' and the ffn part")
+        for name, count, size in (("num_experts", experts, ep), ("moe_intermediate_size",
+                                                                 config.get("moe_intermediate_size"), etp)):
+            if isinstance(count, int) and count > 0 and count % size:
+                raise ConfigError(f"{key}: the model's {name} ({count}) is not divisible by the expert layout's "
+                                  f"{size}; choose sizes that divide it")
     if tp > 1:
         counts = {"num_key_value_heads": kv_heads, "num_attention_heads": heads,
                   "intermediate_size": config.get("intermediate_size")}

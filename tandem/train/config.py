@@ -91,6 +91,9 @@ class TrainEngineConfig:
     tp: int = _f(1, "Tensor-parallel size (the run config derives it from actor.backend).", min=1)
     pp: int = _f(1, "Pipeline-parallel size (the run config derives it from actor.backend).", min=1)
     cp: int = _f(1, "Context-parallel size (the run config derives it from actor.backend).", min=1)
+    ep: int = _f(1, "Expert-parallel size of MoE layers (the run config derives it from actor.backend).", min=1)
+    etp: int = _f(1, "Expert tensor-parallel size, 1 or tp (the run config derives it from actor.backend).",
+                  min=1)
     deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
     logprob_chunk_size: int = _f(1024, "Tokens per output-head chunk when computing log-probs.", min=1)
     dist_backend: str | None = _f(None, "torch.distributed backend of the trainer ranks (None: gloo on CPU, "

@@ -78,7 +78,7 @@ class TrainEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(config.seed, config.deterministic)
         self.parallel_dims = ParallelDims.for_world(self.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
-                                                    dp_replicate=config.dp_replicate)
+                                                    ep=config.ep, etp=config.etp, dp_replicate=config.dp_replicate)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dp_group = self.parallel_dims.dp_group(self.mesh)
         if self.rank == 0:
@@ -334,9 +334,9 @@ class TrainEngine:
             return self.pipeline.export_buckets(self.mesh, bucket_bytes, dtype or self.param_dtype, alloc, dst)
         return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
 
-    def local_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """Every parameter whole and uncast when this rank holds them all (a world of one), else
-        None (see `tandem.weights.source.WeightSource`)."""
+    def local_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """Every parameter whole and uncast, as its HF pieces, when this rank holds them all (a
+        world of one), else None (see `tandem.weights.source.WeightSource`)."""
         return local_parameters(self.model) if self.pipeline is None else None
 
     def num_parameters(self) -> int:

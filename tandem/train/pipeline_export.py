@@ -11,6 +11,8 @@ For each bucket only the owner's ranks gather (FSDP shards over their data-paral
 - `dst` None: the owner's ranks all-gather and broadcast over their pipeline group, so every
   rank gets every bucket.
 A tied embedding/output weight is exported once, from the first stage, under the embedding's name.
+Buckets are planned by parameter and carry HF pieces (a stacked expert parameter is gathered once
+and travels as its per-expert HF tensors, see `weight_export`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models import build_model
 from tandem.models.qwen.pipeline import parameter_stage
+from tandem.models.state_dict_adapter import Piece
 from tandem.parallel.pipeline import PipelineLayout
-from tandem.train.weight_export import Alloc, _destinations, gather_bucket
+from tandem.train.weight_export import Alloc, _destinations, gather_bucket, piece_shape
 
 
 @dataclass(frozen=True)
 class ExportEntry:
     native: str
-    hf_name: str
-    shape: torch.Size
+    pieces: tuple[Piece, ...]  # its HF tensors, `(hf_name, index along dim 0 | None)`
+    shape: torch.Size  # of the whole parameter
     dtype: torch.dtype
     owner: int  # pipeline rank holding the parameter
+
+    @property
+    def hf_names(self) -> list[str]:
+        return [hf for hf, _ in self.pieces]
+
+    @property
+    def piece_shapes(self) -> list[torch.Size]:
+        return [piece_shape(self.shape, index) for _, index in self.pieces]
 
 
 def export_plan(model: nn.Module, layout: PipelineLayout) -> list[ExportEntry]:
@@ -43,7 +54,7 @@ def export_plan(model: nn.Module, layout: PipelineLayout) -> list[ExportEntry]:
     `named_parameters`, tied weights once), with its owning pipeline rank."""
     full = build_model(model.hf_config, dtype=torch.float32, device="meta")
     adapter = model.spec.state_dict_adapter_cls(model.args)
-    return [ExportEntry(name, adapter.native_to_hf(name), p.shape, p.dtype,
+    return [ExportEntry(name, tuple(adapter.pieces(name, p.shape)), p.shape, p.dtype,
                         layout.stage_rank(parameter_stage(name, layout)))
             for name, p in full.named_parameters()]
 
@@ -64,8 +75,7 @@ def _buckets(plan: list[ExportEntry], bucket_bytes: int, dtype: torch.dtype | No
 def _receive_buffers(alloc: Alloc | None, names: list[str], shapes: list[torch.Size], dtype: torch.dtype,
                      device: torch.device) -> list[torch.Tensor]:
     """Where a bucket another rank sends arrives: the caller's tensors (`alloc`), or new ones."""
-    meta = [torch.empty(s, device="meta") for s in shapes]
-    return _destinations(alloc, names, meta, dtype, device) or [torch.empty(s, dtype=dtype, device=device)
+    return _destinations(alloc, names, shapes, dtype, device) or [torch.empty(s, dtype=dtype, device=device)
                                                                  for s in shapes]
 
 
@@ -94,10 +104,10 @@ def iter_pipeline_buckets(model: nn.Module, plan: list[ExportEntry], mesh: Devic
     scratch: dict[str, torch.Tensor] = {}
     for bucket in _buckets(plan, bucket_bytes, dtype):
         owner = bucket[0].owner
-        names = [e.hf_name for e in bucket]
-        shapes = [e.shape for e in bucket]
+        names = [hf for e in bucket for hf in e.hf_names]
+        shapes = [s for e in bucket for s in e.piece_shapes]
         out_dtype = dtype or bucket[0].dtype
-        mine = [(e.hf_name, params[e.native]) for e in bucket] if my_pp == owner else None
+        mine = [(e.pieces, params[e.native]) for e in bucket] if my_pp == owner else None
         if dst is None:
             if mine is not None:
                 got = gather_bucket(mine, dtype, scratch, alloc, None)
@@ -126,5 +136,5 @@ def iter_pipeline_buckets(model: nn.Module, plan: list[ExportEntry], mesh: Devic
 
 
 def plan_nbytes(plan: list[ExportEntry], dtype: torch.dtype | None, align: int = 64) -> int:
-    """Bytes of an export in `dtype`, each tensor rounded up to `align` bytes (as `export_nbytes`)."""
-    return sum(-(-e.shape.numel() * (dtype or e.dtype).itemsize // align) * align for e in plan)
+    """Bytes of an export in `dtype`, each HF tensor rounded up to `align` bytes (as `export_nbytes`)."""
+    return sum(-(-s.numel() * (dtype or e.dtype).itemsize // align) * align for e in plan for s in e.piece_shapes)

@@ -2,7 +2,13 @@
 
 Each rank reads each tensor from the safetensors files (memory-mapped, one tensor at a time) and
 keeps only its own slice, cut according to the parameter's placements: no communication, and
-the same code serves FSDP shards today and tensor-parallel shards later.
+the same code serves FSDP, tensor-parallel and expert-parallel shards.
+
+HF tensors are read as *pieces* of native parameters (`StateDictAdapter.hf_to_piece`): a whole
+parameter is one piece; a MoE layer's stacked expert weight `[E, ...]` is E pieces, piece e being
+`param[e]`. A piece goes into the part of this rank's local tensor that overlaps it, so under
+expert parallelism a rank copies only the experts it holds (and, under FSDP or expert tensor
+parallelism, only its rows of them).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.errors import CheckpointError
 from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
@@ -26,11 +33,29 @@ def _load_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def _load_piece(param: torch.Tensor, index: int, piece: torch.Tensor) -> None:
+    """Copy `piece` (= `param[index]` of the global parameter) into this rank's local part of it,
+    if any: the local tensor of a DTensor is one box of the global tensor (its offset and shape)."""
+    if not isinstance(param, DTensor):
+        param[index].copy_(piece.to(device=param.device, dtype=param.dtype))
+        return
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise AssertionError(f"local shard {tuple(local.shape)} of a {tuple(param.shape)} parameter is not the "
+                             f"box {tuple(shape)} its placements {param.placements} give")
+    row = index - offset[0]
+    if not 0 <= row < shape[0]:
+        return  # another rank's expert
+    box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+    local[row].copy_(piece[box].to(device=local.device, dtype=local.dtype))
+
+
 @torch.no_grad()
 def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False,
                             aliases: dict[str, str] | None = None) -> None:
-    """Strict: every parameter filled, every tensor used (bar ones the adapter skips, such as a
-    tied `lm_head`), shapes equal to the parameters' global shapes.
+    """Strict: every parameter filled (every piece of a stacked one), every tensor used (bar ones
+    the adapter skips, such as a tied `lm_head`), shapes equal to the parameters' global shapes.
 
     `partial` (a pipeline stage's model): tensors of parameters the model does not hold are
     skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
@@ -55,28 +80,23 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
             if not partial:
                 problems.append(f"unexpected tensor {hf_name}")
             continue
-        # A piece (index not None) is one row of a stacked parameter (e.g. one MoE expert).
-        bad = [n for n in wanted[native] if tuple(params[n].shape[0 if index is None else 1:]) != shape]
-        if bad:
-            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {tuple(params[bad[0]].shape)}")
+        target = params[wanted[native][0]]
+        expected = tuple(target.shape if index is None else target.shape[1:])
+        if index is not None and not 0 <= index < target.shape[0]:
+            problems.append(f"{hf_name}: piece {index} of {native}, which has {target.shape[0]}")
+        elif expected != shape:
+            problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
             plan[hf_name] = (wanted[native], index)
+    needed = {(hf, index): n for n in params for hf, index in adapter.pieces(sources[n], params[n].shape)}
     found = {(hf, index) for hf, (_, index) in plan.items()}
-    for n in sorted(params):
-        problems += [f"missing tensor {hf}" for hf, index in adapter.pieces(sources[n], params[n].shape)
-                     if (hf, index) not in found]
+    problems += [f"missing tensor {hf}" for hf, _ in sorted(needed.keys() - found)]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
-    stacked: dict[str, tuple[torch.Tensor, int]] = {}  # native -> (full buffer, pieces still to come)
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
-        natives, index = plan[hf_name]
-        for native in natives:
+        names, index = plan[hf_name]
+        for native in names:
             if index is None:
                 _load_into(params[native], tensor)
-                continue
-            buffer, left = stacked.get(native) or (torch.empty(params[native].shape, dtype=tensor.dtype),
-                                                   params[native].shape[0])
-            buffer[index] = tensor
-            stacked[native] = (buffer, left - 1)
-            if left == 1:
-                _load_into(params[native], stacked.pop(native)[0])
+            else:
+                _load_piece(params[native], index, tensor)

@@ -14,23 +14,49 @@ and each full tensor is then copied out of the gathered buffer. One
 size 2 on CPU: ~3 ms per parameter, 0.45 s for a 100M model, against ~0.1 s bucketed). Other
 placements (tensor parallel, partial) fall back to `full_tensor()` per parameter; the choice
 depends only on placements and meshes, so every rank makes the same one.
+
+Export works on *pieces* (`tandem.models.state_dict_adapter`): a native parameter may be several HF
+tensors (a mixture-of-experts layer's stacked experts, `[E, out, in]`, is E HF tensors). A
+parameter is gathered whole, once, in one bucket (whatever its placement: FSDP dim-0 shards through
+the bucketed all-gather, anything else, e.g. an expert-parallel Shard(0) over an EP mesh, through
+`full_tensor()`), and then yields one `(hf_name, tensor)` per piece: views of the gathered tensor,
+or, with `alloc`, one destination per HF tensor written straight from the gather. Bucket sizes,
+names, `local_parameters` and `export_nbytes` are all in HF pieces.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from tandem.models.state_dict_adapter import Piece
 
-def hf_parameter_names(model: nn.Module) -> list[tuple[str, str, nn.Parameter]]:
-    """(native name, HF name, parameter) in export order."""
+
+def hf_parameter_names(model: nn.Module) -> list[tuple[str, list[Piece], nn.Parameter]]:
+    """(native name, its HF pieces `[(hf_name, index | None)]`, parameter) in export order (that of
+    `named_parameters()`; tied weights once). Pieces are in file order; `index` is the position
+    along dim 0 of the (global) parameter, None for a parameter that is one HF tensor."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
-    return [(name, adapter.native_to_hf(name), p) for name, p in model.named_parameters()]
+    return [(name, adapter.pieces(name, p.shape), p) for name, p in model.named_parameters()]
+
+
+def piece_shape(shape: Sequence[int], index: int | None) -> torch.Size:
+    """The shape of piece `index` of a parameter of `shape` (the whole shape when None)."""
+    return torch.Size(shape if index is None else shape[1:])
+
+
+def split_pieces(pieces: Sequence[Piece], full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` per piece of a whole parameter `full`: views, nothing copied."""
+    return [(hf_name, full if index is None else full[index]) for hf_name, index in pieces]
+
+
+def _as_pieces(name: str | Sequence[Piece]) -> list[Piece]:
+    return [(name, None)] if isinstance(name, str) else list(name)
 
 
 def _nbytes(param: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -55,15 +81,15 @@ def iter_hf_tensors_from_model(
     model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = SAVE_BUCKET_BYTES,
     dst: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(hf_name, full tensor)` one parameter at a time, gathered a bucket at a time (one
+    """`(hf_name, full tensor)` one HF tensor at a time, gathered a bucket at a time (one
     collective per bucket, see `gather_bucket`); with `dst`, only on that rank (nothing elsewhere).
     Collective: consume it on every rank."""
     for bucket in iter_weight_buckets(model, bucket_bytes, dtype, dst=dst):
         yield from bucket
 
 
-# Where a bucket's full tensors go: (HF names, shapes, dtype, device) -> one tensor per name to
-# write into, or None to let the export allocate them.
+# Where a bucket's full tensors go: (HF names, shapes, dtype, device), one per HF tensor (piece) ->
+# one tensor per name to write into, or None to let the export allocate them.
 Alloc = Callable[[list[str], list[torch.Size], torch.dtype, torch.device], "list[torch.Tensor] | None"]
 
 
@@ -71,8 +97,9 @@ def iter_weight_buckets(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
     dst: int | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` each; a single tensor larger
-    than the limit travels alone. A bucket is gathered only when asked for and is not referenced
+    """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` each, cut between parameters
+    (a parameter's pieces travel in one bucket); a single parameter larger than the limit travels
+    alone. A bucket is gathered only when asked for and is not referenced
     after the next one is requested, so at most one bucket is materialised at a time (as long as
     the caller drops it too). `alloc` (see `Alloc`) lets the caller say where each bucket's
     tensors are written, e.g. straight into a send buffer. `dst` (a global rank): only that rank
@@ -80,14 +107,14 @@ def iter_weight_buckets(
     `dst` alone instead of to every rank. Collective: iterate it fully, on every rank."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    plan: list[list[tuple[str, nn.Parameter]]] = [[]]
+    plan: list[list[tuple[list[Piece], nn.Parameter]]] = [[]]
     size = 0
-    for _, hf_name, param in hf_parameter_names(model):
+    for _, pieces, param in hf_parameter_names(model):
         nbytes = _nbytes(param, dtype)
         if plan[-1] and size + nbytes > bucket_bytes:
             plan.append([])
             size = 0
-        plan[-1].append((hf_name, param))
+        plan[-1].append((pieces, param))
         size += nbytes
     scratch: dict[str, torch.Tensor] = {}  # the gather buffer, reused by every bucket of this export
     for entries in plan:
@@ -107,17 +134,21 @@ def _dim0_shard_axis(t: torch.Tensor) -> int | None:
 
 
 @torch.no_grad()
-def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+def gather_bucket(entries: Sequence[tuple[str | Sequence[Piece], torch.Tensor]], dtype: torch.dtype | None = None,
                   scratch: dict[str, torch.Tensor] | None = None, alloc: Alloc | None = None,
                   dst: int | None = None) -> list[tuple[str, torch.Tensor]]:
-    """`(hf_name, full tensor)` for one bucket of `(hf_name, parameter)`, cast to `dtype` when given.
-    Collective. Parameters sharded on dim 0 over the same mesh dimension travel in one all-gather
-    (see the module docstring); anything else is gathered one parameter at a time. `scratch` keeps
-    the gather buffer for the next bucket (fresh pages cost more than the copies); the tensors
-    returned never alias it. With `alloc`, they are the tensors it gave (written in place). With
-    `dst`, ranks other than `dst` get `[]` (and send their shards to `dst` only)."""
+    """`(hf_name, full tensor)` per HF piece for one bucket of `(pieces, parameter)` (a plain HF
+    name stands for one whole piece), cast to `dtype` when given. Collective. Parameters sharded
+    on dim 0 over the same mesh dimension travel in one all-gather (see the module docstring);
+    anything else is gathered one parameter at a time (`full_tensor()`). `scratch` keeps the
+    gather buffer for the next bucket (fresh pages cost more than the copies); the tensors returned
+    never alias it. Without `alloc`, the pieces of a parameter are views of its gathered tensor;
+    with `alloc`, they are the tensors it gave (one per piece, written in place). With `dst`, ranks
+    other than `dst` get `[]` (and send their shards to `dst` only)."""
     params = [p.detach() for _, p in entries]
-    names = [name for name, _ in entries]
+    pieces = [_as_pieces(name) for name, _ in entries]
+    names = [hf for ps in pieces for hf, _ in ps]
+    shapes = [piece_shape(p.shape, index) for ps, p in zip(pieces, params, strict=True) for _, index in ps]
     axes = {_dim0_shard_axis(p) for p in params}
     first = params[0]
     fused = (len(axes) == 1 and None not in axes and len({(p.device_mesh, p.placements) for p in params}) == 1
@@ -126,11 +157,12 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
         fulls = [full_tensor(p, dtype) for p in params]
         if dst is not None and _global_rank() != dst:
             return []
-        dests = _destinations(alloc, names, fulls, fulls[0].dtype, fulls[0].device)
+        out = [piece for ps, full in zip(pieces, fulls, strict=True) for piece in split_pieces(ps, full)]
+        dests = _destinations(alloc, names, shapes, fulls[0].dtype, fulls[0].device)
         if dests is None:
-            return list(zip(names, fulls, strict=True))
-        for dest, full in zip(dests, fulls, strict=True):
-            dest.copy_(full)
+            return out
+        for dest, (_, t) in zip(dests, out, strict=True):
+            dest.copy_(t)
         return list(zip(names, dests, strict=True))
     axis = axes.pop()
     mesh = first.device_mesh
@@ -161,19 +193,34 @@ def gather_bucket(entries: list[tuple[str, torch.Tensor]], dtype: torch.dtype | 
         gather_flat(grid, rank, members.index(dst), group)
         if _global_rank() != dst:
             return []
-    dests = _destinations(alloc, names, params, out_dtype, device)
-    out = []
-    for i, ((name, _), p, (off, rows, row_numel)) in enumerate(zip(entries, params, slots, strict=True)):
-        # Rank r holds rows [r * rows, (r + 1) * rows) (fewer or none at the end: ceil chunks).
-        full = torch.empty(p.shape, dtype=out_dtype, device=device) if dests is None else dests[i]
-        flat = full.view(-1)
-        for r in range(world):
-            n = _rows_of(r, rows, p.shape[0]) * row_numel
-            if n:
-                start = r * rows * row_numel
-                flat[start: start + n].copy_(grid[r, off: off + n])
-        out.append((name, full))
+    dests = _destinations(alloc, names, shapes, out_dtype, device)
+    out: list[tuple[str, torch.Tensor]] = []
+    for ps, p, (off, rows, row_numel) in zip(pieces, params, slots, strict=True):
+        if dests is None:
+            full = torch.empty(p.shape, dtype=out_dtype, device=device)
+            _copy_rows(full.view(-1), grid, off, rows, row_numel, 0, p.shape[0])
+            out.extend(split_pieces(ps, full))
+            continue
+        for hf_name, index in ps:  # straight from the gather into each piece's destination
+            dest = dests[len(out)]
+            start, end = (0, p.shape[0]) if index is None else (index, index + 1)
+            _copy_rows(dest.view(-1), grid, off, rows, row_numel, start, end)
+            out.append((hf_name, dest))
     return out
+
+
+def _copy_rows(flat: torch.Tensor, grid: torch.Tensor, off: int, rows: int, row_numel: int, start: int,
+               end: int) -> None:
+    """Rows [start, end) of a parameter out of the gathered `grid` into `flat` (their elements, in
+    order): rank r holds rows [r * rows, (r + 1) * rows) at offset `off` of its slot (fewer or none
+    at the end: ceil chunks)."""
+    if rows == 0:
+        return
+    for r in range(start // rows, -(-end // rows)):
+        lo, hi = max(start, r * rows), min(end, (r + 1) * rows)
+        if hi > lo:
+            src = off + (lo - r * rows) * row_numel
+            flat[(lo - start) * row_numel: (hi - start) * row_numel].copy_(grid[r, src: src + (hi - lo) * row_numel])
 
 
 def _rows_of(rank: int, rows: int, total: int) -> int:
@@ -181,13 +228,14 @@ def _rows_of(rank: int, rows: int, total: int) -> int:
     return max(0, min(rows, total - rank * rows))
 
 
-def _destinations(alloc: Alloc | None, names: list[str], tensors: list[torch.Tensor], dtype: torch.dtype,
+def _destinations(alloc: Alloc | None, names: list[str], shapes: list[torch.Size], dtype: torch.dtype,
                   device: torch.device) -> list[torch.Tensor] | None:
-    """The caller's tensors for this bucket (checked: a wrong one would corrupt the export), or None."""
-    dests = None if alloc is None else alloc(names, [t.shape for t in tensors], dtype, device)
+    """The caller's tensors for this bucket, one per HF tensor (checked: a wrong one would corrupt
+    the export), or None."""
+    dests = None if alloc is None else alloc(names, list(shapes), dtype, device)
     if dests is not None:
-        bad = [n for n, d, t in zip(names, dests, tensors, strict=True)
-               if d.shape != t.shape or d.dtype != dtype or d.device != device or not d.is_contiguous()]
+        bad = [n for n, d, s in zip(names, dests, shapes, strict=False)
+               if d.shape != s or d.dtype != dtype or d.device != device or not d.is_contiguous()]
         if len(dests) != len(names) or bad:
             raise ValueError(f"alloc gave tensors that do not fit the bucket (first misfit: {bad[:1]}); it must "
                              "return one contiguous tensor per name with the given shape, dtype and device")
@@ -241,12 +289,14 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def local_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
-    """`(hf_name, whole parameter)` in export order, detached and uncast, when this process holds
-    every parameter whole (plain tensors, or DTensors over a mesh of one); None otherwise."""
+def local_parameters(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]] | None:
+    """Per parameter in export order, its `(hf_name, tensor)` pieces (views of the whole
+    parameter, detached and uncast), when this process holds every parameter whole (plain tensors,
+    or DTensors over a mesh of one); None otherwise. Grouped by parameter so that a caller cuts
+    buckets where the export does (`tandem.weights.packing.plan_buckets`)."""
     out = []
     with torch.no_grad():  # to_local is then the shard itself, not an autograd op
-        for _, hf_name, param in hf_parameter_names(model):
+        for _, pieces, param in hf_parameter_names(model):
             t = param
             if isinstance(t, DTensor):
                 if t.device_mesh.size() != 1:
@@ -256,10 +306,15 @@ def local_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
                     return None
             # Detach the plain tensor: a DTensor's detach dispatches through DTensor (~12 us a
             # parameter, a few ms an update).
-            out.append((hf_name, t.detach()))
+            out.append(split_pieces(pieces, t.detach()))
     return out
 
 
 def export_nbytes(model: nn.Module, dtype: torch.dtype | None, align: int = 64) -> int:
-    """Bytes of an export in `dtype` (global shapes), each tensor rounded up to `align` bytes."""
-    return sum(-(-p.numel() * (dtype or p.dtype).itemsize // align) * align for p in model.parameters())
+    """Bytes of an export in `dtype` (global shapes), each HF tensor rounded up to `align` bytes."""
+    return sum(_aligned(piece_shape(p.shape, index).numel() * (dtype or p.dtype).itemsize, align)
+               for _, pieces, p in hf_parameter_names(model) for _, index in pieces)
+
+
+def _aligned(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align

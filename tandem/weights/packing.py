@@ -103,17 +103,18 @@ def lives_in(bucket: Bucket, packed: Packed) -> bool:
         for (_, t), v in zip(bucket, packed.views, strict=True))
 
 
-def plan_buckets(params: Bucket, bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
-    """The same boundaries as the engine's export (at most `bucket_bytes` in `dtype`; a larger
-    tensor travels alone), over uncast parameters."""
+def plan_buckets(params: Sequence[Bucket], bucket_bytes: int, dtype: torch.dtype) -> Iterator[Bucket]:
+    """The same boundaries as the engine's export over uncast parameters, given per parameter as
+    its HF pieces (`local_weights`): at most `bucket_bytes` in `dtype`, cut between parameters (a
+    parameter's pieces travel together; a larger parameter travels alone)."""
     bucket: Bucket = []
     size = 0
-    for name, t in params:
-        nbytes = t.numel() * dtype.itemsize
+    for pieces in params:
+        nbytes = sum(t.numel() for _, t in pieces) * dtype.itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, t))
+        bucket.extend(pieces)
         size += nbytes
     if bucket:
         yield bucket

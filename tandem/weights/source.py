@@ -30,10 +30,10 @@ class WeightSource(Protocol):
         rank `dst` only when given. Collective."""
         ...
 
-    def local_weights(self) -> Bucket | None:
-        """`(hf_name, whole parameter)` in export order, uncast, when this process holds every
-        parameter whole (one trainer rank); None otherwise. Lets an update cast straight into its
-        send memory without a gather."""
+    def local_weights(self) -> list[Bucket] | None:
+        """Per parameter in export order, its `(hf_name, tensor)` HF pieces (views of the whole
+        parameter, uncast), when this process holds every parameter whole (one trainer rank); None
+        otherwise. Lets an update cast straight into its send memory without a gather."""
         ...
 
     def export_nbytes(self, dtype: torch.dtype | None) -> int | None:

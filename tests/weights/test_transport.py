@@ -151,13 +151,15 @@ def test_segments_of_a_killed_writer_are_unlinked(tmp_path):
         marked.clean_up()
 
 
-def test_plan_buckets_match_the_engine_export(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_plan_buckets_match_the_engine_export(tmp_path, arch):
     """The single-process fast path (uncast parameters, cast while packing) cuts the same buckets
-    as `iter_weight_buckets` in the wire dtype."""
-    model = load_model(init_model(tmp_path / "m", arch="qwen3", preset="tiny"))
-    from tandem.train.weight_export import hf_parameter_names
+    as `iter_weight_buckets` in the wire dtype (MoE: a stacked expert parameter's HF pieces
+    travel together in both)."""
+    model = load_model(init_model(tmp_path / "m", arch=arch, preset="tiny"))
+    from tandem.train.weight_export import local_parameters
 
-    params = [(hf, p.detach()) for _, hf, p in hf_parameter_names(model)]
+    params = local_parameters(model)
     for bucket_bytes in (1, 10_000, 48 * 1024, 10**9):
         ours = [[n for n, _ in b] for b in plan_buckets(params, bucket_bytes, torch.bfloat16)]
         theirs = [[n for n, _ in b] for b in iter_weight_buckets(model, bucket_bytes, torch.bfloat16)]
@@ -261,7 +263,7 @@ def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
     from tandem.train.weight_export import hf_parameter_names
 
     model = load_model(init_model(tmp_path / "m", arch="qwen3", preset="tiny"))
-    names = [(hf, p) for _, hf, p in hf_parameter_names(model)]
+    names = [(hf, p) for _, [(hf, _)], p in hf_parameter_names(model)]  # dense: one HF tensor each
     new = [(hf, torch.randn_like(p)) for hf, p in names]
     # One tensor unmarked: everything is copied in place, nothing adopted.
     for _, t in new[1:]:

@@ -2,20 +2,27 @@
 
 Order (fixed; each step assumes the previous ones):
 1. tensor parallel (`tensor_plan`) — changes the shapes of the block's linear layers (and the
-   embedding, output head and norms outside the blocks);
+   embedding, output head and norms outside the blocks); then expert and expert-tensor
+   parallelism of MoE blocks (`expert_plan`): expert weights sharded over the ep (and TP) mesh;
 2. activation checkpointing — wraps each chosen block's forward in a recompute;
 3. per-block `torch.compile` — compiles the (checkpointed) block, so AC regions are traced too;
 4. FSDP2 — per block, then the root; it must be last, because it wraps whatever the block has
-   become and registers its all-gather / reduce-scatter hooks around it.
+   become and registers its all-gather / reduce-scatter hooks around it. Under expert
+   parallelism a MoE block's experts are their own unit first, over the expert FSDP mesh (the
+   data-parallel ranks holding the same experts; possibly of size 1).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.config.alloc import TRAINER_DIMS_PENDING
+from tandem.errors import ConfigError
+from tandem.models.qwen.expert_plan import apply_expert_parallel, check_expert_layout
 from tandem.models.qwen.tensor_plan import apply_tensor_parallel
 from tandem.parallel import (
     ParallelDims,
@@ -57,13 +64,30 @@ def parallelize_qwen(
         # Context parallelism changes no module: the trainer's forward splits the tokens and passes
         # Ulysses attention through the model's `attn` hook. Its heads must split over the cp ranks.
         check_heads(model.args.n_heads, model.args.n_kv_heads, parallel_dims.sizes.cp)
+    sizes = parallel_dims.sizes
+    moe = getattr(model.args, "num_experts", 0) > 0
+    if (sizes.ep > 1 or sizes.etp > 1) and not moe:
+        raise ConfigError(f"expert parallelism (ep={sizes.ep}, etp={sizes.etp}) needs a mixture-of-experts model; "
+                          f"{model.args.model_type} has no experts: drop 'e' (and the ffn part) from actor.backend")
+    if moe:
+        check_expert_layout(model.args, sizes.ep, sizes.etp)
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
     tp_mesh = parallel_dims.tp_mesh(mesh)
     if tp_mesh is not None:
         config.check_layout(tp_mesh.size(), "parallelize.")
-        apply_tensor_parallel(model, tp_mesh)  # the whole model, or a pipeline rank's part of it
+        info = apply_tensor_parallel(model, tp_mesh)  # the whole model, or a pipeline rank's part
+    ep_mesh = parallel_dims.ep_mesh(mesh)
+    if moe:
+        partial_grads = apply_expert_parallel(model, ep_mesh=ep_mesh, tp_mesh=tp_mesh,
+                                              expert_tp=parallel_dims.etp_enabled,
+                                              experts_mesh=parallel_dims.experts_mesh(mesh))
+        if partial_grads:
+            model.tensor_parallel = replace(info, partial_grad_params=(*info.partial_grad_params, *partial_grads))
+    expert_units = {}
+    if ep_mesh is not None:  # experts are their own FSDP units, over the ranks holding the same experts
+        expert_units = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
     pipelined = stages is not None
     for part, part_root in ((s, s) for s in stages) if pipelined else [(model, root or model)]:
         blocks = part.layers
@@ -75,5 +99,7 @@ def parallelize_qwen(
             # shapes compile static first, then mark only the dims that change (the token count).
             apply_compile(blocks, dynamic=None if tp_mesh is not None else True)
         apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
-                   reduce_dtype=reduce_dtype, pipelined=pipelined)
+                   reduce_dtype=reduce_dtype, pipelined=pipelined,
+                   inner={k: expert_units[k] for k in blocks if k in expert_units},
+                   inner_mesh=parallel_dims.expert_fsdp_mesh(mesh) if expert_units else None)
     return model

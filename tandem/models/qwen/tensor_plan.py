@@ -43,8 +43,10 @@ from tandem.parallel.tensor_parallel import TensorParallelInfo, check_divides
 SEQ = Shard(0)  # the token dim of a flat [T, dim] activation
 
 
-def _block_plan() -> dict:
-    return {
+def _block_plan(moe: bool) -> dict:
+    """The plan of one block; a MoE block's feed-forward is the expert plan's (`expert_plan`): here
+    only its norm, which leaves the tokens sequence-sharded."""
+    plan = {
         "attention_norm": SequenceParallel(sequence_dim=0),
         # Attention(x, rope, cu_seqlens, attn): only x is a sharded activation.
         "attention": PrepareModuleInput(
@@ -64,6 +66,7 @@ def _block_plan() -> dict:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=SEQ),
     }
+    return {k: v for k, v in plan.items() if not k.startswith("feed_forward")} if moe else plan
 
 
 def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -77,7 +80,10 @@ def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torc
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParallelInfo:
     """Shard `model` (a `QwenModel`, on any device, typically meta) over the 1-D `tp_mesh` in
     place; sets and returns `model.tensor_parallel`. Raises `ConfigError` when tp does not divide
-    the key/value heads (each rank must own whole KV heads with their query heads)."""
+    the key/value heads (each rank must own whole KV heads with their query heads).
+    MoE blocks: attention and norms as in a dense block; their router and experts are laid out by
+    `expert_plan.apply_expert_parallel` (after this), which adds its partial-gradient parameters
+    to `model.tensor_parallel`."""
     tp = tp_mesh.size()
     args = model.args
     check_divides(tp, num_key_value_heads=args.n_kv_heads, num_attention_heads=args.n_heads,
@@ -97,7 +103,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
         model.tok_embeddings.register_forward_hook(_own_storage)
     partial: list[str] = []
     for key, block in model.layers.items():
-        parallelize_module(block, tp_mesh, _block_plan())
+        parallelize_module(block, tp_mesh, _block_plan(getattr(block, "moe", None) is not None))
         for norm in ("q_norm", "k_norm"):
             if getattr(block.attention, norm) is not None:
                 partial.append(f"layers.{key}.attention.{norm}.weight")

@@ -1,0 +1,132 @@
+"""Expert-parallel (EP) and expert-tensor-parallel (ETP) plan of Qwen3-MoE blocks.
+
+Per MoE block (`block.moe`: router + stacked `GroupedExperts`):
+- the expert weights become DTensors: `Shard(0)` (experts) over the ep mesh and, with ETP,
+  w1/w3 `Shard(1)` and w2 `Shard(2)` (hidden units) over the TP mesh, so `full_tensor()` of each
+  is the whole stacked `[E, ...]` weight (what the weight exporter gathers);
+- `experts.dispatch` (the seam) computes with the local weights: through
+  `expert_parallel_dispatch` (all-to-all to the experts' owners and back) under EP, locally otherwise;
+- under tensor parallelism the block's input is sequence-sharded (the dense TP plan's layout):
+  with ETP (etp == tp) the MoE gathers the TP group's tokens, every TP rank routes all of them
+  (the router is replicated), computes its hidden units' partial outputs and reduce-scatters the
+  sum back onto the shards; with etp == 1 each TP rank runs the MoE on its own shard with whole
+  experts. The router's gradient (and with etp == 1 the experts') is then a partial sum per TP
+  rank: the names are returned for `TensorParallelInfo.partial_grad_params`.
+  Routing replay rows are per token of the model's input: the MoE block receives them padded
+  (with live rows) to the padded token count under ETP, and sliced to the rank's shard with
+  etp == 1; its recorded routes are then gathered back over the TP group, so `recorded[layer]`
+  has one row per padded token either way. Router logits kept for a load-balancing loss stay
+  per TP rank (its shard with etp == 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+
+from tandem.models.common.moe import GroupedExperts, Routing, grouped_swiglu
+from tandem.parallel.expert_parallel import expert_parallel_dispatch, gather_tokens, reduce_scatter_tokens
+from tandem.parallel.tensor_parallel import check_divides, local_tensor
+
+_HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def check_expert_layout(args, ep: int, etp: int) -> None:
+    """Raise `ConfigError` unless ep divides the experts and etp their hidden size."""
+    from tandem.errors import ConfigError
+
+    if args.num_experts % ep:
+        raise ConfigError(f"expert parallel size ep={ep} must divide the model's num_experts ({args.num_experts}): "
+                          f"choose an 'e' of actor.backend that divides it")
+    if etp > 1:
+        check_divides(etp, moe_intermediate_size=args.moe_intermediate_size)
+
+
+def _distribute_experts(experts: GroupedExperts, mesh: DeviceMesh, ep: bool, etp: bool) -> None:
+    for name in ("w1", "w2", "w3"):
+        placements: list[Placement] = ([Shard(0)] if ep else []) + ([Shard(_HIDDEN_DIM[name])] if etp else [])
+        param = getattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, placements),
+                                                      requires_grad=param.requires_grad))
+
+
+def _dispatch(experts: GroupedExperts, group: dist.ProcessGroup | None, x_sorted: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    compute = partial(grouped_swiglu, w1=local_tensor(experts.w1), w2=local_tensor(experts.w2),
+                      w3=local_tensor(experts.w3))
+    if group is None:
+        return compute(x_sorted, counts)
+    return expert_parallel_dispatch(x_sorted, counts, compute, group)
+
+
+def _tp_rows(routing: Routing | None, layer: int, rows: tuple[int, int], total: int) -> Routing | None:
+    """A view of `routing` whose replayed routes of `layer` are rows [start, stop) of the padded
+    token stream (`total` rows; rows past the given routes route live). Records land in `routing`."""
+    if routing is None or routing.replay is None or layer not in routing.replay:
+        return routing
+    replay = routing.replay[layer]
+    if replay.shape[0] < total:
+        replay = torch.cat([replay, replay.new_full((total - replay.shape[0], *replay.shape[1:]), -1)])
+    return replace(routing, replay={layer: replay[rows[0]: rows[1]]})
+
+
+class _MoeTokens:
+    """Forward hooks of a MoE block under tensor parallelism (see the module docstring)."""
+
+    def __init__(self, tp_mesh: DeviceMesh, expert_tp: bool):
+        self.group, self.expert_tp = tp_mesh.get_group(), expert_tp
+        self.size, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def before(self, module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        x = x.to_local() if isinstance(x, DTensor) else x
+        routing = rest[0] if rest else None
+        shard = x.shape[0]
+        total = shard * self.size
+        if self.expert_tp:
+            x = gather_tokens(x, self.group)
+            routing = _tp_rows(routing, module.layer, (0, total), total)
+        else:
+            routing = _tp_rows(routing, module.layer, (self.rank * shard, (self.rank + 1) * shard), total)
+        return (x, routing)
+
+    def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        routing = args[1] if len(args) > 1 else None
+        if not self.expert_tp and routing is not None and module.layer in routing.recorded:
+            local = routing.recorded[module.layer].contiguous()
+            full = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
+            dist.all_gather_into_tensor(full, local, group=self.group)
+            routing.recorded[module.layer] = full
+        return reduce_scatter_tokens(output, self.group) if self.expert_tp else output
+
+
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
+                          expert_tp: bool, experts_mesh: DeviceMesh | None) -> list[str]:
+    """Lay out every MoE block of `model` (a `QwenModel` or a pipeline rank's part, on any device)
+    in place, after the dense TP plan. `ep_mesh`: the 1-D expert-parallel mesh (None: no EP);
+    `tp_mesh`: the attention's TP mesh (None without TP); `expert_tp`: experts tensor-parallel over
+    it (etp == tp); `experts_mesh`: the mesh the expert weights are DTensors on (`ep` and/or `tp`
+    dims, in that order; None when neither). Returns the names of parameters whose gradients are
+    partial over the TP group."""
+    partial_grads: list[str] = []
+    for key, block in model.layers.items():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        if experts_mesh is not None:
+            _distribute_experts(moe.experts, experts_mesh, ep_mesh is not None, expert_tp)
+        moe.experts.dispatch = partial(_dispatch, moe.experts, ep_mesh.get_group() if ep_mesh is not None else None)
+        if tp_mesh is not None:
+            tokens = _MoeTokens(tp_mesh, expert_tp)
+            moe.register_forward_pre_hook(tokens.before)
+            moe.register_forward_hook(tokens.after)
+            partial_grads.append(f"layers.{key}.moe.router.weight")
+            if not expert_tp:
+                partial_grads += [f"layers.{key}.moe.experts.{w}" for w in ("w1", "w2", "w3")]
+    return partial_grads

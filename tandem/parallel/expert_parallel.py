@@ -1,0 +1,148 @@
+"""Expert parallelism (EP) and expert tensor parallelism (ETP): the collectives of a MoE layer.
+
+Under EP each rank of an ep group of size P holds `E / P` consecutive experts (rank q: experts
+`[q * E/P, (q+1) * E/P)`). A MoE layer sorts its (token, slot) assignments by expert and hands them
+to `expert_parallel_dispatch`, which
+1. counts the rows for every destination rank and exchanges the per-expert counts (all-to-all),
+2. sends every row to the rank holding its expert (`all_to_all_single` with uneven splits; a split
+   may be empty, and so may a rank's whole input),
+3. re-sorts the received rows by local expert and computes them grouped (`compute`),
+4. sends the outputs back (the reverse all-to-all), in the order the rows came in.
+Every step is differentiable: the backward of an all-to-all is the all-to-all with the splits
+swapped, so an expert's gradient sums the contributions of every ep rank's tokens.
+
+Under ETP (`etp == tp`) every TP rank holds a slice of each of its experts' hidden units: w1/w3 by
+their output rows, w2 by its input columns, so a rank's expert output is a partial sum over the
+TP group. The MoE block then runs on all `T` tokens of the TP group (`gather_tokens`: all-gather
+of the sequence shards, reduce-scatter in backward) and its partial output is summed back onto
+the shards (`reduce_scatter_tokens`: reduce-scatter, all-gather in backward).
+
+Plain `torch.distributed` calls, so it runs on gloo (CPU) and NCCL alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of the rows of `x` with uneven splits; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable `all_to_all_single` over dim 0: `input_splits[q]` rows of `x` go to rank q,
+    `output_splits[q]` rows arrive from it (in rank order)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def expert_parallel_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, compute: Compute,
+                             group: dist.ProcessGroup) -> torch.Tensor:
+    """Outputs of the rows `x_sorted [N, dim]`, sorted by global expert id with `counts [E]` rows
+    per expert, in the same order; each row is computed on the ep rank of `group` that holds its
+    expert. `compute(rows, local_counts)` computes rows sorted by this rank's local expert
+    (`local_counts [E / P]`), e.g. `grouped_swiglu` with the local expert weights. Collective over
+    `group` (every rank calls it once per MoE layer, possibly with N = 0)."""
+    ranks = dist.get_world_size(group)
+    num_experts = counts.numel()
+    if num_experts % ranks:
+        raise ValueError(f"expert parallelism over {ranks} ranks needs the experts ({num_experts}) to divide evenly")
+    local = num_experts // ranks
+    counts = counts.to(torch.int64)
+    # received[s, j]: rows rank s sends to this rank's local expert j.
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    received = received.view(ranks, local)
+    # One host sync for all split sizes (the all-to-all needs them as Python ints).
+    splits = torch.cat([counts.view(ranks, local).sum(1), received.sum(1)]).tolist()
+    input_splits, output_splits = splits[:ranks], splits[ranks:]
+    rows = all_to_all_rows(x_sorted, output_splits, input_splits, group)
+    # Rows arrive by source rank, then by local expert: sort them by local expert (stable).
+    local_expert = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(ranks),
+                                           received.reshape(-1))
+    order = torch.argsort(local_expert, stable=True)
+    out = compute(rows[order], received.sum(0))
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return all_to_all_rows(out[back], input_splits, output_splits, group)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather of the sequence shards `[T / tp, ...]` -> `[T, ...]`; backward: reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """Sum over the group of `[T, ...]` partial values, keeping this rank's shard `[T / tp, ...]`;
+    backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _all_gather(grad, ctx.group), None
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    ranks = dist.get_world_size(group)
+    if x.shape[0] % ranks:
+        raise ValueError(f"{x.shape[0]} tokens do not split evenly over {ranks} tensor-parallel ranks")
+    x = x.contiguous()
+    if x.device.type == "cpu":  # gloo has no reduce-scatter: all-reduce, keep this rank's rows
+        summed = x.clone()
+        dist.all_reduce(summed, group=group)
+        return summed.chunk(ranks)[dist.get_rank(group)].clone()
+    out = x.new_empty((x.shape[0] // ranks, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The TP group's sequence shards of `x`, concatenated in rank order (differentiable)."""
+    return _GatherTokens.apply(x, group)
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's shard of the sum over the TP group of `x` (differentiable)."""
+    return _ReduceScatterTokens.apply(x, group)
