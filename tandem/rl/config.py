@@ -86,7 +86,8 @@ class ActorConfig(TrainEngineConfig):
             s = comp.sizes
             if s.tp > 1 or s.cp > 1 or s.ep > 1 or s.etp > 1:
                 check_model_split(self.path, s.tp, s.cp, f"{prefix}backend={self.backend!r}", s.ep, s.etp)
-        check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix)
+        check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix,
+                          comp.sizes.tp)
 
 
 @dataclass

@@ -140,9 +140,12 @@ def moe_layer_count(path: str) -> int:
     return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
-def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: int, prefix: str) -> None:
+def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: int, prefix: str,
+                      tp: int = 1) -> None:
     """`actor.router_replay` and `actor.moe_aux_loss_coef` need a MoE model (checked when `path` is
-    given), and neither runs under pipeline parallelism (the stages do not receive routes)."""
+    given), and neither runs under pipeline parallelism (the stages do not receive routes); the
+    load-balancing loss is not computed under tensor parallelism yet (each TP rank holds the
+    router logits of its own token shard)."""
     used = []  # (key=value as set, the value that turns it off)
     if router_replay != "off":
         used.append((f"{prefix}router_replay={router_replay!r}", f"{prefix}router_replay=off"))
@@ -153,6 +156,10 @@ def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: i
     if path and moe_layer_count(path) == 0:
         raise ConfigError(f"{used[0][0]} applies to mixture-of-experts models, and {prefix}path={path!r} is a dense "
                           f"model (no MoE layers in its config.json); set {used[0][1]}")
+    if aux_loss_coef > 0 and tp > 1:
+        raise ConfigError(f"{prefix}moe_aux_loss_coef={aux_loss_coef:g} is not supported with tensor parallelism "
+                          f"(tp={tp} from {prefix}backend) yet: each TP rank holds the router logits of its own "
+                          f"tokens; use a layout without t, or {prefix}moe_aux_loss_coef=0")
     if pp > 1:
         raise ConfigError(f"{used[0][0]} is not supported with pipeline parallelism (pp={pp} from {prefix}backend): "
                           "routes are not passed to the pipeline stages yet; use a layout without p")

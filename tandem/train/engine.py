@@ -177,6 +177,9 @@ class TrainEngine:
         if self.pipeline is not None:
             raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} is not supported with pipeline "
                               "parallelism (routes are not passed to the stages)")
+        if config.moe_aux_loss_coef > 0 and config.tp > 1:
+            raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
+                              "parallelism yet (each TP rank holds the router logits of its own tokens)")
 
     def _routing(self, mb: MicroBatch, record: bool = False, keep_logits: bool = False) -> Routing | None:
         """The `Routing` of `mb`'s forward (input alignment: `mb`, never its next-token view)."""

@@ -113,6 +113,7 @@ class LogprobModel(nn.Module):
         head = self.model.logits_from_hidden
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
             hidden = self.model.hidden_states(input_ids, cu_seqlens, routing=routing)
+            _trim_records(routing, input_ids.shape[0])
             return head_outputs(head, hidden, labels, valid, temperature, sparse, self.chunk_size, tp)
         split = ContextSplit.of(input_ids.shape[0], self.cp_group)
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
@@ -122,10 +123,20 @@ class LogprobModel(nn.Module):
         if routing is not None:
             for mine, whole in ((local_routing.recorded, routing.recorded), (local_routing.live, routing.live),
                                 (local_routing.logits, routing.logits)):
-                whole.update({layer: split.gather(x) for layer, x in mine.items()})
+                whole.update({layer: split.gather(x[:split.local_tokens]) for layer, x in mine.items()})
+            _trim_records(routing, input_ids.shape[0])
         logprobs, entropy = head_outputs(head, hidden, split.local(labels), split.local(valid, False), temperature,
                                          sparse, self.chunk_size, tp)
         return split.gather(logprobs), split.gather(entropy)
+
+
+def _trim_records(routing: Routing | None, num_tokens: int) -> None:
+    """Recorded and live routes of the forward's `num_tokens` tokens only (a tensor-parallel MoE
+    block records one row per token padded to a multiple of tp)."""
+    if routing is not None:
+        for records in (routing.recorded, routing.live):
+            for layer, rows in records.items():
+                records[layer] = rows[:num_tokens]
 
 
 def _local_routing(routing: Routing, split: ContextSplit) -> Routing:

@@ -26,3 +26,19 @@ def replay_forward(rank: int, world_size: int, path: str, batch, cp: int) -> dic
                 "stats": stats, "grad": grad.clone()}
     finally:
         engine.close()
+
+
+def replay_layouts(rank: int, world_size: int, path: str, batch, layouts: list[dict]) -> list[dict]:
+    """r3 forward with recorded routes under each engine layout (e.g. `{"ep": 2}`, `{"tp": 2}`,
+    `{"tp": 2, "etp": 2}`); every rank forwards the whole batch."""
+    del rank, world_size
+    out = []
+    for layout in layouts:
+        engine = TrainEngine(engine_config(path, router_replay="r3", **layout))
+        try:
+            res = engine.forward_logprobs(batch, record_routes=True)
+            out.append({"logprobs": res.logprobs, "routes": res.routes,
+                        "counts": (res.route_matches, res.route_pairs)})
+        finally:
+            engine.close()
+    return out

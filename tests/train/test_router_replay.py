@@ -246,6 +246,8 @@ def test_moe_options_are_refused_for_a_dense_model(dense_dir, overrides, command
      r"actor.router_replay='r3' .* vllm servers do not return them"),
     (["actor.router_replay=r2", "actor.backend=archon:p2"], "train", r"router_replay='r2' is not supported with pipeline"),
     (["actor.router_replay=r3"], "sft", r"actor.router_replay='r3' replays routes in RL"),
+    (["actor.moe_aux_loss_coef=0.01", "actor.backend=archon:t2"], "train",
+     r"moe_aux_loss_coef=0.01 is not supported with tensor parallelism"),
 ])
 def test_router_replay_config_errors(moe_dir, overrides, command, match):
     from tandem.errors import ConfigError
@@ -299,3 +301,32 @@ def test_rollouts_ask_for_routes_when_they_are_used(moe_dir, dense_dir):
     sglang.actor.router_replay = "r3"
     assert route_layout(sglang) == layout
     assert route_layout(load_run_config(None, [f"actor.path={dense_dir}"])) is None
+
+
+LAYOUTS = [{"ep": 2}, {"tp": 2}, {"tp": 2, "etp": 2}]
+
+
+@pytest.mark.slow
+def test_replay_under_expert_and_tensor_parallelism_equals_one_rank(moe_dir):
+    """Two gloo ranks at e2 (experts split), t2 (each TP rank routes its token shard with whole
+    experts) and t2 with etp=2 (tokens gathered, experts' hidden units split): the replayed
+    forward's log-probs, recorded routes and agreement equal one rank's."""
+    import torch.distributed as dist
+
+    from tests.distributed import run_distributed
+    from tests.train.replay_workers import replay_layouts
+
+    batch = make_batch(512, seed=5)
+    for seq in batch.seqs:
+        seq[ROUTED_EXPERTS][::3] = -1
+    one = replay_layouts(0, 1, str(moe_dir), batch, [{}])[0]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ranks = run_distributed(replay_layouts, 2, args=(str(moe_dir), batch, LAYOUTS), timeout=400)
+    for got_layouts in ranks:
+        for layout, got in zip(LAYOUTS, got_layouts, strict=True):
+            for a, b in zip(got["logprobs"], one["logprobs"], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=5e-6, msg=lambda m, lay=layout: f"{lay}: {m}")
+            for a, b in zip(got["routes"], one["routes"], strict=True):
+                assert torch.equal(a, b), layout
+            assert got["counts"] == one["counts"], layout

@@ -45,6 +45,13 @@ class Routing:
         self.logits: dict[int, torch.Tensor] = {}
         self.live: dict[int, torch.Tensor] = {}
 
+    def with_replay(self, replay: dict[int, torch.Tensor] | None) -> Routing:
+        """The same control with other replay rows (e.g. a rank's slice of them); what the forward
+        records lands in this object's dicts (shared, not copied)."""
+        view = Routing(replay, self.record, self.keep_logits, self.record_live)
+        view.recorded, view.logits, view.live = self.recorded, self.logits, self.live
+        return view
+
     def __repr__(self) -> str:
         return (f"Routing(replay={None if self.replay is None else sorted(self.replay)}, record={self.record}, "
                 f"keep_logits={self.keep_logits}, record_live={self.record_live})")
