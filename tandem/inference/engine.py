@@ -24,7 +24,7 @@ from tandem.inference.sampler import sample
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.scheduler import Scheduler
 from tandem.inference.sequence import Sequence
-from tandem.inference.weights import get_weight, stage_weights, swap_weights
+from tandem.inference.weights import Key, get_weight, stage_weights, swap_weights
 from tandem.models import load_model, read_hf_config
 
 
@@ -252,8 +252,8 @@ class LLMEngine:
         tensor, with nothing changed; then `swap_staged`."""
         self.swap_staged(stage_weights(self.model, weights, strict_dtype), weight_version)
 
-    def swap_staged(self, staged: dict[str, torch.Tensor], weight_version: int | None = None) -> bool:
-        """Swap in a set `stage_weights` returned (native names; a caller may validate it on
+    def swap_staged(self, staged: dict[Key, torch.Tensor], weight_version: int | None = None) -> bool:
+        """Swap in a set `stage_weights` returned (native names and pieces; a caller may validate it on
         another thread) and flush the prefix cache, which is now stale. -> whether the parameters
         adopted the staged tensors as their storage (`swap_weights`)."""
         adopted = swap_weights(self.model, staged)

@@ -17,6 +17,11 @@ import torch
 Piece = tuple[str, int | None]  # (HF tensor name, index along dim 0 of the native parameter or None)
 
 
+def piece_shape(shape: torch.Size | tuple[int, ...], index: int | None) -> torch.Size:
+    """The shape of piece `index` of a native parameter of `shape` (the whole shape when None)."""
+    return torch.Size(shape if index is None else shape[1:])
+
+
 class StateDictAdapter(ABC):
     @abstractmethod
     def hf_to_native(self, name: str) -> str | None:

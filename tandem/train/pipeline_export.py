@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models import build_model
 from tandem.models.qwen.pipeline import parameter_stage
-from tandem.models.state_dict_adapter import Piece
+from tandem.models.state_dict_adapter import Piece, piece_shape
 from tandem.parallel.pipeline import PipelineLayout
-from tandem.train.weight_export import Alloc, _destinations, gather_bucket, piece_shape
+from tandem.train.weight_export import Alloc, _destinations, gather_bucket
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tandem.models.state_dict_adapter import Piece
+from tandem.models.state_dict_adapter import Piece, piece_shape
 
 
 def hf_parameter_names(model: nn.Module) -> list[tuple[str, list[Piece], nn.Parameter]]:
@@ -43,11 +43,6 @@ def hf_parameter_names(model: nn.Module) -> list[tuple[str, list[Piece], nn.Para
     along dim 0 of the (global) parameter, None for a parameter that is one HF tensor."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     return [(name, adapter.pieces(name, p.shape), p) for name, p in model.named_parameters()]
-
-
-def piece_shape(shape: Sequence[int], index: int | None) -> torch.Size:
-    """The shape of piece `index` of a parameter of `shape` (the whole shape when None)."""
-    return torch.Size(shape if index is None else shape[1:])
 
 
 def split_pieces(pieces: Sequence[Piece], full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

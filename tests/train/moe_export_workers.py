@@ -73,3 +73,27 @@ def _nan_alloc(dests: list[torch.Tensor]):
         dests.extend(torch.full(s, float("nan"), dtype=dtype, device=device) for s in shapes)
         return dests
     return alloc
+
+
+def moe_pipeline_export(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
+    """The same export from a pipeline-parallel engine (pp = world, one MoE layer per stage): to
+    every rank, to rank 0 into per-HF-tensor destinations, and saved."""
+    from tests.train.pp_workers import pp_engine
+
+    engine = pp_engine(model_dir, "1F1B", pp=world_size)
+    res: dict = {"buckets": [[(n, t.clone()) for n, t in b] for b in engine.export_weights(EXPORT_BYTES,
+                                                                                           torch.float32)]}
+    given: dict[str, torch.Tensor] = {}
+
+    def alloc(names, shapes, dtype, device):
+        dests = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+        given.update(zip(names, dests, strict=True))
+        return dests
+
+    to_rank0 = list(engine.export_weights(EXPORT_BYTES, torch.bfloat16, alloc=alloc, dst=0))
+    res["to_rank0"] = [(n, t.clone()) for b in to_rank0 for n, t in b]
+    res["in_alloc"] = all(t.data_ptr() == given[n].data_ptr() for b in to_rank0 for n, t in b)
+    res["nbytes"] = engine.export_nbytes(torch.float32)
+    engine.save_hf(Path(out_dir) / "hf")
+    engine.close()
+    return res

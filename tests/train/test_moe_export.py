@@ -13,7 +13,7 @@ import torch
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.models.tiny import init_model
 from tests.distributed import run_distributed
-from tests.train.moe_export_workers import EXPORT_BYTES, gather_pieces, moe_export
+from tests.train.moe_export_workers import EXPORT_BYTES, gather_pieces, moe_export, moe_pipeline_export
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,21 @@ def test_gather_bucket_splits_any_placement_into_pieces():
     for rank, res in enumerate(run_distributed(gather_pieces, 2, timeout=120)):
         for label, checks in res.items():
             assert all(checks.values()), (rank, label, checks)
+
+
+@pytest.mark.slow
+def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path):
+    """Pipeline parallel (pp=2): each stage's expert stacks leave as HF pieces, to every rank and to
+    rank 0 (the last stage's buckets travel point to point)."""
+    reference = dict(iter_hf_tensors(moe_dir))
+    results = run_distributed(moe_pipeline_export, 2, args=(str(moe_dir), str(tmp_path)), timeout=300)
+    nbytes = sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
+    for rank, res in enumerate(results):
+        _check_equals_checkpoint([t for b in res["buckets"] for t in b], reference, torch.float32)
+        assert res["nbytes"] == nbytes
+        if rank == 0:
+            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
+            assert res["in_alloc"]
+        else:
+            assert res["to_rank0"] == []
+    _check_equals_checkpoint(list(iter_hf_tensors(tmp_path / "hf")), reference, torch.float32)

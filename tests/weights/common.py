@@ -84,13 +84,15 @@ class CheckpointSource:
 
 
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Copy HF-named tensors into `model` (expert pieces into their stacked parameter)."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in tensors.items():
-            native = adapter.hf_to_native(name)
-            if native is not None:
-                params[native].copy_(t)
+            piece = adapter.hf_to_piece(name)
+            if piece is not None:
+                native, index = piece
+                (params[native] if index is None else params[native][index]).copy_(t)
     return model
 
 

@@ -1,6 +1,7 @@
 """End to end: a real FSDP2 trainer (world size 1 and 2, spawned gloo groups) trains a step, then
 updates two real `tandem serve` servers by disk, distributed broadcast (pipelined and serial) and
-shared memory. After each update every server holds the trainer's weights bit for bit (checksums
+shared memory; for a dense Qwen3 and a mixture-of-experts Qwen3-MoE (whose stacked experts travel
+as per-expert HF tensors). After each update every server holds the trainer's weights bit for bit (checksums
 of every tensor, and one whole tensor via /get_weights_by_name), its greedy outputs equal greedy
 decoding with the native model loaded with the trainer's weights, and its logprobs agree with
 the trainer's own (FSDP) logprobs within 1e-5 (fp32)."""
@@ -26,7 +27,7 @@ from tests.train.helpers import engine_config, full_params, make_batch, weighted
 from tests.weights.common import NEW, PROMPTS, expected_checksums, greedy_reference, load_into, start_server
 
 pytestmark = pytest.mark.slow
-Q = "model.layers.0.mlp.down_proj.weight"
+Q = {"qwen3": "model.layers.0.mlp.down_proj.weight", "qwen3_moe": "model.layers.1.mlp.experts.5.down_proj.weight"}
 STEPS = (("disk", True), ("distributed", True), ("distributed", False), ("shm", True))
 DEADLINES = Deadlines(init_group_s=30, bucket_s=30, update_s=120, http_s=30)
 
@@ -37,7 +38,8 @@ def _post(url: str, path: str, body: dict) -> dict:
     return data
 
 
-def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int) -> list[dict]:
+def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int,
+            q: str) -> list[dict]:
     engine = TrainEngine(engine_config(model_dir))
     fleet = HttpFleet(urls, deadlines=DEADLINES) if rank == 0 else None
     batch = make_batch(engine.model.args.vocab_size)
@@ -74,9 +76,9 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
                "versions": [], "lp_vs_reference": 0.0, "lp_vs_trainer": 0.0}
         for url in urls:
             row["checksums_equal"].append(_post(url, "/get_weights_checksum", {})["checksums"] == want)
-            full = _post(url, "/get_weights_by_name", {"name": Q, "truncate_size": tensors[Q].numel()})
+            full = _post(url, "/get_weights_by_name", {"name": q, "truncate_size": tensors[q].numel()})
             row["full_tensor_equal"].append(torch.equal(torch.tensor(full, dtype=torch.float32).view(-1),
-                                                        tensors[Q].view(-1)))
+                                                        tensors[q].view(-1)))
         for (_, prompt, out, lps, served_version), lp_trainer in zip(gens, trainer_lps, strict=True):
             ref_out, ref_lps = greedy_reference(reference, prompt, NEW)
             row["greedy_equal"].append(out == ref_out)
@@ -91,26 +93,26 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
     return results
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model_dir = make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=5)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def setup(request, tmp_path_factory):
+    model_dir = make_model_dir(tmp_path_factory.mktemp("models"), request.param, seed=5)
     log_dir = tmp_path_factory.mktemp("serve")
     weights_dir = tmp_path_factory.getbasetemp()  # disk updates write below each test's tmp_path
     servers = [start_server(model_dir, log_dir, weights_dir), start_server(model_dir, log_dir, weights_dir)]
-    yield model_dir, servers
+    yield model_dir, servers, request.param
     for s in servers:
         assert s.stop() == 0, s.log.read_text()
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_updates_reach_every_server_exactly(setup, world, tmp_path):
-    model_dir, servers = setup
+    model_dir, servers, arch = setup
     first = 10 * world
-    (rows, *_) = run_distributed(_worker, world, args=(str(model_dir), [s.url for s in servers], str(tmp_path), first),
-                                 timeout=240)
+    (rows, *_) = run_distributed(_worker, world, args=(str(model_dir), [s.url for s in servers], str(tmp_path), first,
+                                                       Q[arch]), timeout=240)
     assert [(r["kind"], r["pipeline"]) for r in rows] == list(STEPS)
     for r in rows:
-        label = f"world {world} {r['kind']}{'' if r['pipeline'] else ' (serial)'}"
+        label = f"{arch} world {world} {r['kind']}{'' if r['pipeline'] else ' (serial)'}"
         print(f"\n[{label}] buckets {r['buckets']} ({r['in_place']} gathered in place), max |logprob diff| vs native greedy {r['lp_vs_reference']:.2e}, "
               f"vs trainer {r['lp_vs_trainer']:.2e}")
         assert r["verified"], label
