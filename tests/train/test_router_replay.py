@@ -330,3 +330,23 @@ def test_replay_under_expert_and_tensor_parallelism_equals_one_rank(moe_dir):
             for a, b in zip(got["routes"], one["routes"], strict=True):
                 assert torch.equal(a, b), layout
             assert got["counts"] == one["counts"], layout
+
+
+def test_r2_records_routes_under_loglinear_and_r3_needs_server_routes(moe_dir):
+    """r2 with several minibatches runs the proximal forward for its routes even when the proximal
+    logprobs are interpolated (loglinear), and only then; r3 refuses a batch without routes."""
+    from tandem.algo.losses import PROX_LOGPROBS
+
+    engine = TrainEngine(engine_config(str(moe_dir), router_replay="r2"))
+    try:
+        algo = AlgoConfig()
+        algo.ppo.prox_logp = "loglinear"
+        for n_minibatches, recorded in ((2, True), (1, False)):
+            shard = _ppo_batch(engine.model.args.vocab_size)
+            ppo_update(engine, shard, algo, version=0, temperature=1.0, n_minibatches=n_minibatches)
+            assert all((PROX_ROUTES in s) == recorded and PROX_LOGPROBS not in s for s in shard.seqs)
+        engine.config.router_replay = "r3"
+        with pytest.raises(ValueError, match="router_replay='r3' but the batch carries no routed_experts"):
+            ppo_update(engine, _ppo_batch(engine.model.args.vocab_size), AlgoConfig(), version=0, temperature=1.0)
+    finally:
+        engine.close()
