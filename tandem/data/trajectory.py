@@ -95,23 +95,28 @@ class Trajectory:
         return cls(**data)
 
     def to_tensors(self) -> dict[str, Any]:
-        """One sequence in the layout of `tandem.train.batch.SequenceBatch` (tensors, scalar reward)."""
+        """One sequence in the layout of `tandem.train.batch.SequenceBatch` (tensors, scalar reward).
+        With routes, `routed_experts` is a `[T, moe layers, top_k]` int32 tensor (-1 rows unknown)."""
         import torch  # local: rollout processes that never train need not pay for the import
 
-        return {
+        out = {
             "input_ids": torch.tensor(self.input_ids, dtype=torch.long),
             "loss_mask": torch.tensor(self.loss_mask, dtype=torch.long),
             "logprobs": torch.tensor(self.logprobs, dtype=torch.float32),
             "versions": torch.tensor(self.versions, dtype=torch.long),
             "reward": torch.tensor(self.reward, dtype=torch.float32),
         }
+        if self.routed_experts is not None:
+            out["routed_experts"] = routes_tensor(self.routed_experts, len(self.input_ids))
+        return out
 
 
 def stack_group(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Pack a group (or any list) of trajectories: tokens concatenated with `cu_seqlens`.
 
     Returns `input_ids`, `loss_mask`, `logprobs`, `versions` as `[T]` tensors, `cu_seqlens` `[B+1]`
-    (int32) and `rewards` `[B]`; the packed layout the native models take.
+    (int32) and `rewards` `[B]`; the packed layout the native models take. When any trajectory has
+    routes, also `routed_experts` `[T, moe layers, top_k]` int32 (-1 rows for the others).
     """
     import torch
 
@@ -120,7 +125,7 @@ def stack_group(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     lengths = torch.tensor([len(t.input_ids) for t in trajs], dtype=torch.int32)
     cu = torch.zeros(len(trajs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
-    return {
+    out = {
         "input_ids": torch.tensor([x for t in trajs for x in t.input_ids], dtype=torch.long),
         "loss_mask": torch.tensor([x for t in trajs for x in t.loss_mask], dtype=torch.long),
         "logprobs": torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
@@ -128,3 +133,27 @@ def stack_group(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "cu_seqlens": cu,
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
     }
+    routed = [routes_tensor(t.routed_experts, len(t.input_ids)) for t in trajs if t.routed_experts is not None]
+    if routed:
+        shape = routed[0].shape[1:]
+        if any(r.shape[1:] != shape for r in routed):
+            raise ValueError(f"trajectories carry routes of different shapes {sorted({tuple(r.shape[1:]) for r in routed})}")
+        out["routed_experts"] = torch.cat([
+            routes_tensor(t.routed_experts, len(t.input_ids)) if t.routed_experts is not None
+            else torch.full((len(t.input_ids), *shape), -1, dtype=torch.int32) for t in trajs])
+    return out
+
+
+def routes_tensor(rows: list[list[list[int]]], num_tokens: int):  # -> torch.Tensor
+    """`Trajectory.routed_experts` as a `[T, moe layers, top_k]` int32 tensor; raises ValueError
+    naming the trajectory field when the rows are ragged."""
+    import torch
+
+    try:
+        out = torch.tensor(rows, dtype=torch.int32)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"trajectory routed_experts must be [tokens][moe layers][top_k] ints: {exc}") from None
+    if out.ndim != 3 or out.shape[0] != num_tokens:
+        raise ValueError(f"trajectory routed_experts has shape {tuple(out.shape)}, expected "
+                         f"[{num_tokens} tokens, moe layers, top_k]")
+    return out

@@ -9,6 +9,7 @@ from tandem.algo.config import AlgoConfig
 from tandem.algo.rewards import shape_rewards
 from tandem.data.trajectory import Trajectory
 from tandem.train.batch import SequenceBatch
+from tandem.train.routes import fill_missing_routes
 
 
 def build_training_batch(
@@ -38,7 +39,9 @@ def build_training_batch(
         stats.update({f"filter/{k}": float(v) for k, v in result.stats.items()})
         if not kept:
             return None, stats
-    batch = SequenceBatch([trajs[i].to_tensors() for i in kept])
+    seqs = [trajs[i].to_tensors() for i in kept]
+    fill_missing_routes(seqs)  # a trajectory the server returned no routes for routes live
+    batch = SequenceBatch(seqs)
     adv = add_advantages(batch, algo.advantage, group_ids=[group_ids[i] for i in kept], rewards=shaped[kept])
     stats.update({f"adv/{k}": float(v) for k, v in adv.items()})
     return batch, stats

@@ -25,7 +25,9 @@ from tandem.rl.config_checks import (
     check_cpus,
     check_model_dir,
     check_model_split,
+    check_moe_options,
     check_reward_fn,
+    check_route_source,
     check_runnable_algo,
     check_weight_sync,
 )
@@ -84,6 +86,8 @@ class ActorConfig(TrainEngineConfig):
             s = comp.sizes
             if s.tp > 1 or s.cp > 1 or s.ep > 1 or s.etp > 1:
                 check_model_split(self.path, s.tp, s.cp, f"{prefix}backend={self.backend!r}", s.ep, s.etp)
+        check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix,
+                          comp.sizes.tp)
 
 
 @dataclass
@@ -220,7 +224,12 @@ class TandemConfig:
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":
+            check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix)
+        elif self.actor.router_replay != "off":
+            raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
+                              f"updates (tandem train); `tandem sft` has none to replay: set "
+                              f"{prefix}actor.router_replay=off")
 
 
 @dataclass

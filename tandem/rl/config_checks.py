@@ -118,3 +118,56 @@ def check_model_split(path: str, tp: int, cp: int, key: str, ep: int = 1, etp: i
             if isinstance(count, int) and count > 0 and count % tp:
                 raise ConfigError(f"{key}: tensor parallelism splits the model over tp={tp} ranks, and its {name} "
                                   f"({count}) is not divisible by {tp}; choose a tp that divides it")
+
+
+# Server kinds whose /generate returns the experts each token went through (`return_routed_experts`).
+ROUTE_SERVER_KINDS = ("tandem", "sglang")
+
+
+def moe_layer_count(path: str) -> int:
+    """MoE blocks of the model at `path` (a directory `check_model_dir` accepted), from config.json
+    alone: 0 for a dense model. Mirrors `Qwen3MoeArgs.moe_layers` (decoder_sparse_step, mlp_only_layers)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    experts = config.get("num_experts", config.get("num_local_experts")) or 0
+    if not isinstance(experts, int) or experts < 1:
+        return 0
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = int(config.get("num_hidden_layers") or 0)
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: int, prefix: str,
+                      tp: int = 1) -> None:
+    """`actor.router_replay` and `actor.moe_aux_loss_coef` need a MoE model (checked when `path` is
+    given), and neither runs under pipeline parallelism (the stages do not receive routes); the
+    load-balancing loss is not computed under tensor parallelism yet (each TP rank holds the
+    router logits of its own token shard)."""
+    used = []  # (key=value as set, the value that turns it off)
+    if router_replay != "off":
+        used.append((f"{prefix}router_replay={router_replay!r}", f"{prefix}router_replay=off"))
+    if aux_loss_coef > 0:
+        used.append((f"{prefix}moe_aux_loss_coef={aux_loss_coef:g}", f"{prefix}moe_aux_loss_coef=0"))
+    if not used:
+        return
+    if path and moe_layer_count(path) == 0:
+        raise ConfigError(f"{used[0][0]} applies to mixture-of-experts models, and {prefix}path={path!r} is a dense "
+                          f"model (no MoE layers in its config.json); set {used[0][1]}")
+    if aux_loss_coef > 0 and tp > 1:
+        raise ConfigError(f"{prefix}moe_aux_loss_coef={aux_loss_coef:g} is not supported with tensor parallelism "
+                          f"(tp={tp} from {prefix}backend) yet: each TP rank holds the router logits of its own "
+                          f"tokens; use a layout without t, or {prefix}moe_aux_loss_coef=0")
+    if pp > 1:
+        raise ConfigError(f"{used[0][0]} is not supported with pipeline parallelism (pp={pp} from {prefix}backend): "
+                          "routes are not passed to the pipeline stages yet; use a layout without p")
+
+
+def check_route_source(router_replay: str, server_kind: str, prefix: str) -> None:
+    """r3 replays the routes the rollout servers used: their kind must return them."""
+    if router_replay == "r3" and server_kind not in ROUTE_SERVER_KINDS:
+        raise ConfigError(f"{prefix}actor.router_replay='r3' replays the routes the rollout servers used, and "
+                          f"{server_kind} servers do not return them; use rollout.backend=tandem (or sglang), "
+                          f"or {prefix}actor.router_replay=r2 (routes of the trainer's own proximal pass)")

@@ -31,6 +31,7 @@ from tandem.config.loader import to_yaml
 from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.protocol import call
+from tandem.fleet.routes import RouteLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
@@ -176,7 +177,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
 
     # Shut down before the reward pool closes: in-flight episodes and their reward calls are
     # cancelled and awaited first, so the run ends without stray tasks.
-    with RolloutController(rollout_cfg) as controller, _keep_servers(cfg, scheduler, controller, servers), \
+    with RolloutController(rollout_cfg, route_layout=route_layout(cfg)) as controller, _keep_servers(cfg, scheduler, controller, servers), \
             controller_file(plan.run_dir, ControllerFile(controller.callback_address(), controller.join_token,
                                                          servers.api_key, os.getpid())):
         trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
@@ -204,6 +205,16 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                     _save_checkpoint(checkpoint_dir(plan.run_dir, done), trainer, done, loader.cursor)
         summary.eval_after = last_eval.get("eval/accuracy")
         trainer.close_weight_update()
+
+
+def route_layout(cfg: TandemConfig) -> RouteLayout | None:
+    """The routes rollouts ask the servers for: a MoE model's whenever r3 replays them, and with
+    tandem servers (which record them anyway) for `moe/route_agreement` in every mode; None for a
+    dense model, and for other servers without r3 (an SGLang server returns them only when started
+    with --enable-return-routed-experts)."""
+    if cfg.actor.router_replay != "r3" and cfg.rollout.server_kind != "tandem":
+        return None
+    return RouteLayout.of_model(cfg.actor.path)
 
 
 def _keep_servers(cfg: TandemConfig, scheduler: LocalScheduler, controller: RolloutController,

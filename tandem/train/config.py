@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
+ROUTER_REPLAY = ("off", "r2", "r3")  # see tandem.train.routes
 
 # What deterministic mode sets in the environment (unless set already): cuBLAS's fixed workspace,
 # NCCL's ring algorithm (one reduction order whatever the message size; read when a communicator is
@@ -100,3 +101,11 @@ class TrainEngineConfig:
     device: str = _f("cpu", "Device of the ranks: cpu, cuda, ...")
     seed: int = _f(1, "Seed of Python, NumPy and torch RNGs.", min=0)
     total_train_steps: int = _f(1, "Optimizer steps the LR schedule spans.", min=1)
+    router_replay: str = _f(
+        "off", "MoE routing replay in the trainer's forwards: off (live routing), r2 (the update passes replay "
+               "the routes of the proximal-logprob pass) or r3 (every forward replays the routes the rollout "
+               "server used, recorded per token; tokens without one route live). MoE models only; r3 needs "
+               "servers that return routes (rollout.backend=tandem or sglang).", choices=ROUTER_REPLAY)
+    moe_aux_loss_coef: float = _f(
+        0.0, "Weight of the MoE load-balancing loss added to the policy loss (0: off, as usual in RL). MoE "
+             "models only.", min=0.0)

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from tandem.config.fields import validate
+from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
+from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.parallel import ParallelDims, fsdp_units
 from tandem.parallel.tensor_parallel import sum_partial_grads
@@ -35,6 +37,7 @@ from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
+from tandem.train.routes import agreement_of, routing_for, stack_layers
 from tandem.train.sharded_load import load_hf_weights_sharded
 from tandem.train.weight_export import (
     SAVE_BUCKET_BYTES,
@@ -50,10 +53,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class TokenOutputs:
     """Per-sequence results in batch order: `logprobs[i][t] = log p(token t+1)` of sequence i
-    (0 at its last token), `entropy[i][t]` of the same distribution. float32, on CPU."""
+    (0 at its last token), `entropy[i][t]` of the same distribution. float32, on CPU.
+
+    MoE models: `routes[i]` (`[L, moe layers, top_k]` int32, input alignment) are the experts the
+    forward used, when asked for (`record_routes`); `route_matches` / `route_pairs` count this
+    rank's (token, MoE layer) pairs whose live top-k set equals the server's (`tandem.train.routes`)."""
 
     logprobs: list[torch.Tensor]
     entropy: list[torch.Tensor]
+    routes: list[torch.Tensor] | None = None
+    route_matches: int = 0
+    route_pairs: int = 0
 
 
 class TrainEngine:
@@ -108,6 +118,8 @@ class TrainEngine:
         else:
             load_hf_weights_sharded(self.model, config.path, partial=True, aliases=self.pipeline.load_aliases())
         self._mb_config = config.mb if self.pipeline is None else self.pipeline.mb_config(config.mb)
+        self.moe_layers: list[int] = list(getattr(self.model.args, "moe_layers", []))
+        self._check_moe_options(config)
 
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer, self.device.type)
         self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
@@ -121,25 +133,61 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0,
-                         loss_tokens_only: bool = False) -> TokenOutputs:
+                         loss_tokens_only: bool = False, record_routes: bool = False) -> TokenOutputs:
         """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective.
         `loss_tokens_only`: only where the batch's loss mask is set (0 elsewhere), exactly as the
-        training forward computes them (same rows through the head, so the same numbers)."""
+        training forward computes them (same rows through the head, so the same numbers).
+        MoE models: routes are replayed as `actor.router_replay` says (`tandem.train.routes`);
+        `record_routes` returns the experts every token went through in `TokenOutputs.routes`."""
+        if record_routes and not self.moe_layers:
+            raise ValueError("record_routes needs a mixture-of-experts model; this one has no MoE layers")
         mbs = self._micro_batches(batch)
         wanted = [self._loss_positions(mb.next_token_view()) if loss_tokens_only else None for mb in mbs]
+        routings = [self._routing(mb, record=record_routes) for mb in mbs]
         if self.pipeline is not None:
             outputs = self.pipeline.forward(mbs, wanted, temperature)
         else:
             self.module.eval()
-            outputs = [self.module(mb.input_ids, mb.cu_seqlens, temperature, w) for mb, w in zip(mbs, wanted, strict=True)]
+            outputs = [self.module(mb.input_ids, mb.cu_seqlens, temperature, w, r)
+                       for mb, w, r in zip(mbs, wanted, routings, strict=True)]
             self.module.reshard()  # the root stays gathered after a forward; free it
-        per_mb: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for mb, (logprobs, entropy) in zip(mbs, outputs, strict=True):
+        per_mb: list[list[tuple[torch.Tensor, ...]]] = []
+        matches = pairs = 0
+        for mb, (logprobs, entropy), routing in zip(mbs, outputs, routings, strict=True):
             bounds = [] if mb.is_padding else mb.lengths
-            per_mb.append(list(zip(logprobs.cpu().split(bounds), entropy.cpu().split(bounds), strict=True))
-                          if bounds else [])
+            columns = [logprobs.cpu().split(bounds), entropy.cpu().split(bounds)]
+            if record_routes and bounds:
+                columns.append(stack_layers(routing.recorded, self.moe_layers).cpu().split(bounds))
+            per_mb.append(list(zip(*columns, strict=True)) if bounds else [])
+            m, n = agreement_of(routing, mb.tokens, self.moe_layers)
+            matches, pairs = matches + m, pairs + n
         ordered = restore_order(mbs, per_mb, len(batch))
-        return TokenOutputs([lp for lp, _ in ordered], [e for _, e in ordered])
+        routes = [r[2] for r in ordered] if record_routes else None
+        return TokenOutputs([r[0] for r in ordered], [r[1] for r in ordered], routes, matches, pairs)
+
+    def _check_moe_options(self, config: TrainEngineConfig) -> None:
+        """router_replay and moe_aux_loss_coef need MoE layers and a model that is not pipelined."""
+        used = [k for k, on in (("router_replay", config.router_replay != "off"),
+                                ("moe_aux_loss_coef", config.moe_aux_loss_coef > 0)) if on]
+        if not used:
+            return
+        if not self.moe_layers:
+            raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} applies to mixture-of-experts models; "
+                              f"{config.path!r} has no MoE layers")
+        if self.pipeline is not None:
+            raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} is not supported with pipeline "
+                              "parallelism (routes are not passed to the stages)")
+        if config.moe_aux_loss_coef > 0 and config.tp > 1:
+            raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
+                              "parallelism yet (each TP rank holds the router logits of its own tokens)")
+
+    def _routing(self, mb: MicroBatch, record: bool = False, keep_logits: bool = False) -> Routing | None:
+        """The `Routing` of `mb`'s forward (input alignment: `mb`, never its next-token view)."""
+        if self.pipeline is not None or (mb.is_padding and not keep_logits):
+            return None
+        return routing_for(mb.tokens, self.config.router_replay, self.moe_layers,
+                           int(getattr(self.model.args, "num_experts_per_tok", 0)), record=record,
+                           keep_logits=keep_logits)
 
     @staticmethod
     def _loss_positions(view: MicroBatch) -> torch.Tensor | None:
@@ -180,34 +228,57 @@ class TrainEngine:
         (total_weight,) = all_reduce_sum([local_weight], self.device, self.dp_group)
         denominator = total_weight if total_weight > 0 else 1.0
 
+        moe = [0.0, 0.0, 0.0]  # weighted aux loss sum, route matches, route pairs
         if self.pipeline is not None:
             wanted = [self._loss_positions(v) for v in views]
             loss_sum = self.pipeline.forward_backward(views, wanted, loss_fn, denominator, temperature)
         else:
-            loss_sum = self._forward_backward_local(views, loss_fn, denominator, temperature)
-        total_loss, n_tokens = all_reduce_sum(
-            [float(loss_sum), float(sum(mb.n_tokens for mb in mbs))], self.device, self.dp_group
+            loss_sum = self._forward_backward_local(mbs, views, loss_fn, weight_fn, denominator, temperature, moe)
+        total_loss, n_tokens, aux_sum, matches, pairs = all_reduce_sum(
+            [float(loss_sum), float(sum(mb.n_tokens for mb in mbs)), *moe], self.device, self.dp_group
         )
-        return {
+        stats = {
             "loss": total_loss / denominator,
             "n_tokens": n_tokens,
             "n_loss_tokens": total_weight,
             "n_mbs": float(len(mbs)),
         }
+        if self.config.moe_aux_loss_coef > 0:
+            stats["aux_loss"] = aux_sum / denominator
+        if pairs:
+            stats.update({"route_matches": matches, "route_pairs": pairs})
+        return stats
 
-    def _forward_backward_local(self, views: list[MicroBatch], loss_fn: LossFn, denominator: float,
-                                temperature: float) -> float:
+    def _forward_backward_local(self, mbs: list[MicroBatch], views: list[MicroBatch], loss_fn: LossFn,
+                                weight_fn: LossWeightFn, denominator: float, temperature: float,
+                                moe: list[float]) -> float:
+        """Forward and backward of every micro-batch; returns the loss sum. MoE: adds
+        `moe_aux_loss_coef * load_balancing_loss * (micro-batch weight / denominator)` to the
+        optimised loss (so the aux term is a weight-averaged mean over the step's micro-batches)
+        and accumulates into `moe` [weighted aux loss, route matches, route pairs]."""
         self.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in views:
+        coef = self.config.moe_aux_loss_coef
+        for mb, view in zip(mbs, views, strict=True):
+            routing = self._routing(mb, keep_logits=coef > 0)
             # Only loss tokens need the output head (see the loss contract in tandem.train.losses).
-            logprobs, entropy = self.module(mb.input_ids, mb.cu_seqlens, temperature, self._loss_positions(mb))
-            if mb.is_padding:
+            logprobs, entropy = self.module(view.input_ids, view.cu_seqlens, temperature,
+                                            self._loss_positions(view), routing)
+            if view.is_padding:
                 # Runs forward and backward so that FSDP's collectives match the other ranks.
                 loss = (logprobs.sum() + entropy.sum()) * 0.0
             else:
-                loss = loss_fn(logprobs, entropy, mb)
-            (loss / denominator).backward()
+                loss = loss_fn(logprobs, entropy, view)
+            objective = loss
+            if coef > 0:
+                aux = load_balancing_loss([routing.logits[layer] for layer in self.moe_layers],
+                                          int(self.model.args.num_experts_per_tok))
+                weight = 0.0 if view.is_padding else float(weight_fn(view))
+                objective = loss + coef * weight * aux if weight else loss + aux * 0.0
+                moe[0] += weight * float(aux.detach())
+            m, n = agreement_of(routing, mb.tokens, self.moe_layers)
+            moe[1], moe[2] = moe[1] + m, moe[2] + n
+            (objective / denominator).backward()
             loss_sum += loss.detach().double()
         return float(loss_sum)
 

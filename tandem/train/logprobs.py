@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from tandem.models.common import positions_from_cu_seqlens
+from tandem.models.common.moe import Routing
 from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from tandem.parallel.tensor_parallel import TensorParallelInfo
 from tandem.train.context_split import ContextSplit
@@ -94,11 +95,16 @@ class LogprobModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
-        wanted: torch.Tensor | None = None,
+        wanted: torch.Tensor | None = None, routing: Routing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`wanted` (`[T]` bool, prediction alignment): compute the output head only at these
         positions (e.g. the loss tokens; 0 elsewhere). In RL most tokens are prompt tokens, and the
-        head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step."""
+        head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step.
+
+        `routing` (MoE models): its replay rows are aligned with `input_ids` (`[T, top_k]` per
+        layer); what the forward records in it (ids used, live ids, router logits) comes back for
+        all `T` tokens, under context parallelism too (each CP rank routes its slice; the records
+        are gathered, the logits differentiably, like the log-probs)."""
         labels, valid = next_token_labels(input_ids, cu_seqlens)
         sparse = wanted is not None
         if wanted is not None:
@@ -106,15 +112,40 @@ class LogprobModel(nn.Module):
         tp = getattr(self.model, "tensor_parallel", None)
         head = self.model.logits_from_hidden
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
-            hidden = self.model.hidden_states(input_ids, cu_seqlens)
+            hidden = self.model.hidden_states(input_ids, cu_seqlens, routing=routing)
+            _trim_records(routing, input_ids.shape[0])
             return head_outputs(head, hidden, labels, valid, temperature, sparse, self.chunk_size, tp)
         split = ContextSplit.of(input_ids.shape[0], self.cp_group)
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
+        local_routing = None if routing is None else _local_routing(routing, split)
         hidden = self.model.hidden_states(split.local(input_ids), cu_seqlens, positions=split.local(positions),
-                                          attn=split.attention(cu_seqlens))
+                                          attn=split.attention(cu_seqlens), routing=local_routing)
+        if routing is not None:
+            for mine, whole in ((local_routing.recorded, routing.recorded), (local_routing.live, routing.live),
+                                (local_routing.logits, routing.logits)):
+                whole.update({layer: split.gather(x[:split.local_tokens]) for layer, x in mine.items()})
+            _trim_records(routing, input_ids.shape[0])
         logprobs, entropy = head_outputs(head, hidden, split.local(labels), split.local(valid, False), temperature,
                                          sparse, self.chunk_size, tp)
         return split.gather(logprobs), split.gather(entropy)
+
+
+def _trim_records(routing: Routing | None, num_tokens: int) -> None:
+    """Recorded and live routes of the forward's `num_tokens` tokens only (a tensor-parallel MoE
+    block records one row per token padded to a multiple of tp)."""
+    if routing is not None:
+        for records in (routing.recorded, routing.live):
+            for layer, rows in records.items():
+                records[layer] = rows[:num_tokens]
+
+
+def _local_routing(routing: Routing, split: ContextSplit) -> Routing:
+    """This CP rank's view of `routing`: replay rows sliced like the token ids (padding rows -1:
+    live), the same record flags, empty records."""
+    replay = None if routing.replay is None else {
+        layer: split.local(rows, -1) for layer, rows in routing.replay.items()}
+    return Routing(replay=replay, record=routing.record, keep_logits=routing.keep_logits,
+                   record_live=routing.record_live)
 
 
 def next_token_outputs(

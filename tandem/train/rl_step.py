@@ -21,6 +21,8 @@ from tandem.algo.losses import (
 )
 from tandem.algo.mismatch import batch_logprob_mismatch
 from tandem.train.batch import SequenceBatch
+from tandem.train.dist import all_reduce_sum
+from tandem.train.routes import PROX_ROUTES, ROUTED_EXPERTS
 
 if TYPE_CHECKING:
     from tandem.train.engine import TrainEngine
@@ -33,13 +35,32 @@ def ppo_update(
     """Decoupled PPO on this rank's shard: proximal logprobs with the weights of `version`, then
     one optimizer step per minibatch. With one minibatch the training forward itself runs those
     weights, so it supplies the proximal logprobs (no extra pass); with several, a separate forward
-    pass computes them first. Returns stats reduced over all ranks."""
+    pass computes them first. Returns stats reduced over all ranks.
+
+    MoE routing replay (`engine.config.router_replay`, see `tandem.train.routes`): r3 replays the
+    server's routes in every forward (the shard must carry them); r2 replays, in the update
+    passes, the routes of a forward at the proximal weights. That forward is the proximal pass
+    when there are several minibatches (it also runs under `prox_logp="loglinear"`, for the routes
+    alone); with one minibatch the update forward runs the proximal weights itself, so its live
+    routes are the ones r2 would replay and no pass is added. `moe/route_agreement` comes from the
+    first forward that sees each token: the proximal pass when it runs, else the update passes."""
     stats: dict[str, float] = {}
+    mode = engine.config.router_replay
+    if mode == "r3" and not (shard.seqs and ROUTED_EXPERTS in shard.seqs[0]):
+        raise ValueError("actor.router_replay='r3' but the batch carries no routed_experts: the rollout servers "
+                         "returned no routes (they must be asked for return_routed_experts)")
     fused = algo.ppo.prox_logp == "recompute" and n_minibatches == 1
-    if algo.ppo.prox_logp == "recompute" and not fused:
-        prox = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True)
-        set_prox_logprobs(shard, prox.logprobs)
-        stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
+    record = mode == "r2" and n_minibatches > 1
+    route_counts: list[float] | None = None
+    if (algo.ppo.prox_logp == "recompute" and not fused) or record:
+        prox = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, record_routes=record)
+        if algo.ppo.prox_logp == "recompute":
+            set_prox_logprobs(shard, prox.logprobs)
+            stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
+        if record:
+            for seq, routes in zip(shard.seqs, prox.routes or [], strict=True):
+                seq[PROX_ROUTES] = routes
+        route_counts = all_reduce_sum([prox.route_matches, prox.route_pairs], engine.device, engine.dp_group)
     loss_stats: dict[str, Any] = {}
     loss = make_policy_loss(algo.ppo, version=version, stats=loss_stats, prox_from_forward=fused)
     train_stats: list[dict[str, float]] = []
@@ -52,6 +73,12 @@ def ppo_update(
     if fused:
         stats.update(_fused_mismatch(summary))
     stats.update({f"ppo/{k}": v for k, v in summary.items()})
+    if route_counts is None:
+        route_counts = [sum(s.get(f"route_{k}", 0.0) for s in train_stats) for k in ("matches", "pairs")]
+    if route_counts[1]:
+        stats.update({"moe/route_agreement": route_counts[0] / route_counts[1], "moe/route_pairs": route_counts[1]})
+    if "aux_loss" in train_stats[0]:
+        stats["moe/aux_loss"] = sum(s["aux_loss"] for s in train_stats) / len(train_stats)
     last = train_stats[-1]
     stats.update({
         "train/loss": sum(s["loss"] for s in train_stats) / len(train_stats),

@@ -17,28 +17,44 @@ by expert and returns their outputs in the same order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass
 class Routing:
     """Per-forward control of every MoE layer of a model, keyed by layer index.
 
     `replay[layer]`: `[T, top_k]` integer expert ids to route the forward's tokens to; a row with a
     negative id routes that token live. `record`: each MoE layer stores the `[T, top_k]` ids it
-    used in `recorded[layer]` (int64, on the tokens' device). `keep_logits`: each layer stores its
-    `[T, num_experts]` float32 router logits in `logits[layer]`, differentiable (load balancing).
+    used in `recorded[layer]` (int64, on the tokens' device). `record_live`: each layer stores the
+    `[T, top_k]` ids its router chose live in `live[layer]` (the same as `recorded` unless routes
+    were replayed; route agreement). `keep_logits`: each layer stores its `[T, num_experts]`
+    float32 router logits in `logits[layer]`, differentiable (load balancing).
+
+    A plain class on purpose, not a dataclass: FSDP2 rebuilds dataclass arguments of a wrapped
+    module's forward (`torch.distributed.utils._apply_to_tensors`, to cast or move their tensors),
+    so a block would record into a copy and the caller would never see it.
     """
 
-    replay: dict[int, torch.Tensor] | None = None
-    record: bool = False
-    keep_logits: bool = False
-    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, replay: dict[int, torch.Tensor] | None = None, record: bool = False,
+                 keep_logits: bool = False, record_live: bool = False):
+        self.replay = replay
+        self.record, self.keep_logits, self.record_live = record, keep_logits, record_live
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.live: dict[int, torch.Tensor] = {}
+
+    def with_replay(self, replay: dict[int, torch.Tensor] | None) -> Routing:
+        """The same control with other replay rows (e.g. a rank's slice of them); what the forward
+        records lands in this object's dicts (shared, not copied)."""
+        view = Routing(replay, self.record, self.keep_logits, self.record_live)
+        view.recorded, view.logits, view.live = self.recorded, self.logits, self.live
+        return view
+
+    def __repr__(self) -> str:
+        return (f"Routing(replay={None if self.replay is None else sorted(self.replay)}, record={self.record}, "
+                f"keep_logits={self.keep_logits}, record_live={self.record_live})")
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -104,6 +120,8 @@ class MoE(nn.Module):
         logits = self.router(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if routing is not None and routing.record_live:
+            routing.live[self.layer] = expert_ids
         replay = None if routing is None or routing.replay is None else routing.replay.get(self.layer)
         if replay is not None:
             replay = replay.to(device=x.device, dtype=torch.long)

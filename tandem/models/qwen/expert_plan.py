@@ -14,14 +14,13 @@ Per MoE block (`block.moe`: router + stacked `GroupedExperts`):
   rank: the names are returned for `TensorParallelInfo.partial_grad_params`.
   Routing replay rows are per token of the model's input: the MoE block receives them padded
   (with live rows) to the padded token count under ETP, and sliced to the rank's shard with
-  etp == 1; its recorded routes are then gathered back over the TP group, so `recorded[layer]`
-  has one row per padded token either way. Router logits kept for a load-balancing loss stay
+  etp == 1; its recorded routes (and live ones, `record_live`) are then gathered back over the TP
+  group, so `recorded[layer]` has one row per padded token either way. Router logits kept for a load-balancing loss stay
   per TP rank (its shard with etp == 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -72,7 +71,7 @@ def _tp_rows(routing: Routing | None, layer: int, rows: tuple[int, int], total: 
     replay = routing.replay[layer]
     if replay.shape[0] < total:
         replay = torch.cat([replay, replay.new_full((total - replay.shape[0], *replay.shape[1:]), -1)])
-    return replace(routing, replay={layer: replay[rows[0]: rows[1]]})
+    return routing.with_replay({layer: replay[rows[0]: rows[1]]})
 
 
 class _MoeTokens:
@@ -97,11 +96,12 @@ class _MoeTokens:
 
     def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         routing = args[1] if len(args) > 1 else None
-        if not self.expert_tp and routing is not None and module.layer in routing.recorded:
-            local = routing.recorded[module.layer].contiguous()
-            full = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
-            dist.all_gather_into_tensor(full, local, group=self.group)
-            routing.recorded[module.layer] = full
+        for records in () if self.expert_tp or routing is None else (routing.recorded, routing.live):
+            if module.layer in records:
+                local = records[module.layer].contiguous()
+                full = local.new_empty((local.shape[0] * self.size, *local.shape[1:]))
+                dist.all_gather_into_tensor(full, local, group=self.group)
+                records[module.layer] = full
         return reduce_scatter_tokens(output, self.group) if self.expert_tp else output
 
 
