@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo
+.PHONY: test lint install clean demo moe
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,16 @@ demo: $(STAMP)
 		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
 	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft train.overwrite=true
 	@echo "plot: runs/demo/run/plot.png  TensorBoard: .venv/bin/tensorboard --logdir runs"
+
+# The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
+# rollout routing replay (examples/moe.yaml, docs/moe.md).
+MOE_DIR ?= runs/moe
+moe: $(STAMP)
+	$(VENV)/bin/tandem init-model $(MOE_DIR)/base --arch qwen3_moe --preset tiny --seed 0 --overwrite
+	$(VENV)/bin/tandem sft examples/moe.yaml actor.path=$(MOE_DIR)/base sft.output=$(MOE_DIR)/sft \
+		actor.router_replay=off actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine \
+		actor.optimizer.warmup_steps_proportion=0.05
+	$(VENV)/bin/tandem train examples/moe.yaml actor.path=$(MOE_DIR)/sft train.overwrite=true
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

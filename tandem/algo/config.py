@@ -109,12 +109,6 @@ class PPOConfig:
         0, "Staleness bound of the rollouts (copied from the rollout config, for validation).", min=0
     )
 
-    def __post_init__(self) -> None:
-        # YAML 1.1 reads a bare `off` as the boolean false (OmegaConf then stores 'False'); that
-        # can only have meant the "off" mode.
-        if self.behave_imp_weight_mode in (False, "False", "false"):
-            self.behave_imp_weight_mode = "off"
-
     @property
     def eps_high(self) -> float:
         return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher

@@ -46,6 +46,9 @@ def range_problem(value: Any, meta: Any) -> str | None:
     return None
 
 
+_YAML_BOOLEANS = {"false": "off", "true": "on"}
+
+
 def check_field_metadata(section: Any, prefix: str = "") -> None:
     """Enforce `choices` and bounds on a section's own fields (not its sub-sections), and refuse
     NaN and infinities in float fields; raises `ConfigError` naming the field, its allowed values
@@ -58,6 +61,13 @@ def check_field_metadata(section: Any, prefix: str = "") -> None:
             continue
         key = f"{prefix}{f.name}"
         choices = f.metadata.get("choices")
+        if choices is not None and value not in choices and str(value).lower() in _YAML_BOOLEANS:
+            # YAML 1.1 reads a bare `off` / `on` as a boolean (OmegaConf then stores 'False' in a
+            # str field); where the choices name that word, it can only have meant it.
+            word = _YAML_BOOLEANS[str(value).lower()]
+            if word in choices:
+                value = word
+                setattr(section, f.name, word)
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
         if isinstance(value, float) and not math.isfinite(value):

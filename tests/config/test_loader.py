@@ -173,8 +173,19 @@ def test_console_script_exit_code(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load(path, tmp_path):
-    model = init_model(tmp_path / "model", preset="tiny", seed=0)  # actor.path must name a model directory
+    # actor.path must name a model directory, of the architecture the example is for.
+    model = init_model(tmp_path / "model", arch="qwen3_moe" if path.stem == "moe" else "qwen3", preset="tiny", seed=0)
     load_run_config(path, [f"actor.path={model}"])
+
+
+def test_a_bare_off_is_the_off_choice_not_a_boolean(tmp_path):
+    """YAML 1.1 reads `off` as false: keys whose choices include 'off' take it as that choice, in a
+    file and on the command line (`actor.router_replay=off` once failed: 'False' is not one of)."""
+    (tmp_path / "c.yaml").write_text("actor:\n  router_replay: off\nalgo:\n  ppo:\n    behave_imp_weight_mode: off\n")
+    for cfg in (load_run_config(tmp_path / "c.yaml", ["rollout.max_head_offpolicyness=0"]),
+                load_run_config(None, ["actor.router_replay=off", "algo.ppo.behave_imp_weight_mode=off",
+                                       "rollout.max_head_offpolicyness=0"])):
+        assert cfg.actor.router_replay == "off" and cfg.algo.ppo.behave_imp_weight_mode == "off"
 
 
 def test_algo_recipe_sets_defaults_and_overrides_win():
