@@ -87,7 +87,7 @@ class ActorConfig(TrainEngineConfig):
             if s.tp > 1 or s.cp > 1 or s.ep > 1 or s.etp > 1:
                 check_model_split(self.path, s.tp, s.cp, f"{prefix}backend={self.backend!r}", s.ep, s.etp)
         check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix,
-                          comp.sizes.tp)
+                          comp.sizes.tp, self.router_replay_live_mismatch)
 
 
 @dataclass

@@ -141,11 +141,15 @@ def moe_layer_count(path: str) -> int:
 
 
 def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: int, prefix: str,
-                      tp: int = 1) -> None:
+                      tp: int = 1, live_mismatch: bool = False) -> None:
     """`actor.router_replay` and `actor.moe_aux_loss_coef` need a MoE model (checked when `path` is
     given), and neither runs under pipeline parallelism (the stages do not receive routes); the
     load-balancing loss is not computed under tensor parallelism yet (each TP rank holds the
-    router logits of its own token shard)."""
+    router logits of its own token shard). `actor.router_replay_live_mismatch` needs r3."""
+    if live_mismatch and router_replay != "r3":
+        raise ConfigError(f"{prefix}router_replay_live_mismatch=true logs the mismatch of a live-routed forward next "
+                          f"to the replayed one and needs {prefix}router_replay=r3 (it is {router_replay!r}); set "
+                          f"{prefix}router_replay=r3 or {prefix}router_replay_live_mismatch=false")
     used = []  # (key=value as set, the value that turns it off)
     if router_replay != "off":
         used.append((f"{prefix}router_replay={router_replay!r}", f"{prefix}router_replay=off"))

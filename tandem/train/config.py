@@ -106,6 +106,10 @@ class TrainEngineConfig:
                "the routes of the proximal-logprob pass) or r3 (every forward replays the routes the rollout "
                "server used, recorded per token; tokens without one route live). MoE models only; r3 needs "
                "servers that return routes (rollout.backend=tandem or sglang).", choices=ROUTER_REPLAY)
+    router_replay_live_mismatch: bool = _f(
+        False, "With router_replay=r3, also log the logprob mismatch of a live-routed forward "
+               "(moe/mismatch_live/mean and max, next to the replayed mismatch/*): costs one extra no-grad forward "
+               "of the step's batch. Needs router_replay=r3.")
     moe_aux_loss_coef: float = _f(
         0.0, "Weight of the MoE load-balancing loss added to the policy loss (0: off, as usual in RL). MoE "
              "models only.", min=0.0)

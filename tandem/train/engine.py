@@ -133,17 +133,20 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0,
-                         loss_tokens_only: bool = False, record_routes: bool = False) -> TokenOutputs:
+                         loss_tokens_only: bool = False, record_routes: bool = False,
+                         route_live: bool = False) -> TokenOutputs:
         """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective.
         `loss_tokens_only`: only where the batch's loss mask is set (0 elsewhere), exactly as the
         training forward computes them (same rows through the head, so the same numbers).
         MoE models: routes are replayed as `actor.router_replay` says (`tandem.train.routes`);
-        `record_routes` returns the experts every token went through in `TokenOutputs.routes`."""
+        `record_routes` returns the experts every token went through in `TokenOutputs.routes`;
+        `route_live` routes every token live whatever `router_replay` says (the live-routed
+        mismatch of `router_replay_live_mismatch`)."""
         if record_routes and not self.moe_layers:
             raise ValueError("record_routes needs a mixture-of-experts model; this one has no MoE layers")
         mbs = self._micro_batches(batch)
         wanted = [self._loss_positions(mb.next_token_view()) if loss_tokens_only else None for mb in mbs]
-        routings = [self._routing(mb, record=record_routes) for mb in mbs]
+        routings = [self._routing(mb, record=record_routes, live=route_live) for mb in mbs]
         if self.pipeline is not None:
             outputs = self.pipeline.forward(mbs, wanted, temperature)
         else:
@@ -166,7 +169,12 @@ class TrainEngine:
         return TokenOutputs([r[0] for r in ordered], [r[1] for r in ordered], routes, matches, pairs)
 
     def _check_moe_options(self, config: TrainEngineConfig) -> None:
-        """router_replay and moe_aux_loss_coef need MoE layers and a model that is not pipelined."""
+        """router_replay and moe_aux_loss_coef need MoE layers and a model that is not pipelined;
+        router_replay_live_mismatch needs r3 (the live forward is compared with the replayed one)."""
+        if config.router_replay_live_mismatch and config.router_replay != "r3":
+            raise ConfigError(f"router_replay_live_mismatch=True logs the mismatch of a live-routed forward next to "
+                              f"the replayed one and needs router_replay='r3', not {config.router_replay!r}; "
+                              "set router_replay=r3 or router_replay_live_mismatch=False")
         used = [k for k, on in (("router_replay", config.router_replay != "off"),
                                 ("moe_aux_loss_coef", config.moe_aux_loss_coef > 0)) if on]
         if not used:
@@ -181,11 +189,13 @@ class TrainEngine:
             raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
                               "parallelism yet (each TP rank holds the router logits of its own tokens)")
 
-    def _routing(self, mb: MicroBatch, record: bool = False, keep_logits: bool = False) -> Routing | None:
-        """The `Routing` of `mb`'s forward (input alignment: `mb`, never its next-token view)."""
+    def _routing(self, mb: MicroBatch, record: bool = False, keep_logits: bool = False,
+                 live: bool = False) -> Routing | None:
+        """The `Routing` of `mb`'s forward (input alignment: `mb`, never its next-token view);
+        `live`: replay nothing, whatever `router_replay` says."""
         if self.pipeline is not None or (mb.is_padding and not keep_logits):
             return None
-        return routing_for(mb.tokens, self.config.router_replay, self.moe_layers,
+        return routing_for(mb.tokens, "off" if live else self.config.router_replay, self.moe_layers,
                            int(getattr(self.model.args, "num_experts_per_tok", 0)), record=record,
                            keep_logits=keep_logits)
 

@@ -6,6 +6,7 @@ group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,9 @@ from tandem.algo.mismatch import batch_logprob_mismatch
 from tandem.train.batch import SequenceBatch
 from tandem.train.dist import all_reduce_sum
 from tandem.train.routes import PROX_ROUTES, ROUTED_EXPERTS
+
+# The live-routed forward's logprobs, held in the shard (input alignment) only while its mismatch is computed.
+LIVE_LOGPROBS = "live_logprobs"
 
 if TYPE_CHECKING:
     from tandem.train.engine import TrainEngine
@@ -43,7 +47,9 @@ def ppo_update(
     when there are several minibatches (it also runs under `prox_logp="loglinear"`, for the routes
     alone); with one minibatch the update forward runs the proximal weights itself, so its live
     routes are the ones r2 would replay and no pass is added. `moe/route_agreement` comes from the
-    first forward that sees each token: the proximal pass when it runs, else the update passes."""
+    first forward that sees each token: the proximal pass when it runs, else the update passes.
+    With r3 and `engine.config.router_replay_live_mismatch`, one more no-grad forward at the
+    proximal weights routes live and logs its mismatch (`moe/mismatch_live/{mean,max}`)."""
     stats: dict[str, float] = {}
     mode = engine.config.router_replay
     if mode == "r3" and not (shard.seqs and ROUTED_EXPERTS in shard.seqs[0]):
@@ -61,6 +67,8 @@ def ppo_update(
             for seq, routes in zip(shard.seqs, prox.routes or [], strict=True):
                 seq[PROX_ROUTES] = routes
         route_counts = all_reduce_sum([prox.route_matches, prox.route_pairs], engine.device, engine.dp_group)
+    if engine.config.router_replay_live_mismatch:  # before any update: the proximal weights
+        stats.update(_live_mismatch(engine, shard, temperature))
     loss_stats: dict[str, Any] = {}
     loss = make_policy_loss(algo.ppo, version=version, stats=loss_stats, prox_from_forward=fused)
     train_stats: list[dict[str, float]] = []
@@ -109,11 +117,26 @@ def _fused_mismatch(summary: dict[str, float]) -> dict[str, float]:
     }
 
 
-def _reduce_mismatch(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:
-    """Token-weighted means and maxima of the logprob mismatch (`mismatch/[current_]{mean,max,
-    n_tokens}`) over all data-parallel ranks."""
+def _live_mismatch(engine: TrainEngine, shard: SequenceBatch, temperature: float) -> dict[str, float]:
+    """`moe/mismatch_live/{mean,max}`: the `mismatch/{mean,max}` of a no-grad forward of `shard`
+    that routes every token live (no replay), over the same loss tokens, reduced over ranks alike."""
+    live = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, route_live=True)
+    set_prox_logprobs(shard, live.logprobs, key=LIVE_LOGPROBS)
+    try:
+        local = batch_logprob_mismatch(shard, recomputed_key=LIVE_LOGPROBS)
+    finally:
+        for seq in shard.seqs:
+            del seq[LIVE_LOGPROBS]
+    reduced = _reduce_mismatch(local, engine, prefixes=("mismatch/",))
+    return {f"moe/mismatch_live/{k}": reduced[f"mismatch/{k}"] for k in ("mean", "max")}
+
+
+def _reduce_mismatch(local: dict[str, float], engine: TrainEngine,
+                     prefixes: Sequence[str] = ("mismatch/", "mismatch/current_")) -> dict[str, float]:
+    """Token-weighted means and maxima of the logprob mismatch (`{prefix}{mean,max,n_tokens}`,
+    by default `mismatch/[current_]...`) over all data-parallel ranks."""
     out: dict[str, float] = {}
-    for prefix in ("mismatch/", "mismatch/current_"):
+    for prefix in prefixes:
         n, mean, peak = (float(local.get(f"{prefix}{k}", 0.0)) for k in ("n_tokens", "mean", "max"))
         sums = torch.tensor([n, mean * n], dtype=torch.float64, device=engine.device)
         top = torch.tensor([peak], dtype=torch.float64, device=engine.device)

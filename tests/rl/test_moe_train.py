@@ -5,7 +5,8 @@ sync: the RL loop runs, every update is verified, and what the server holds is t
   trainer's export, expert pieces included, or the run fails);
 - staleness 0 and fp32: the trainer's log-probs of the generated tokens, computed with the experts
   split over two ranks, equal the server's (`mismatch/max` <= 1e-5) and, with routing replay r3, the
-  server's routes reach the trainer (`moe/route_agreement` is 1.0 in fp32);
+  server's routes reach the trainer (`moe/route_agreement` is 1.0 in fp32), and the live-routed
+  forward of `actor.router_replay_live_mismatch` agrees too (`moe/mismatch_live/max` <= 1e-5);
 - after the run, the trainer's last checkpoint (saved under EP) loaded into a one-rank engine and
   written as HF weights gives, in transformers, the same greedy continuations as the server.
 """
@@ -37,7 +38,7 @@ def test_rl_loop_with_expert_parallelism_and_routing_replay(tmp_path, moe_model)
     server = ServerProcess(moe_model, tmp_path)
     try:
         cfg = write_config(
-            tmp_path, moe_model, actor={"backend": "archon:d2e2", "router_replay": "r3"},
+            tmp_path, moe_model, actor={"backend": "archon:d2e2", "router_replay": "r3", "router_replay_live_mismatch": True},
             rollout={"backend": "tandem:d1", "servers": [server.url], "max_head_offpolicyness": 0},
             train={"total_steps": STEPS, "weight_sync": "distributed", "verify_weights": True, "save_every": STEPS})
         proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=600)
@@ -50,6 +51,7 @@ def test_rl_loop_with_expert_parallelism_and_routing_replay(tmp_path, moe_model)
             assert r["mismatch/max"] <= 1e-5 and r["mismatch/n_tokens"] > 0, r
             assert r["staleness/max"] == 0.0 and r["version"] == r["step"]
             assert r["moe/route_agreement"] == 1.0, r
+            assert r["moe/mismatch_live/max"] <= 1e-5, r
 
         engine = TrainEngine(TrainEngineConfig(path=str(moe_model)))
         engine.load_state(checkpoint_dir(run_dir(tmp_path), STEPS) / "trainer")

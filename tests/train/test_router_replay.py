@@ -156,6 +156,53 @@ def test_r2_update_passes_replay_the_routes_the_proximal_pass_recorded(moe_dir, 
         engine.close()
 
 
+def test_r3_live_mismatch_is_the_live_forwards_and_mismatch_the_replayed_ones(moe_dir, ref):
+    """r3 with router_replay_live_mismatch: the server routes differ from the live ones on every
+    third token of layer 0 and the behaviour logprobs are those of a forward replaying them (what
+    that server returns). `mismatch/*` is the replayed forward's (~0) and `moe/mismatch_live/*`
+    equals the hand-computed |behaviour - live forward (`Routing()`)| over the loss tokens, with
+    the proximal pass fused into the update (one minibatch) and separate (two)."""
+    from tandem.algo.losses import to_input_alignment
+
+    shard = _ppo_batch(512)
+    live_diff = []
+    for seq in shard.seqs:
+        ids, mask = seq["input_ids"], seq["loss_mask"].bool()
+        routes = live_routes(ref, ids)
+        for t in range(0, ids.numel(), 3):
+            row = routes[t, 0]
+            row[:] = torch.tensor([e for e in range(N_EXPERTS) if e not in row.tolist()][:TOP_K])
+        seq[ROUTED_EXPERTS] = routes
+        replayed = to_input_alignment(ref_logprobs(ref, ids, Routing(replay=split_layers(routes, [0, 1], TOP_K))))
+        live = to_input_alignment(ref_logprobs(ref, ids, Routing()))
+        seq["logprobs"] = replayed * mask
+        live_diff.append((live - replayed)[mask].double().abs())
+    want = torch.cat(live_diff)
+    assert float(want.max()) > 1e-3  # the differing routes really move the logprobs
+    for n_minibatches in (1, 2):
+        engine = TrainEngine(engine_config(str(moe_dir), router_replay="r3", router_replay_live_mismatch=True))
+        try:
+            assert engine.model.args.vocab_size == 512
+            batch = SequenceBatch([dict(s) for s in shard.seqs])
+            stats = ppo_update(engine, batch, AlgoConfig(), version=0, temperature=1.0, n_minibatches=n_minibatches)
+        finally:
+            engine.close()
+        assert stats["moe/mismatch_live/mean"] == pytest.approx(float(want.mean()), abs=2e-6), n_minibatches
+        assert stats["moe/mismatch_live/max"] == pytest.approx(float(want.max()), abs=2e-6), n_minibatches
+        assert stats["mismatch/max"] <= 2e-6 and stats["mismatch/n_tokens"] == want.numel(), stats
+        assert stats["moe/route_agreement"] < 1.0
+        assert all("live_logprobs" not in s for s in batch.seqs)
+
+
+def test_live_mismatch_needs_r3(moe_dir):
+    from tandem.errors import ConfigError
+
+    for mode in ("off", "r2"):
+        with pytest.raises(ConfigError, match=rf"router_replay_live_mismatch=True .* needs router_replay='r3', "
+                                              rf"not '{mode}'"):
+            TrainEngine(engine_config(str(moe_dir), router_replay=mode, router_replay_live_mismatch=True))
+
+
 def test_load_balancing_loss_reaches_the_router(moe_dir, ref):
     def no_policy_loss(logprobs, entropy, mb):
         return (logprobs.sum() + entropy.sum()) * 0.0
@@ -248,12 +295,17 @@ def test_moe_options_are_refused_for_a_dense_model(dense_dir, overrides, command
     (["actor.router_replay=r3"], "sft", r"actor.router_replay='r3' replays routes in RL"),
     (["actor.moe_aux_loss_coef=0.01", "actor.backend=archon:t2"], "train",
      r"moe_aux_loss_coef=0.01 is not supported with tensor parallelism"),
+    (["actor.router_replay_live_mismatch=true"], "train",
+     r"actor.router_replay_live_mismatch=true .* needs actor.router_replay=r3 \(it is 'off'\)"),
+    (["actor.router_replay=r2", "actor.router_replay_live_mismatch=true"], "train",
+     r"actor.router_replay_live_mismatch=true .* needs actor.router_replay=r3 \(it is 'r2'\)"),
 ])
 def test_router_replay_config_errors(moe_dir, overrides, command, match):
     from tandem.errors import ConfigError
     from tandem.rl.config import load_run_config
 
-    load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3", "actor.moe_aux_loss_coef=0.01"])
+    load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3", "actor.moe_aux_loss_coef=0.01",
+                           "actor.router_replay_live_mismatch=true"])
     with pytest.raises(ConfigError, match=match):
         load_run_config(None, [f"actor.path={moe_dir}", *overrides], command=command)
 
