@@ -157,11 +157,13 @@ class TrainEngine:
         per_mb: list[list[tuple[torch.Tensor, ...]]] = []
         matches = pairs = 0
         for mb, (logprobs, entropy), routing in zip(mbs, outputs, routings, strict=True):
-            bounds = [] if mb.is_padding else mb.lengths
-            columns = [logprobs.cpu().split(bounds), entropy.cpu().split(bounds)]
-            if record_routes and bounds:
-                columns.append(stack_layers(routing.recorded, self.moe_layers).cpu().split(bounds))
-            per_mb.append(list(zip(*columns, strict=True)) if bounds else [])
+            if mb.is_padding:  # a rank with fewer sequences than micro-batches: nothing to return
+                per_mb.append([])
+            else:
+                columns = [logprobs.cpu().split(mb.lengths), entropy.cpu().split(mb.lengths)]
+                if record_routes:
+                    columns.append(stack_layers(routing.recorded, self.moe_layers).cpu().split(mb.lengths))
+                per_mb.append(list(zip(*columns, strict=True)))
             m, n = agreement_of(routing, mb.tokens, self.moe_layers)
             matches, pairs = matches + m, pairs + n
         ordered = restore_order(mbs, per_mb, len(batch))

@@ -16,14 +16,11 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import torch
-import transformers
 
 from tandem.models.tiny import init_model
-from tandem.rl.trial import checkpoint_dir
-from tandem.train import TrainEngine, TrainEngineConfig
 from tests.inference.server_utils import ServerProcess
 from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
+from tests.rl.served_model import assert_server_serves_the_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -56,18 +53,6 @@ def test_rl_loop_under_a_model_parallel_layout(tmp_path, model_4l, backend):
             assert r["staleness/max"] == 0.0 and r["version"] == r["step"]
 
         # The trainer's final model, read back at d1 from the layout's checkpoint.
-        engine = TrainEngine(TrainEngineConfig(path=str(model_4l)))
-        engine.load_state(checkpoint_dir(run_dir(tmp_path), STEPS) / "trainer")
-        assert engine.step == STEPS
-        hf_dir = engine.save_hf(tmp_path / "final", tokenizer_dir=model_4l)
-        engine.close()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        assert server.ok("/get_weight_version", method="GET") == {"weight_version": str(STEPS)}
-        for ids in ([5, 9, 13], [40, 2, 7, 7, 100, 3]):
-            out = server.ok("/generate", {"input_ids": ids, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
-            with torch.no_grad():
-                ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
-            assert out["output_ids"] == ref[0, len(ids):].tolist(), (ids, out["output_ids"])
+        assert_server_serves_the_checkpoint(server, model_4l, run_dir(tmp_path), STEPS, tmp_path / "final")
     finally:
         server.stop()

@@ -36,6 +36,17 @@ def _check_equals_checkpoint(named: list[tuple[str, torch.Tensor]], reference: d
     assert not bad, bad[:5]
 
 
+def _check_size_and_rank0_export(res: dict, rank: int, reference: dict[str, torch.Tensor]) -> None:
+    """`export_nbytes` counts every HF tensor (64-byte aligned, fp32); the export to rank 0 (bf16,
+    into the caller's destinations) equals the checkpoint there and is empty elsewhere."""
+    assert res["nbytes"] == sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
+    if rank == 0:
+        _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
+        assert res["in_alloc"]
+    else:
+        assert res["to_rank0"] == []
+
+
 def _parameter_of(hf_name: str) -> str:
     """The native parameter an HF tensor belongs to, as a key: expert pieces map to their stack."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(\w+)\.weight", hf_name)
@@ -63,13 +74,7 @@ def test_moe_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep):
                 where.setdefault(p, set()).add(k)
         assert all(len(ks) == 1 for ks in where.values()), where
         assert sum(1 for p in where if p.endswith("_proj")) == 6  # 2 layers x gate/up/down stacks
-        nbytes = sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
-        assert res["nbytes"] == nbytes
-        if rank == 0:
-            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
-            assert res["in_alloc"]
-        else:
-            assert res["to_rank0"] == []
+        _check_size_and_rank0_export(res, rank, reference)
         if world == 1:
             local = [t for group in res["local"] for t in group]
             _check_equals_checkpoint(local, reference, torch.float32)
@@ -91,15 +96,9 @@ def test_moe_pipeline_export_equals_the_checkpoint(moe_dir, tmp_path, world, ep)
     as HF pieces, to every rank and to rank 0 (the last stage's buckets travel point to point)."""
     reference = dict(iter_hf_tensors(moe_dir))
     results = run_distributed(moe_pipeline_export, world, args=(str(moe_dir), str(tmp_path), ep), timeout=300)
-    nbytes = sum(-(-t.numel() * 4 // 64) * 64 for t in reference.values())
     for rank, res in enumerate(results):
         _check_equals_checkpoint([t for b in res["buckets"] for t in b], reference, torch.float32)
-        assert res["nbytes"] == nbytes
-        if rank == 0:
-            _check_equals_checkpoint(res["to_rank0"], reference, torch.bfloat16)
-            assert res["in_alloc"]
-        else:
-            assert res["to_rank0"] == []
+        _check_size_and_rank0_export(res, rank, reference)
     _check_equals_checkpoint(list(iter_hf_tensors(tmp_path / "hf")), reference, torch.float32)
 
 
