@@ -19,8 +19,8 @@ import torch
 from tandem.inference.block_manager import BlockManager
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.model_runner import ModelRunner
-from tandem.inference.outputs import Detokenizer, RequestOutput, TokenDelta, make_output
-from tandem.inference.sampler import sample
+from tandem.inference.outputs import ABORT_BEFORE_PREFILL, Detokenizer, RequestOutput, TokenDelta, make_output
+from tandem.inference.sampler import logprob_temperature, sample, top_logprobs
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.scheduler import Scheduler
 from tandem.inference.sequence import Sequence
@@ -59,9 +59,13 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------- requests
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | None = None,
-                    return_logprob: bool = False, stream: bool = False, return_routed_experts: bool = False) -> None:
+                    return_logprob: bool = False, stream: bool = False, return_routed_experts: bool = False,
+                    top_logprobs_num: int = 0, logprob_start_len: int = -1) -> None:
         """Queue a request. `return_routed_experts` (MoE models): its outputs carry the experts
-        each token was routed to (`RequestOutput.routed_experts`)."""
+        each token was routed to (`RequestOutput.routed_experts`). `top_logprobs_num` k (with
+        return_logprob): each output token also carries the k most likely tokens' logprobs.
+        `logprob_start_len` >= 0 (with return_logprob): the output carries the prompt's logprobs
+        from that position (`prompt_logprobs`, computed now, with the weights that admit it)."""
         params = params or SamplingParams()
         if rid in self._live:
             raise RequestError(f"request id {rid!r} is already in flight")
@@ -72,7 +76,10 @@ class LLMEngine:
         seeds = [params.seed + i if params.seed is not None else self._draw_seed() for i in range(params.n)]
         seq = Sequence(rid, list(input_ids), params, self._generator(seeds[0]), return_logprob,
                        return_routed_experts=return_routed_experts, sibling_seeds=seeds[1:],
-                       arrival_time=time.monotonic())
+                       arrival_time=time.monotonic(), top_logprobs_num=top_logprobs_num if return_logprob else 0)
+        if return_logprob and logprob_start_len >= 0:
+            seq.input_logprobs, seq.input_top_logprobs = self.prompt_logprobs(
+                input_ids, logprob_start_len, logprob_temperature(params), seq.top_logprobs_num)
         self._live[rid] = [seq]
         if stream:
             self._streaming.add(rid)
@@ -136,8 +143,10 @@ class LLMEngine:
                     rows.append(row)
                     batch.append(s)
             tokens, logprobs = sample(logits[rows], batch, self.eos_ids)
+            tops = top_logprobs(logits[rows], [logprob_temperature(s.params) for s in batch],
+                                [s.top_logprobs_num for s in batch])
             failed: set[str] = set()
-            for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
+            for seq, token, logprob, top in zip(batch, tokens, logprobs, tops, strict=True):
                 if seq.rid in failed:
                     continue
                 if not math.isfinite(logprob):  # NaN or +inf among its logits: no distribution to sample
@@ -148,6 +157,8 @@ class LLMEngine:
                                         "was stopped, other requests go on")
                     continue
                 seq.append(token, logprob)
+                if seq.top_logprobs_num:
+                    seq.output_top_logprobs.append(top)
                 seq.num_computed_tokens = len(seq) - 1
                 self.num_generated_tokens += 1
                 if seq.rid in self._streaming:
@@ -203,10 +214,13 @@ class LLMEngine:
     def _end(self, rid: str, reason: dict[str, Any]) -> None:
         """Finish every unfinished sample of request `rid` with `reason` (outputs from the next step)."""
         for seq in [s for s in self._live[rid] if not s.is_finished]:
+            why = reason
+            if reason.get("type") == "abort" and not seq.was_started:
+                why = {**reason, "message": ABORT_BEFORE_PREFILL}
             # A request with n samples still queued is one sequence: answer for each sample.
             for i, seed in enumerate(seq.sibling_seeds):
-                self._done.append(self._output(seq.fork(i + 1, self._generator(seed)), reason))
-            self._finish(seq, reason)
+                self._done.append(self._output(seq.fork(i + 1, self._generator(seed)), why))
+            self._finish(seq, why)
 
     def _fail(self, rid: str, message: str) -> None:
         """End request `rid` with `{"type": "error", "message": ...}` (every sample; the failing
@@ -261,6 +275,36 @@ class LLMEngine:
         if weight_version is not None:
             self.weight_version = weight_version
         return adopted
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, input_ids: list[int], start: int, temperature: float,
+                        top_n: int = 0) -> tuple[list[float | None], list[list[tuple[float, int]] | None]]:
+        """Logprobs of the prompt's own tokens from position `start` on, as the sampler defines
+        them (`log_softmax(logits / T)` in float32 of the previous position's logits; T = 1 for
+        greedy), from one cache-free forward of the prompt with the current weights (the paged KV
+        cache and prefix cache play no part). -> (one entry per position start..len-1, position 0's
+        being None: nothing precedes it; with top_n > 0 each position's top_n `(logprob, id)` pairs,
+        position 0's None, else []). The trainer's recompute of the same tokens is the same
+        computation."""
+        if not 0 <= start < len(input_ids):
+            raise RequestError(f"logprob_start_len={start} must be in [0, {len(input_ids) - 1}] "
+                               f"(the prompt has {len(input_ids)} tokens)")
+        ids = torch.tensor(input_ids, device=self.device)
+        cu = torch.tensor([0, len(input_ids)], dtype=torch.int32, device=self.device)
+        first = max(start, 1) - 1  # logits at position p - 1 predict token p
+        hidden = self.model.hidden_states(ids, cu)[first:-1]
+        logprobs = torch.log_softmax(self.model.logits_from_hidden(hidden).float() / temperature, dim=-1)
+        targets = ids[first + 1:]
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
+        lead: list[float | None] = [None] if start == 0 else []
+        tops: list[list[tuple[float, int]] | None] = []
+        if top_n > 0:
+            k = min(top_n, logprobs.shape[1])
+            tops = [None] if start == 0 else []
+            for row in logprobs:
+                order = torch.sort(row, descending=True, stable=True).indices[:k]
+                tops.append(list(zip(row[order].tolist(), order.tolist(), strict=True)))
+        return lead + chosen, tops
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return get_weight(self.model, name, truncate_size)

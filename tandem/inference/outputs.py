@@ -15,13 +15,16 @@ import torch
 
 from tandem.inference.sequence import Sequence
 
+# SGLang's finish message for a request aborted before its prefill ran (clients match its prefix).
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+
 
 @dataclass
 class RequestOutput:
     rid: str
     index: int  # which of the request's n samples
     output_ids: list[int]
-    output_logprobs: list[float] | None  # None without return_logprob, or when aborted while queued
+    output_logprobs: list[float] | None  # None without return_logprob ([] when aborted while queued)
     finish_reason: dict[str, Any]
     prompt_tokens: int
     cached_tokens: int
@@ -32,6 +35,13 @@ class RequestOutput:
     # ids of every token but the last (never forwarded); -1 in dense layers and for tokens whose KV
     # this server never computed (a request aborted while queued).
     routed_experts: torch.Tensor | None = None
+    # With return_logprob and top_logprobs_num k > 0: per output token, the k most likely
+    # `(logprob, token id)` pairs of the distribution its logprob comes from (sampler.top_logprobs).
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # With logprob_start_len s >= 0: the logprobs of prompt tokens s.. (None at position 0), and
+    # with top_logprobs_num their top pairs (LLMEngine.prompt_logprobs).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -78,12 +88,15 @@ class Detokenizer:
 
 def make_output(seq: Sequence, weight_version: int, text: str | None,
                 routed_experts: torch.Tensor | None = None) -> RequestOutput:
-    aborted_in_queue = not seq.was_started and (seq.finish_reason or {}).get("type") == "abort"
+    wants_top = seq.return_logprob and seq.top_logprobs_num > 0
     return RequestOutput(
         rid=seq.rid,
         index=seq.index,
         output_ids=list(seq.output_ids),
-        output_logprobs=list(seq.output_logprobs) if seq.return_logprob and not aborted_in_queue else None,
+        output_logprobs=list(seq.output_logprobs) if seq.return_logprob else None,
+        output_top_logprobs=list(seq.output_top_logprobs) if wants_top else None,
+        input_logprobs=seq.input_logprobs,
+        input_top_logprobs=seq.input_top_logprobs if wants_top else None,
         finish_reason=dict(seq.finish_reason or {}),
         prompt_tokens=seq.num_prompt_tokens,
         cached_tokens=seq.cached_tokens,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.sequence import Sequence
 
 
@@ -127,3 +128,25 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
         lse = torch.logsumexp(raw, dim=-1)
     chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
     return tokens.tolist(), chosen.tolist()
+
+
+@torch.inference_mode()
+def top_logprobs(logits: torch.Tensor, temperatures: list[float], nums: list[int]) -> list[list[tuple[float, int]]]:
+    """The `nums[i]` most likely tokens of row i under the logprob's distribution (module docstring:
+    `log_softmax(logits / T)` in float32, T = 1 for greedy), as `(logprob, token id)` pairs, most
+    likely first (ties: lower id first). Rows with num 0 get []."""
+    out: list[list[tuple[float, int]]] = []
+    for row, (temp, num) in enumerate(zip(temperatures, nums, strict=True)):
+        if num <= 0:
+            out.append([])
+            continue
+        lp = torch.log_softmax(logits[row].float() / temp, dim=-1)
+        num = min(num, lp.shape[0])
+        order = torch.sort(lp, descending=True, stable=True).indices[:num]
+        out.append(list(zip(lp[order].tolist(), order.tolist(), strict=True)))
+    return out
+
+
+def logprob_temperature(params: SamplingParams) -> float:
+    """T of the logprob's distribution for these sampling params (1 for greedy)."""
+    return 1.0 if params.greedy else float(params.temperature)

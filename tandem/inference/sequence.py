@@ -32,6 +32,7 @@ class Sequence:
     generator: torch.Generator
     return_logprob: bool = False
     return_routed_experts: bool = False  # the output carries the experts of every forwarded token
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens of each output step
     index: int = 0  # which of the request's n samples
     sibling_seeds: list[int] = field(default_factory=list)  # seeds of samples 1..n-1, until forked
     arrival_time: float = 0.0
@@ -42,6 +43,10 @@ class Sequence:
     num_computed_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in meta_info)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)  # per output token
+    # With logprob_start_len: the prompt's logprobs from it (LLMEngine.prompt_logprobs), else None.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     finish_reason: dict[str, Any] | None = None
     text: str | None = None  # decoded output, set when a tokenizer is present and the sequence ends
     was_started: bool = False  # produced at least one forward pass (aborts then report partial output)
@@ -87,6 +92,7 @@ class Sequence:
             generator=generator,
             return_logprob=self.return_logprob,
             return_routed_experts=self.return_routed_experts,
+            top_logprobs_num=self.top_logprobs_num,
             index=index,
             arrival_time=self.arrival_time,
             num_prompt_tokens=self.num_prompt_tokens,
@@ -96,4 +102,6 @@ class Sequence:
             was_started=self.was_started,
         )
         child.output_logprobs = list(self.output_logprobs)
+        child.output_top_logprobs = list(self.output_top_logprobs)
+        child.input_logprobs, child.input_top_logprobs = self.input_logprobs, self.input_top_logprobs
         return child

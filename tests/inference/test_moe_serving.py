@@ -9,6 +9,7 @@ dense ones) differs from the trajectory's (MoE layers only)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 
 import pytest
@@ -144,8 +145,13 @@ def test_generate_returns_routes_as_sglang(server, trainer_model, layout):
     assert events[-2]["meta_info"]["routed_experts"] == first["meta_info"]["routed_experts"]
     plain = server.ok("/generate", {**body, "return_routed_experts": False})
     assert "routed_experts" not in plain["meta_info"]
-    status, err = server.post("/generate", {**body, "return_routed_experts": "yes"})
+    status, err = server.post("/generate", {**body, "return_routed_experts": "sometimes"})
     assert status == 400 and "return_routed_experts" in err["message"]
+    # routed_experts_start_len s: rows s.. of the same array (SGLang: `[s, seqlen - 1)`).
+    tail = server.ok("/generate", {**body, "routed_experts_start_len": 5})["meta_info"]["routed_experts"]
+    full = base64.b64decode(first["meta_info"]["routed_experts"])
+    row = len(full) // (len(ids) + len(first["output_ids"]) - 1)
+    assert base64.b64decode(tail) == full[5 * row:]
 
 
 def test_client_splices_routes_of_a_resubmitted_request(server, trainer_model, layout):

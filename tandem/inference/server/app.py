@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.inference.server import memory_routes, openai_routes, routes, weight_sync
+from tandem.inference.server import generate_route, memory_routes, openai_routes, routes, weight_sync
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
 from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, register_when_ready
@@ -63,7 +63,7 @@ def build_app(args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for r in (routes.router, weight_sync.router, memory_routes.router, openai_routes.router):
+    for r in (routes.router, generate_route.router, weight_sync.router, memory_routes.router, openai_routes.router):
         app.include_router(r)
 
     @app.exception_handler(ApiError)

@@ -69,7 +69,8 @@ class EngineLoop:
         return fut
 
     def add(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-            stream: bool, return_routed_experts: bool = False) -> tuple[PendingRequest, asyncio.Future]:
+            stream: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
+            logprob_start_len: int = -1) -> tuple[PendingRequest, asyncio.Future]:
         """Queue a request. -> (its PendingRequest, a future that fails with RequestError if the
         engine rejects it and resolves to None once it is in). Enqueued synchronously, so a caller
         that does not await in between keeps its order against other commands."""
@@ -77,7 +78,8 @@ class EngineLoop:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(rid, input_ids, params, return_logprob=return_logprob, stream=stream,
-                               return_routed_experts=return_routed_experts)
+                               return_routed_experts=return_routed_experts, top_logprobs_num=top_logprobs_num,
+                               logprob_start_len=logprob_start_len)
             self._pending[rid] = pending
 
         return pending, self.call(add)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,8 +116,29 @@ def token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+TextOf = Callable[[int], "str | None"]  # a token id's text in logprob entries (return_text_in_logprobs)
+
+
+def _no_text(_: int) -> None:
+    return None
+
+
+def logprob_entries(logprobs: list[float | None], ids: list[int], text_of: TextOf = _no_text) -> list[list[Any]]:
+    """SGLang's `[[logprob, token id, text or null], ...]`."""
+    return [[lp, t, text_of(t)] for lp, t in zip(logprobs, ids, strict=True)]
+
+
+def top_entries(tops: list[list[tuple[float, int]] | None], text_of: TextOf = _no_text) -> list[list[list[Any]] | None]:
+    """SGLang's top-logprob lists: per position null or `[[logprob, token id, text or null], ...]`."""
+    return [None if top is None else [[lp, t, text_of(t)] for lp, t in top] for top in tops]
+
+
 def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: bool = True,
-              weight_version: int | None = None) -> dict[str, Any]:
+              weight_version: int | None = None, prompt_ids: list[int] | None = None,
+              text_of: TextOf = _no_text) -> dict[str, Any]:
+    """SGLang's meta_info. With return_logprob: `input_token_logprobs` (the prompt's from
+    logprob_start_len, [] without it; `prompt_ids` are the prompt) and `output_token_logprobs`;
+    with top_logprobs_num also `input_top_logprobs` and `output_top_logprobs`."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": out.prompt_tokens,
@@ -127,7 +149,13 @@ def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: b
         "finish_reason": out.finish_reason if finished else None,
     }
     if return_logprob and out.output_logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)]
+        inputs = out.input_logprobs or []
+        start = (len(prompt_ids) - len(inputs)) if prompt_ids is not None else 0
+        meta["input_token_logprobs"] = logprob_entries(inputs, (prompt_ids or [])[start:], text_of) if inputs else []
+        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, text_of)
+        if out.output_top_logprobs is not None:
+            meta["input_top_logprobs"] = top_entries(out.input_top_logprobs or [], text_of)
+            meta["output_top_logprobs"] = top_entries(list(out.output_top_logprobs), text_of)
     if out.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     return meta
@@ -141,9 +169,10 @@ def encode_routed_experts(routes: torch.Tensor) -> str:
     return base64.b64encode(array.astype("<i4", copy=False).tobytes()).decode("ascii")
 
 
-def generate_response(out: RequestOutput, rid: str, return_logprob: bool, n: int) -> dict[str, Any]:
+def generate_response(out: RequestOutput, rid: str, return_logprob: bool, n: int, *,
+                      prompt_ids: list[int] | None = None, text_of: TextOf = _no_text) -> dict[str, Any]:
     body = {"text": out.text or "", "output_ids": out.output_ids,
-            "meta_info": meta_info(out, rid, return_logprob)}
+            "meta_info": meta_info(out, rid, return_logprob, prompt_ids=prompt_ids, text_of=text_of)}
     if n > 1:
         body["index"] = out.index
     return body

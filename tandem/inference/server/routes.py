@@ -1,12 +1,12 @@
-"""SGLang-native routes: /generate (plain and SSE), health and info, pause/continue/abort, cache."""
+"""SGLang-native control routes: health and info, pause/continue/abort, cache, weight version
+(/generate lives in generate_route)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 import tandem
 from tandem.inference.engine import LLMEngine
@@ -17,113 +17,30 @@ from tandem.inference.server.protocol import (
     ControlError,
     check_fields,
     control_response,
-    error_body,
-    generate_response,
     get_field,
     read_json,
-    token_ids,
     version_of,
 )
-from tandem.inference.server.state import ClientGone, ServerState, failure
+from tandem.inference.server.sglang_fields import check_sampling
+from tandem.inference.server.state import ServerState
 
 router = APIRouter()
-
-GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "return_routed_experts"}
-# Sent by some SGLang clients; accepted and ignored (this server has no multimodal/LoRA/top-logprob paths).
-IGNORED_GENERATE_FIELDS = {"logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path",
-                           "image_data", "return_hidden_states", "custom_logit_processor", "data_parallel_rank"}
-
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.tandem
 
 
 def sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
+    """SGLang's sampling_params object as tandem's SamplingParams (sglang_fields.check_sampling:
+    unknown or refused fields are 400s naming them)."""
     if raw is not None and not isinstance(raw, dict):
         raise ApiError(f"field {where!r} must be an object")
     try:
-        return SamplingParams.from_dict(raw)
+        return SamplingParams.from_dict(check_sampling(raw or {}, where))
     except RequestError as exc:
         raise ApiError(str(exc)) from exc
     except TypeError as exc:
         raise ApiError(f"invalid {where}: {exc}") from exc
-
-
-@router.post("/generate")
-async def generate(request: Request) -> Response:
-    state = state_of(request)
-    state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, GENERATE_FIELDS | IGNORED_GENERATE_FIELDS)
-    rid = get_field(body, "rid", str) or state.new_rid()
-    if isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list):
-        raise ApiError("batched /generate is not supported; send one request per prompt")
-    if body.get("input_ids") is not None:
-        input_ids = token_ids(body["input_ids"], "input_ids")
-    elif (text := get_field(body, "text", str)) is not None:
-        input_ids = state.encode(text)
-    else:
-        raise ApiError("send 'input_ids' (a list of token ids) or 'text'")
-    params = sampling_params(body.get("sampling_params"))
-    return_logprob = get_field(body, "return_logprob", bool, False)
-    routes = get_field(body, "return_routed_experts", bool, False)
-    if routes and not state.engine.routes_experts:
-        raise ApiError(f"return_routed_experts needs a mixture-of-experts model; {state.args.model_path} routes "
-                       "no experts: drop the field")
-    if get_field(body, "stream", bool, False):
-        return await _stream(state, rid, input_ids, params, return_logprob, routes)
-    try:
-        outs = await state.run_request(request, rid, input_ids, params, return_logprob, routes)
-    except ClientGone:
-        return Response(status_code=499)
-    items = [generate_response(o, rid, return_logprob, params.n) for o in outs]
-    return JSONResponse(items if params.n > 1 else items[0])
-
-
-async def _stream(state: ServerState, rid: str, input_ids: list[int], params: SamplingParams,
-                  return_logprob: bool, return_routed_experts: bool) -> Response:
-    """SSE events; with return_routed_experts only each sample's final event carries the routes."""
-    submitted = await state.submit(rid, input_ids, params, return_logprob, stream=True,
-                                   return_routed_experts=return_routed_experts)
-    if isinstance(submitted, list):  # aborted while held at the gate
-
-        async def held():
-            for out in submitted:
-                yield _sse(generate_response(out, rid, return_logprob, params.n))
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(held(), media_type="text/event-stream")
-    detok = state.engine.detokenizer
-
-    async def events():
-        so_far: dict[int, tuple[list[int], list[float]]] = {}
-        async for kind, item in state.stream_request(submitted):
-            if kind == "final" and (failed := failure([item])) is not None:
-                yield _sse(error_body(failed, 500))  # the status (200) went out with the first byte
-                break
-            if kind == "final":
-                yield _sse(generate_response(item, rid, return_logprob, params.n))
-                continue
-            ids, lps = so_far.setdefault(item.index, ([], []))
-            ids += item.token_ids
-            lps += item.logprobs
-            meta = {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": len(ids),
-                    "cached_tokens": 0, "weight_version": str(state.engine.weight_version), "e2e_latency": None,
-                    "finish_reason": None}
-            if return_logprob:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-            text = detok.decode(ids, params.skip_special_tokens) if detok.tokenizer is not None else ""
-            event = {"text": text, "output_ids": list(ids), "meta_info": meta}
-            if params.n > 1:
-                event["index"] = item.index
-            yield _sse(event)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 @router.get("/health")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from tandem.inference.errors import RequestError
-from tandem.inference.outputs import RequestOutput
+from tandem.inference.outputs import ABORT_BEFORE_PREFILL, RequestOutput
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
@@ -96,14 +96,15 @@ class ServerState:
                 gate.cancel()
                 if aborted.done():
                     routes = self.engine.unknown_routes(len(input_ids) - 1) if return_routed_experts else None
-                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version, routes)
-                            for i in range(params.n)]
+                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version, return_logprob,
+                                          routes) for i in range(params.n)]
         finally:
             self.waiting.pop(rid, None)
         return None
 
     async def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-                     stream: bool, return_routed_experts: bool = False) -> PendingRequest | list[RequestOutput]:
+                     stream: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
+                     logprob_start_len: int = -1) -> PendingRequest | list[RequestOutput]:
         """Gate, then add to the engine. -> the PendingRequest, or final outputs (aborted at the gate).
         RequestError becomes a 400."""
         if rid in self.waiting:
@@ -111,7 +112,8 @@ class ServerState:
         held = await self.wait_gate(rid, params, return_logprob, input_ids, return_routed_experts)
         if held is not None:
             return held
-        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream, return_routed_experts)
+        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream, return_routed_experts,
+                                              top_logprobs_num, logprob_start_len)
         try:
             await added
         except RequestError as exc:
@@ -119,13 +121,14 @@ class ServerState:
         return pending
 
     async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
-                          return_logprob: bool, return_routed_experts: bool = False) -> list[RequestOutput]:
+                          return_logprob: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
+                          logprob_start_len: int = -1) -> list[RequestOutput]:
         """Run one (non-streaming) request to completion; abort it if the client disconnects. A
         request the engine failed (its logits were not finite) raises ApiError 500."""
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False,
-                                                       return_routed_experts))
+                                                       return_routed_experts, top_logprobs_num, logprob_start_len))
             await asyncio.wait({submit, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not submit.done():  # gone while held at the gate
                 submit.cancel()
@@ -174,9 +177,10 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int,
+def _queued_abort(rid: str, index: int, prompt_tokens: int, version: int, return_logprob: bool,
                   routed_experts: Any = None) -> RequestOutput:
-    return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=None,
-                         finish_reason={"type": "abort", "message": "aborted while waiting for generation to continue"},
+    """SGLang's answer for a request aborted before its prefill: no tokens, an empty logprob list."""
+    return RequestOutput(rid=rid, index=index, output_ids=[], output_logprobs=[] if return_logprob else None,
+                         finish_reason={"type": "abort", "message": ABORT_BEFORE_PREFILL},
                          prompt_tokens=prompt_tokens, cached_tokens=0, weight_version=version, e2e_latency=0.0,
                          text="", routed_experts=routed_experts)
