@@ -64,8 +64,12 @@ class Detokenizer:
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
+        if spaces_between_special_tokens:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # As SGLang passes it: honoured by slow tokenizers, ignored by fast ones.
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     spaces_between_special_tokens=False)
 
     def matched_stop_string(self, seq: Sequence) -> str | None:
         """The first of `stop` (in the request's order) present in the decoded output so far."""
@@ -77,10 +81,13 @@ class Detokenizer:
     def final_text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
             return None
+        params = seq.params
         ids, matched = seq.output_ids, (seq.finish_reason or {}).get("matched")
+        if params.no_stop_trim:  # SGLang: the stop token or string stays in the text
+            matched = None
         if isinstance(matched, int) and ids:
             ids = ids[:-1]
-        text = self.decode(ids, seq.params.skip_special_tokens)
+        text = self.decode(ids, params.skip_special_tokens, params.spaces_between_special_tokens)
         if isinstance(matched, str) and (pos := text.find(matched)) != -1:
             text = text[:pos]
         return text

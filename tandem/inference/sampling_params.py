@@ -26,6 +26,8 @@ class SamplingParams:
     stop: str | list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # text only: passed to the tokenizer's decode
+    no_stop_trim: bool = False  # text only: keep the matched stop token / string in `text`
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     n: int = 1
@@ -88,7 +90,7 @@ class SamplingParams:
             raise RequestError(
                 f"sampling_params.stop must be a non-empty string or a list of them, got {self.stop!r}"
             )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}")
 

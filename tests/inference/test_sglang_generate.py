@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from tandem.inference.server import sglang_fields
 from tandem.models import load_model
@@ -107,6 +108,34 @@ def test_prompt_logprobs_equal_the_trainer_recompute_and_top_logprobs_a_hand_sof
     assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert scored["meta_info"]["input_token_logprobs"] == inputs
     assert scored["meta_info"]["input_top_logprobs"] == meta["input_top_logprobs"]
+
+
+def slime_generate_body(prompt_ids: list[int], stop_token_ids: list[int], seed: int) -> dict:
+    """The body slime's `generate` (slime/rollout/sglang_rollout.py, THUDM/slime) posts: the
+    sampling params its `GenerateState` builds (no_stop_trim, spaces_between_special_tokens false,
+    custom_params when top_p != 1) with the per-sample `sampling_seed` it sets."""
+    sampling_params = dict(temperature=0.0, top_p=0.9, top_k=-1, max_new_tokens=8, stop=None,
+                           stop_token_ids=stop_token_ids, skip_special_tokens=False, no_stop_trim=True,
+                           spaces_between_special_tokens=False, custom_params={"return_top_p_token_ids": True},
+                           sampling_seed=seed)
+    return {"sampling_params": sampling_params, "return_logprob": True, "input_ids": prompt_ids}
+
+
+def test_slime_generate_body_is_accepted_and_no_stop_trim_keeps_the_stop_in_text(server, qwen3_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(qwen3_dir)
+    prompt = prompts([7], seed=13)[0]
+    free = server.ok("/generate", slime_generate_body(prompt, [], 1))
+    stop = free["output_ids"][2]
+    first = free["output_ids"].index(stop)
+    kept = server.ok("/generate", slime_generate_body(prompt, [stop], 1))
+    assert kept["output_ids"] == free["output_ids"][:first + 1]
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"] == tokenizer.decode(kept["output_ids"])  # the stop token's text stays
+    trimmed = server.ok("/generate", {**slime_generate_body(prompt, [stop], 1),
+                                      "sampling_params": {"temperature": 0.0, "max_new_tokens": 8,
+                                                          "stop_token_ids": [stop], "skip_special_tokens": False}})
+    assert trimmed["text"] == tokenizer.decode(kept["output_ids"][:-1])
+    assert trimmed["text"] != kept["text"]
 
 
 def _long(rid: str, n: int = 1) -> dict:

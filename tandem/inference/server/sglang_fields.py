@@ -87,6 +87,7 @@ HONOURED_SAMPLING = {
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_new_tokens", "n",
     "ignore_eos", "skip_special_tokens", "frequency_penalty", "presence_penalty", "sampling_seed",
     "seed",  # tandem's own name for sampling_seed
+    "spaces_between_special_tokens", "no_stop_trim",  # text only (slime sends both)
 }
 ACCEPTED_SAMPLING = {
     "stream_interval": "streaming sends every token; the granularity does not change results",
@@ -101,12 +102,10 @@ REFUSED_SAMPLING = {
     "ebnf": "grammar-constrained decoding is not implemented",
     "structural_tag": "grammar-constrained decoding is not implemented",
     "logit_bias": "logit biases are not implemented",
-    "spaces_between_special_tokens": "text is decoded with the tokenizer's default (true) only",
-    "no_stop_trim": "text is always trimmed at the stop (output_ids keep every token)",
 }
 # Neutral values other than null / false / 0 / "" / [] / {}: SGLang's defaults.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1.0,), "spaces_between_special_tokens": (True,),
+    "repetition_penalty": (1.0,),
 }
 INT_FIELDS = {"logprob_start_len", "top_logprobs_num", "routed_experts_start_len"}
 BOOL_FIELDS = {"return_logprob", "return_text_in_logprobs", "stream", "return_routed_experts"}
