@@ -6,8 +6,10 @@ penalties, min_new_tokens masking and top-k/top-p filtering, so it is exactly th
 trainer recomputes from the same weights (a filtered distribution would put -inf on tokens the
 trainer's model gives mass to).
 
-Sampling order: penalties (over the output so far) -> mask stop tokens until min_new_tokens ->
-greedy argmax, or divide by T -> top-k -> top-p over what top-k left -> draw. A draw is an inverse-CDF
+Sampling order: penalties (frequency/presence over the output so far; repetition, SGLang's, over
+prompt + output: a positive logit divided by it, a negative one multiplied) -> mask stop tokens
+until min_new_tokens -> greedy argmax, or divide by T -> top-k -> top-p over what top-k left ->
+min-p (drop tokens whose probability is below min_p times the most likely one's) -> draw. A draw is an inverse-CDF
 lookup of one uniform from the sequence's own generator (so a seeded request draws the same tokens
 whatever else shares its batch), done in two levels (token blocks, then tokens) so no full-width
 cumulative sum is needed. Work a batch does not need is skipped: penalties only for sequences that
@@ -35,6 +37,11 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
         p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            seen = seen[seen < vocab]
+            picked = logits[row, seen]
+            logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
             out = torch.tensor(seq.output_ids, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
@@ -43,9 +50,11 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozen
             logits[row, [t for t in masked if t < vocab]] = float("-inf")
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Keep each row's top_k largest logits, then the smallest head of those whose probability mass
-    reaches top_p (the most likely token always stays); the rest become -inf."""
+    reaches top_p (the most likely token always stays), then (with min_p) those whose probability
+    is at least min_p times the most likely one's; the rest become -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=logits.device)
     drop = rank[None, :] >= top_k[:, None]
@@ -53,13 +62,16 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    if min_p is not None:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p)
+        floor = sorted_logits[:, :1] + torch.log(min_p)[:, None]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def _needs_processing(seq: Sequence) -> bool:
     p = seq.params
     return bool((p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens) or (
-        seq.num_output_tokens < p.min_new_tokens)
+        seq.num_output_tokens < p.min_new_tokens) or p.repetition_penalty != 1.0
 
 
 def _draw(scaled: torch.Tensor, uniforms: torch.Tensor, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,10 +120,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
         scaled = raw if processed is logits else processed / torch.tensor(temps, device=device)[:, None]
         top_k = [min(p.vocab_top_k or vocab, vocab) for p in params]  # more than the vocabulary: all of it
         top_p = [p.top_p for p in params]
-        filtered = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p)
+        min_p = [p.min_p for p in params]
+        filtered = any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p)
         if filtered:
             scaled = _top_k_top_p(scaled, torch.tensor(top_k, device=device),
-                                  torch.tensor(top_p, dtype=torch.float32, device=device))
+                                  torch.tensor(top_p, dtype=torch.float32, device=device),
+                                  torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None)
         # One uniform per sampled sequence from its own generator: draws do not depend on the batch.
         uniforms = torch.cat([
             torch.ones(1, dtype=torch.float64, device=device) / 2 if g

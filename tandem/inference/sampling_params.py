@@ -21,6 +21,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = -1  # -1 or None: the whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # SGLang's: over prompt + output tokens
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop: str | list[str] = field(default_factory=list)
@@ -72,6 +74,9 @@ class SamplingParams:
         _check_float("temperature", self.temperature, "must be a finite number >= 0",
                      lambda x: math.isfinite(x) and x >= 0)
         _check_float("top_p", self.top_p, "must be in (0, 1]", lambda x: 0 < x <= 1)
+        _check_float("min_p", self.min_p, "must be in [0, 1]", lambda x: 0 <= x <= 1)
+        _check_float("repetition_penalty", self.repetition_penalty, "must be in (0, 2] (1 = none)",
+                     lambda x: 0 < x <= 2)
         if self.top_k is not None and self.top_k != -1:
             _check_int("top_k", self.top_k, low=1, extra="(or -1 / null for the whole vocabulary)")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.inference.errors import RequestError
 from tandem.inference.sampler import _top_k_top_p, sample
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.sequence import Sequence
@@ -15,7 +16,8 @@ def _seqs(n: int, params: SamplingParams) -> list[Sequence]:
 
 
 @pytest.mark.parametrize("vocab", [200, 64])  # 200: not a multiple of the 64-token blocks
-@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8}])
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8},
+                                {"temperature": 0.9, "top_p": 0.95, "min_p": 0.1}])
 def test_draws_follow_the_filtered_distribution(vocab, kw):
     torch.manual_seed(0)
     row = torch.randn(vocab) * 2
@@ -24,7 +26,10 @@ def test_draws_follow_the_filtered_distribution(vocab, kw):
     tokens, logprobs = sample(row.expand(n, vocab).clone(), _seqs(n, params), frozenset())
     temp = params.temperature
     expected = _top_k_top_p((row / temp)[None], torch.tensor([params.vocab_top_k or vocab]),
-                            torch.tensor([params.top_p]))[0].softmax(-1)
+                            torch.tensor([params.top_p]), torch.tensor([params.min_p]))[0].softmax(-1)
+    if params.min_p:  # independently of _top_k_top_p: nothing below min_p times the top probability
+        probs = (row / temp).softmax(-1)
+        assert bool((expected[probs < params.min_p * probs.max()] == 0).all())
     counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double() / n
     assert bool((counts[expected == 0] == 0).all()), "a filtered token was drawn"
     assert 0.5 * (counts - expected.double()).abs().sum() < 0.04  # total variation (expected ~0.02)
@@ -54,3 +59,19 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token():
     same = [Sequence(f"r{i}", [1], SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(i))
             for i in range(2)]
     assert sample(logits, seqs, frozenset()) == sample(logits, same, frozenset())
+
+
+def test_repetition_penalty_is_sglangs_over_prompt_and_output_and_leaves_logprobs_alone():
+    logits = torch.full((1, 16), -3.0)
+    logits[0, 2], logits[0, 7], logits[0, 9] = 1.0, 0.8, -0.1  # 2 and 9 are in the prompt
+    seq = Sequence("r", [2, 9, 4], SamplingParams(temperature=0.0, repetition_penalty=1.5), torch.Generator())
+    tokens, logprobs = sample(logits.clone(), [seq], frozenset())
+    assert tokens == [7]  # 1.0 / 1.5 < 0.8
+    assert abs(logprobs[0] - float(torch.log_softmax(logits[0], -1)[7])) < 1e-6
+    logits[0, 2], logits[0, 7] = -3.0, -0.12  # negative: 9 goes to -0.1 * 1.5 = -0.15, below 7
+    tokens, _ = sample(logits.clone(), [seq], frozenset())
+    assert tokens == [7] and int(logits[0].argmax()) == 9
+    with pytest.raises(RequestError, match="repetition_penalty must be in"):
+        SamplingParams(repetition_penalty=0.0)
+    with pytest.raises(RequestError, match="min_p must be in"):
+        SamplingParams(min_p=1.5)

@@ -178,9 +178,9 @@ def test_aborts_are_answered_as_sglang_answers_them(server):
     ({"token_ids_logprob": [3, 4]}, "token_ids_logprob"),
     ({"return_hidden_states": True}, "return_hidden_states"),
     ({"routed_dp_rank": 1}, "routed_dp_rank"),
-    ({"sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
+    ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
     ({"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ({"sampling_params": {"repetition_penalty": 1.1}}, "sampling_params.repetition_penalty"),
+    ({"sampling_params": {"logit_bias": {"3": 1.5}}}, "sampling_params.logit_bias"),
     ({"sampling_params": {"temperature": "0.7"}}, "temperature"),  # SGLang does not coerce sampling_params
     ({"no_such_field": 1}, "no_such_field"),
 ])

@@ -88,14 +88,13 @@ HONOURED_SAMPLING = {
     "ignore_eos", "skip_special_tokens", "frequency_penalty", "presence_penalty", "sampling_seed",
     "seed",  # tandem's own name for sampling_seed
     "spaces_between_special_tokens", "no_stop_trim",  # text only (slime sends both)
+    "min_p", "repetition_penalty",
 }
 ACCEPTED_SAMPLING = {
     "stream_interval": "streaming sends every token; the granularity does not change results",
     "custom_params": "only read by custom logit processors, which are refused",
 }
 REFUSED_SAMPLING = {
-    "min_p": "min-p filtering is not implemented",
-    "repetition_penalty": "repetition penalties are not implemented (frequency/presence penalties are)",
     "stop_regex": "regex stop conditions are not implemented; use stop or stop_token_ids",
     "json_schema": "grammar-constrained decoding is not implemented",
     "regex": "grammar-constrained decoding is not implemented",
@@ -103,10 +102,8 @@ REFUSED_SAMPLING = {
     "structural_tag": "grammar-constrained decoding is not implemented",
     "logit_bias": "logit biases are not implemented",
 }
-# Neutral values other than null / false / 0 / "" / [] / {}: SGLang's defaults.
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1.0,),
-}
+# Neutral values other than null / false / 0 / "" / [] / {}: SGLang's defaults (none left).
+NEUTRAL: dict[str, tuple[Any, ...]] = {}
 INT_FIELDS = {"logprob_start_len", "top_logprobs_num", "routed_experts_start_len"}
 BOOL_FIELDS = {"return_logprob", "return_text_in_logprobs", "stream", "return_routed_experts"}
 # pydantic's lax booleans (what SGLang's HTTP model takes), matched case-insensitively.
