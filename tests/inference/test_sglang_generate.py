@@ -190,7 +190,8 @@ def test_refused_fields_are_named(server, body, field):
 
 
 def test_neutral_values_and_numeric_strings_are_accepted(server):
-    body = {"input_ids": [11, 12, 13], "return_logprob": "true", "logprob_start_len": "1", "top_logprobs_num": "2",
+    body = {"input_ids": [11, 12, 13], "return_logprob": "true", "logprob_start_len": "1", "top_logprobs_num": 2.0,
+            "stream": 0,
             "lora_path": None, "image_data": [], "session_id": "s-1", "priority": 3, "routed_dp_rank": "0",
             "log_metrics": False, "custom_labels": {"a": "b"}, "return_hidden_states": False,
             "sampling_params": {"max_new_tokens": 2, "min_p": 0.0, "repetition_penalty": 1.0, "json_schema": None,

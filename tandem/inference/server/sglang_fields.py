@@ -10,7 +10,7 @@
   field and why (`REFUSED_*`).
 
 Numbers as strings: SGLang's HTTP server validates the top-level fields with pydantic (lax), so
-"5" is an integer and "true" a boolean there; `sampling_params` is a plain dict handed to its
+"5" and 5.0 are integers and "true", "yes", 1 booleans there; `sampling_params` is a plain dict handed to its
 `SamplingParams` unvalidated, so its numbers must be JSON numbers. This module does the same.
 """
 
@@ -141,6 +141,8 @@ def check_generate(body: dict[str, Any]) -> dict[str, Any]:
         value = out[name]
         if isinstance(value, str) and value.lower() in _BOOL_STRINGS:
             out[name] = _BOOL_STRINGS[value.lower()]
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value in (0, 1):
+            out[name] = bool(value)
     return out
 
 
@@ -168,6 +170,8 @@ def check_sampling(raw: dict[str, Any], where: str = "sampling_params") -> dict[
 def _as_int(value: Any, name: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if isinstance(value, float) and value.is_integer():  # pydantic (lax) takes 5.0 as 5
+        return int(value)
     if isinstance(value, str):
         try:
             return int(value.strip())
