@@ -203,7 +203,7 @@ class _SGLangProtocol(ServerAdapter):
 
     def parse_generate(self, body: dict[str, Any]) -> Chunk:
         meta = body.get("meta_info", {})
-        pairs = meta.get("output_token_logprobs") or []  # an abort while queued has no list at all
+        pairs = meta.get("output_token_logprobs") or []  # an abort while queued: [] (SGLang, tandem serve) or absent (older servers)
         if not pairs and body.get("output_ids") and meta.get("finish_reason", {}).get("type") != "abort":
             raise ValueError("server returned tokens without logprobs; was return_logprob honoured?")
         finish = (meta.get("finish_reason") or {}).get("type", "length")
