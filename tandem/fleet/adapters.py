@@ -42,12 +42,17 @@ class Capabilities:
     flat_buckets: bool  # a bucket as one broadcast of a flat buffer
     shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
     checksums: bool  # per-tensor checksums of the served weights
+    disk_update: bool = True  # loads an HF checkpoint directory the trainer wrote
 
     def missing_for(self, update_type: str) -> str | None:
-        """What these servers lack for a weight update of `update_type` (disk, distributed, shm;
-        every one stages, then commits), or None."""
-        if not self.staged_commit:
+        """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
+        or None. Disk and distributed updates stage, then commit, where the servers offer
+        `staged_commit`; elsewhere they fall back to SGLang's semantics (each call applied on
+        arrival, `tandem.weights.protocol`). Shared-memory updates always stage."""
+        if update_type == "shm" and not self.staged_commit:
             return "staged transfers with commit/discard"
+        if update_type == "disk" and not self.disk_update:
+            return "weight updates from disk"
         if update_type == "distributed" and not self.distributed_update:
             return "weight updates over a transfer group"
         if update_type == "shm" and not self.shared_memory:
@@ -240,7 +245,7 @@ class SGLangAdapter(_SGLangProtocol):
 
 class VLLMAdapter(ServerAdapter):
     kind = "vllm"
-    capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
+    capabilities = Capabilities(staged_commit=False, distributed_update=False, disk_update=False, flat_buckets=False,
                                 shared_memory=False, checksums=False)
     routes: ClassVar[dict[str, Encoder]] = {}  # no fleet operation mapped yet
     generate_path = "/v1/completions"

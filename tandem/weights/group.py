@@ -10,10 +10,16 @@ group. Both sides call `init_weight_group` with the same address, port, world si
     g.broadcast(tensor)                         g.broadcast(buffer)   # receives into buffer
     g.destroy()                                 g.destroy()
 
-Generations: each join adds 1 to a per-name counter in the store, so the k-th formation of a group
-named N (every member joining once) uses the key prefix `N/gen{k}` and never sees stale keys of an
-earlier one. Backends: gloo (CPU tensors), nccl (CUDA tensors), each constructed directly and wrapped
-in a `ProcessGroup`; use the group's own methods (`dist.broadcast(group=...)` refuses such groups).
+Rendezvous, as SGLang's `init_weights_update_group` and AReaL's trainer form it (torch's `tcp://`
+rendezvous, then torch's group construction under a `PrefixStore(group_name)`), so either side may
+be Tandem's or theirs: every non-host member connects to the store *with the world size*, which
+counts it in the store's `init/` key (a store hosted by torch's rendezvous waits for that count);
+the group's keys lie under `PrefixStore(f"{name}/", PrefixStore(name, store))`, and each device's
+backend under a further `f"{device}/"` prefix (gloo: cpu, nccl: cuda), with torch's per-group
+sequence-number handshake. One formation per store: a re-formed group uses a new store (the
+trainer hosts a fresh one each time, as AReaL picks a fresh port). Backends are constructed
+directly and wrapped in a `ProcessGroup` that is not registered with torch.distributed: use the
+group's own methods (`dist.broadcast(group=...)` refuses such groups).
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ def host_store(master_address: str, master_port: int, timeout_s: float = DEFAULT
     return bound_tcp_store(master_address, master_port, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def connect_store(master_address: str, master_port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """A client of the store hosted by trainer rank 0; waits up to `timeout_s` for it to appear."""
+def connect_store(master_address: str, master_port: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  world_size: int | None = None) -> dist.TCPStore:
+    """A client of the store hosted by trainer rank 0; waits up to `timeout_s` for it to appear.
+    With `world_size` the client counts itself in, as torch's rendezvous clients do (a host
+    started by torch's `tcp://` rendezvous waits for all `world_size` members that way)."""
     try:
-        return dist.TCPStore(master_address, master_port, is_master=False,
+        return dist.TCPStore(master_address, master_port, world_size, is_master=False,
                              timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # torch raises DistStoreError / RuntimeError / TimeoutError
         raise WeightGroupError(f"cannot reach the weight group's store at {master_address}:{master_port}: {exc}") from exc
@@ -60,7 +69,6 @@ class WeightGroup:
     backend: str
     pg: Any
     store: Any
-    generation: int
     owns_store: bool = False
     _alive: bool = field(default=True, repr=False)
 
@@ -104,6 +112,7 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
                       group_name: str = "weight_update_group", backend: str = "gloo",
                       timeout_s: float = DEFAULT_TIMEOUT_S, store: Any | None = None) -> WeightGroup:
     """Join (rank 0: host, unless `store` is given) the group; returns once all `world_size` joined.
+    Interoperates with SGLang's servers and AReaL's trainer (module docstring: "Rendezvous").
 
     Raises WeightGroupError when the store is unreachable or the peers do not all arrive within
     `timeout_s` (the same bound then applies to each collective)."""
@@ -116,32 +125,36 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
     owns = store is None and rank == 0
     if store is None:
         store = host_store(master_address, master_port, timeout_s) if rank == 0 else \
-            connect_store(master_address, master_port, timeout_s)
+            connect_store(master_address, master_port, timeout_s, world_size=world_size)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        joins = store.add(f"{group_name}/joins", 1)
-        generation = (joins - 1) // world_size
-        prefixed = dist.PrefixStore(f"{group_name}/gen{generation}", store)
-        pg = _make_process_group(prefixed, rank, world_size, backend, timeout)
+        pg = _make_process_group(store, group_name, rank, world_size, backend, timeout)
     except WeightGroupError:
         raise
     except Exception as exc:
         raise WeightGroupError(f"forming weight group {group_name!r} (rank {rank} of {world_size}) failed: {exc}") from exc
-    return WeightGroup(group_name, rank, world_size, backend, pg, store, generation, owns_store=owns)
+    return WeightGroup(group_name, rank, world_size, backend, pg, store, owns_store=owns)
 
 
-def _make_process_group(store: Any, rank: int, world_size: int, backend: str, timeout: datetime.timedelta) -> Any:
-    pg = dist.ProcessGroup(store, rank, world_size)
+def _make_process_group(store: Any, name: str, rank: int, world_size: int, backend: str,
+                        timeout: datetime.timedelta) -> Any:
+    """The group under torch's key layout for a group called `name` created on
+    `PrefixStore(name, store)` (what SGLang's and AReaL's `init_custom_process_group` do)."""
+    group_store = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+    pg = dist.ProcessGroup(group_store, rank, world_size)
     if backend == "gloo":
-        be = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        be = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, timeout)
+        kind, devices = dist.ProcessGroup.BackendType.GLOO, ("cpu", "cuda")
     else:
         opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
         opts._timeout = timeout
-        be = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        be = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", group_store), rank, world_size, opts)
+        kind, devices = dist.ProcessGroup.BackendType.NCCL, ("cuda",)
+    be._set_sequence_number_for_group()  # gloo: rank 0 publishes a sequence number the others read
     pg._set_default_backend(kind)
-    pg._register_backend(device, kind, be)
+    for device in devices:
+        pg._register_backend(torch.device(device), kind, be)
     return pg
 
 

@@ -7,6 +7,11 @@ Nothing changes on a server until the commit, which swaps weights and version to
 failure (a server's answer, a deadline, a broken group, a local error) discards what the servers
 staged, lets the transport undo its part, and still continues generation, on the previous
 weights. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
+
+Servers without staged commit (`Capabilities.staged_commit` false: SGLang) get SGLang's
+semantics instead: the transport's calls apply each bucket (or the checkpoint) on arrival, there
+is no commit or discard, and the version is set once every bucket landed. A failure part way
+then leaves those servers holding part of the update (the error says so): update them again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
     if rank != 0:
         return transport.stage(meta, clock, report, None, None)
     assert fleet is not None, "trainer rank 0 needs the fleet"
+    staged = fleet.capabilities.staged_commit
     failure = fleet_call(fleet, ops.PAUSE, ops.PauseGeneration())
     paused = failure is None
     try:
@@ -36,7 +42,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = transport.open(meta, clock, report)
         with timed(report, "transfer"):
             failure = transport.stage(meta, clock, report, failure, verifier)
-        if failure is None:
+        if failure is None and staged:
             with timed(report, "commit"):
                 failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version))
         if failure is None and verifier is not None:
@@ -46,12 +52,16 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
         if failure is None:
             failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
     except BaseException:  # a local error (export, pack): still leave the fleet serving, then raise it
-        _rollback(meta, transport, fleet)
+        _rollback(meta, transport, fleet, staged)
         if paused:
             fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
         raise
     if failure is not None:
-        _rollback(meta, transport, fleet)
+        _rollback(meta, transport, fleet, staged)
+        if not staged:
+            failure = WeightSyncError(f"{failure}; these servers apply each bucket on arrival (no staged commit), "
+                                      "so they may hold part of this update: update them again", failure.phase,
+                                      failure.failures)
     else:
         transport.committed(meta)
     if paused:  # always: the servers go on, on whichever weights they hold now
@@ -59,7 +69,8 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
     return failure
 
 
-def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet) -> None:
-    fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
+def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet, staged: bool) -> None:
+    if staged:
+        fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
     transport.rollback(meta)
 

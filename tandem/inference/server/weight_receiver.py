@@ -161,8 +161,11 @@ class WeightReceiver:
                                    "serving")
             if len(tensors) != len(meta.names):
                 raise ControlError("the flat bucket's layout does not fit its buffer")
+            # A one-shot bucket (committed, no bucket_index) is applied as SGLang applies it: its
+            # tensors now, whatever subset of the model they are; a staged set must be complete.
             return await self._finish(staging, list(zip(meta.names, tensors, strict=True)), stage,
-                                      f"{len(meta.names)} tensors from group {name!r}", flat_index=reuse)
+                                      f"{len(meta.names)} tensors from group {name!r}", flat_index=reuse,
+                                      partial=stage.commit and stage.bucket_index is None)
 
     # --------------------------------------------------------------------------- shared memory
     async def take_shared(self, bucket: SharedBucket) -> Applied:
@@ -288,28 +291,31 @@ class WeightReceiver:
         return buf[:nbytes]
 
     async def _finish(self, staging: Staging, named: list[tuple[str, torch.Tensor]], stage: Stage, what: str,
-                      flat_index: int | None = None, in_place: bool = False) -> Applied:
+                      flat_index: int | None = None, in_place: bool = False, partial: bool = False) -> Applied:
+        """Add one bucket to `staging`; commit the set when `stage.commit` (`partial`: it may be
+        any subset of the model's tensors, copied into those parameters only)."""
         if staging.discarded:
             raise ControlError("the staged update was discarded while this bucket arrived; the previous weights "
                                "keep serving")
         staging.add(named, flat_index, in_place)
         if not stage.commit:
             return Applied(f"staged {what} (bucket {staging.buckets - 1}, {len(staging.names)} tensors so far)")
-        return await self._commit(staging, stage.weight_version, stage.abort_all, what)
+        return await self._commit(staging, stage.weight_version, stage.abort_all, what, partial)
 
-    async def _commit(self, staging: Staging, version: int | None, abort_all: bool, what: str) -> Applied:
-        """Swap `staging` in under `version`. The set is consumed either way: late buckets of it
-        are refused."""
+    async def _commit(self, staging: Staging, version: int | None, abort_all: bool, what: str,
+                      partial: bool = False) -> Applied:
+        """Swap `staging` in under `version` (`partial`: a subset, copied in place). The set is
+        consumed either way: late buckets of it are refused."""
         if self.staged is staging:
             self.staged = None
         staging.discarded = True
         device = self.engine.device
         tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
         staging.tensors = []
-        if staging.adoptable and staging.buckets:
+        if staging.adoptable and staging.buckets and not partial:
             for _, t in tensors:
                 mark_adoptable(t, shared=staging.shared)
-        if await self._load(tensors, version, abort_all):
+        if await self._load(tensors, version, abort_all, partial):
             # Ping-pong: the parameters now live in this set's staging buffers (or shared-memory
             # segments); the buffers that held them until now are free (every parameter was
             # rebound) and become the next staging set.
@@ -318,13 +324,15 @@ class WeightReceiver:
             self.live_buffers = live
         return Applied(f"loaded {what} ({len(tensors)} tensors)", self.engine.weight_version)
 
-    async def _load(self, tensors: list[tuple[str, torch.Tensor]], version: int | None, abort_all: bool) -> bool:
-        """Validate the full set (`stage_weights`: names, shapes, finite values) on a worker
-        thread, so generation goes on meanwhile and a refused set aborts nothing; then abort
-        in-flight requests if asked and swap it in between two engine steps. -> whether the
-        parameters adopted the tensors. Refused: ControlError, nothing changed."""
+    async def _load(self, tensors: list[tuple[str, torch.Tensor]], version: int | None, abort_all: bool,
+                    partial: bool = False) -> bool:
+        """Validate the full set (`partial`: a subset) with `stage_weights` (names, shapes, finite
+        values) on a worker thread, so generation goes on meanwhile and a refused set aborts
+        nothing; then abort in-flight requests if asked and swap it in between two engine steps.
+        -> whether the parameters adopted the tensors. Refused: ControlError, nothing changed."""
         try:
-            staged = await asyncio.to_thread(stage_weights, self.engine.model, tensors, strict_dtype=False)
+            staged = await asyncio.to_thread(stage_weights, self.engine.model, tensors, strict_dtype=False,
+                                             partial=partial)
         except WeightUpdateError as exc:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         if abort_all:

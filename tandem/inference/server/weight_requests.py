@@ -143,13 +143,15 @@ def parse_join(body: dict[str, Any], device_type: str, default_timeout_s: float)
                         "timeout_s"})
     join = GroupJoin(
         address=get_field(body, "master_address", str, required=True),
-        port=get_field(body, "master_port", int, required=True),
-        rank=get_field(body, "rank_offset", int, required=True),
-        world_size=get_field(body, "world_size", int, required=True),
+        port=_integer(body, "master_port"),
+        rank=_integer(body, "rank_offset"),
+        world_size=_integer(body, "world_size"),
         name=get_field(body, "group_name", str, DEFAULT_GROUP),
         backend=get_field(body, "backend", str, "nccl" if device_type == "cuda" else "gloo"),
         timeout_s=float(get_field(body, "timeout_s", float, default_timeout_s)),
     )
+    if not 0 < join.port < 65536:
+        raise ControlError(f"master_port {join.port} is not a TCP port; send the port the trainer's store listens on")
     if not 1 <= join.rank < join.world_size:
         raise ControlError(f"rank_offset {join.rank} must be in [1, world_size={join.world_size}): rank 0 is the "
                            "trainer")
@@ -158,6 +160,18 @@ def parse_join(body: dict[str, Any], device_type: str, default_timeout_s: float)
     if not 0 < join.timeout_s <= 86400:
         raise ControlError(f"timeout_s must be in (0, 86400], got {join.timeout_s}")
     return join
+
+
+def _integer(body: dict[str, Any], name: str) -> int:
+    """A required integer field, also as a numeric string (AReaL sends `"master_port": "12345"`;
+    SGLang's request model coerces such strings)."""
+    value = get_field(body, name, (int, str), required=True)
+    if isinstance(value, str):
+        if not value.strip().lstrip("+-").isdigit():
+            raise ApiError(f"field {name!r} must be an integer or a string of one (e.g. 12345 or \"12345\"), "
+                           f"got {value[:80]!r}")
+        value = int(value.strip())
+    return value
 
 
 def parse_distributed(body: dict[str, Any]) -> DistributedBucket:

@@ -60,8 +60,9 @@ async def init_weights_update_group(request: Request) -> Response:
 async def update_weights_from_distributed(request: Request) -> Response:
     """Receive `broadcast(src=0)` for each listed tensor, in order (or, with `offsets` + `nbytes`,
     one flat uint8 broadcast holding them all); then swap them in atomically, or (`"commit":
-    false`) stage them as one bucket of a larger update. Without staging it must be a full weight
-    set. When the metadata is wrong but well-formed, the tensors are still received (and dropped)
+    false`) stage them as one bucket of a larger update. Without staging any subset of the model
+    is applied at once (SGLang's semantics: AReaL sends partial buckets); a staged set must be
+    complete at commit. When the metadata is wrong but well-formed, the tensors are still received (and dropped)
     so the group stays in step with the trainer; then the answer is `success: false`."""
     state = state_of(request)
     fault = await fault_point(request, "update_weights_from_distributed")

@@ -158,7 +158,10 @@ class BroadcastTransport(StreamingTransport):
             if failure is not None:
                 return failure
         flat = ops.FlatLayout(tuple(packed.offsets), packed.nbytes) if self._flat else None
-        request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False, flat=flat)
+        if self.fleet.capabilities.staged_commit:
+            request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False, flat=flat)
+        else:  # SGLang's semantics: each bucket is applied on arrival (a partial set, no version)
+            request = ops.DistributedBucket(meta.group_name, packed.specs, flat=flat)
         fleet_future = self.fleet.send(ops.STAGE_DISTRIBUTED, request)
         sends = [packed.flat] if self._flat else packed.tensor_views()
         local = self._pool.submit(broadcast_all, self.group, sends, meta.deadlines.bucket_s)

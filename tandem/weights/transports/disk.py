@@ -30,7 +30,8 @@ class DiskTransport(Transport):
         if self.rank != 0 or failure is not None:
             return failure
         with timed(report, "load"):
-            request = ops.DiskLoad(str(meta.versioned_path()), commit=False)
+            # Staged where the servers can (committed with the rest); else loaded now (SGLang).
+            request = ops.DiskLoad(str(meta.versioned_path()), commit=not self.fleet.capabilities.staged_commit)
             failure = wait_for(self.fleet.send(ops.LOAD_DISK, request), ops.LOAD_DISK.name, clock.left())
         if failure is None and verifier is not None:
             verifier.add_checkpoint(meta.versioned_path())
