@@ -216,9 +216,15 @@ def test_external_servers_must_be_listed():
     assert load_run_config(None).rollout.launched_by_tandem
 
 
-@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("sglang:d1", "disk")])
+@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm")])
 def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
     """Caught when the config loads, naming both keys, instead of when the first update starts."""
     overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]
     with pytest.raises(ConfigError, match=rf"train.weight_sync='{sync}' needs .*\(rollout.backend='{backend}'\)"):
         load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_sglang_servers_take_disk_and_distributed_updates_unstaged(sync):
+    """Servers without staged commit (SGLang) get SGLang's own unstaged updates (docs/weight-sync.md)."""
+    load_run_config(None, ["rollout.backend=sglang:d1", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"])
