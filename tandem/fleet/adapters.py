@@ -42,11 +42,15 @@ class Capabilities:
     flat_buckets: bool  # a bucket as one broadcast of a flat buffer
     shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
     checksums: bool  # per-tensor checksums of the served weights
+    # A tied model's checkpoint must store its output head for a disk load (vLLM's in-place reload
+    # keeps the old head otherwise; `tandem.models.tied_head`).
+    tied_head_on_disk: bool = False
 
     def missing_for(self, update_type: str) -> str | None:
-        """What these servers lack for a weight update of `update_type` (disk, distributed, shm;
-        every one stages, then commits), or None."""
-        if not self.staged_commit:
+        """What these servers lack for a weight update of `update_type`, or None. Distributed and
+        shm updates stage, then commit; a disk update is one load, so servers without staging take
+        it unstaged (the whole checkpoint applied on arrival)."""
+        if not self.staged_commit and update_type != "disk":
             return "staged transfers with commit/discard"
         if update_type == "distributed" and not self.distributed_update:
             return "weight updates over a transfer group"
@@ -270,7 +274,7 @@ class VLLMAdapter(ServerAdapter):
 
     kind = "vllm"
     capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
-                                shared_memory=False, checksums=False)
+                                shared_memory=False, checksums=False, tied_head_on_disk=True)
     routes: ClassVar[dict[str, Encoder]] = VLLM_ROUTES
     generate_path = "/v1/completions"
 

@@ -9,8 +9,8 @@ vLLM adapter needs it (docs/engines.md):
 - VLLM_SERVER_DEV_MODE=1: the routes the fleet uses (`/pause`, `/resume`,
   `/update_weight_version`, `/collective_rpc` for `reload_weights`).
 
-This module only builds the command and environment and waits for health; the process is run by
-whoever calls it (a scheduler, a test fixture).
+`start` runs one server on its own (tests); `start_servers` runs a fleet of them as processes of a
+`LocalScheduler` (`tandem train` with `rollout.backend=vllm:dN`), which stops them with the run.
 """
 
 from __future__ import annotations
@@ -21,8 +21,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.launch.process import free_port
+from tandem.launch.scheduler import ServerHandle
+
+if TYPE_CHECKING:
+    from tandem.launch.local import LocalScheduler
+
+
+class _Process(Protocol):
+    def poll(self) -> int | None: ...
 
 DEFAULT_VENV = ".venv-vllm"  # what `make vllm-venv` creates
 
@@ -69,13 +81,13 @@ class VLLMServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log: Path | None = None) -> None:
+def wait_healthy(url: str, proc: _Process | None, timeout_s: float, log: Path | None = None) -> None:
     """Poll `url`/health every 0.5 s until it answers 200; raise RuntimeError (with the log's tail)
     when the process exits or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"vLLM server at {url} exited with {proc.returncode}{_tail(log)}")
+        if proc is not None and (rc := proc.poll()) is not None:
+            raise RuntimeError(f"vLLM server at {url} exited with {rc}{_tail(log)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -97,6 +109,32 @@ def start(spec: VLLMServerSpec, log: Path, timeout_s: float = 300.0) -> subproce
         stop(proc)
         raise
     return proc
+
+
+def start_servers(scheduler: LocalScheduler, specs: Sequence[VLLMServerSpec], *, name: str = "rollout",
+                  env: dict[str, str] | None = None, timeout_s: float = 300.0) -> list[ServerHandle]:
+    """Start one server per spec as the scheduler's processes (logs in its log directory, stopped
+    with it) and return once every one is healthy; on a failure, stop them and raise RuntimeError
+    with the log's tail."""
+    procs = []
+    try:
+        for i, spec in enumerate(specs):
+            procs.append(scheduler._spawn(f"{name}-{i}", spec.command(), scheduler._env(spec.env(dict(env or {}))),
+                                          guard=True))
+        deadline = time.monotonic() + timeout_s
+        for spec, proc in zip(specs, procs, strict=True):
+            wait_healthy(spec.url, proc, max(1.0, deadline - time.monotonic()), proc.log_path)
+    except BaseException:
+        scheduler._stop(procs, grace_s=5.0)
+        raise
+    handles = [ServerHandle(p.name, s.host, s.port, p.pid, p.log_path) for s, p in zip(specs, procs, strict=True)]
+    scheduler.servers.extend(handles)
+    return handles
+
+
+def specs_for(count: int, python: str, model: str, **fields: object) -> list[VLLMServerSpec]:
+    """`count` specs on free loopback ports."""
+    return [VLLMServerSpec(python, model, free_port(), **fields) for _ in range(count)]  # type: ignore[arg-type]
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -6,7 +6,9 @@
 Nothing changes on a server until the commit, which swaps weights and version together. Any
 failure (a server's answer, a deadline, a broken group, a local error) discards what the servers
 staged, lets the transport undo its part, and still continues generation, on the previous
-weights. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
+weights. Servers without staging (`Capabilities.staged_commit` false: sglang, vllm; disk updates
+only) apply the stage on arrival: there is no commit and nothing to discard, and a failure leaves
+them on whatever they loaded. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = transport.open(meta, clock, report)
         with timed(report, "transfer"):
             failure = transport.stage(meta, clock, report, failure, verifier)
-        if failure is None:
+        if failure is None and fleet.capabilities.staged_commit:  # else the stage applied it already
             with timed(report, "commit"):
                 failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version))
         if failure is None and verifier is not None:
@@ -60,6 +62,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
 
 
 def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet) -> None:
-    fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
+    if fleet.capabilities.staged_commit:  # unstaged servers hold nothing to discard
+        fleet_call(fleet, ops.DISCARD, ops.DiscardStaged())
     transport.rollback(meta)
 

@@ -216,7 +216,7 @@ def test_external_servers_must_be_listed():
     assert load_run_config(None).rollout.launched_by_tandem
 
 
-@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("sglang:d1", "disk")])
+@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("vllm:d1", "shm")])
 def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
     """Caught when the config loads, naming both keys, instead of when the first update starts."""
     overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]

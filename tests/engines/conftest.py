@@ -45,14 +45,29 @@ class VLLMServer:
     name: str
 
 
+def init_model(path: Path, seed: int) -> Path:
+    """`tandem init-model --preset small` (head_dim 64: vLLM's CPU attention needs head_dim >= 32)."""
+    subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", str(path), "--arch", "qwen3", "--preset",
+                    "small", "--seed", str(seed)], check=True, capture_output=True)
+    return path
+
+
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
+def small_model(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("small") / "small", 0)
+
+
+@pytest.fixture(scope="session")
+def vllm_python_path() -> str:
+    return vllm_python()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, small_model, vllm_python_path):
     root = tmp_path_factory.mktemp("vllm")
-    model = root / "small"
-    subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", str(model), "--arch", "qwen3", "--preset",
-                    "small", "--seed", "0"], check=True, capture_output=True)
-    spec = vllm.VLLMServerSpec(vllm_python(), str(model), free_port(), served_model_name=MODEL_NAME,
-                               threads=1, max_model_len=2048)
+    model = small_model
+    spec = vllm.VLLMServerSpec(vllm_python_path, str(model), free_port(), served_model_name=MODEL_NAME,
+                               threads=1, max_model_len=4096)
     began = time.monotonic()
     proc = vllm.start(spec, root / "server.log", timeout_s=300)
     print(f"vLLM server healthy after {time.monotonic() - began:.1f}s")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,6 +24,7 @@ from tandem.models.tied_head import write_tied_output_head
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
+from tests.engines.conftest import init_model
 
 PROMPTS = ([5, 9, 13], [40, 2, 7, 7, 100, 3], [11] * 20, [300, 301, 302, 303, 304, 305, 306, 307])
 
@@ -100,13 +99,13 @@ def test_pause_resume_with_a_running_request(vllm_server):
     logprob still equals the recompute."""
     version = WeightVersion(0)
     client = client_for(vllm_server, version)
-    budget = 2048 - len(PROMPTS[0]) - 1
+    budget = 4096 - len(PROMPTS[0]) - 1  # max_model_len: long enough to be running at the pause
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
     result: list[ModelResponse] = []
     thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
         thread.start()
-        time.sleep(1.0)
+        time.sleep(0.5)
         fleet.send(ops.PAUSE, ops.PauseGeneration()).result(30)
         assert get(vllm_server, "/is_paused") == {"is_paused": True}
         fleet.send(ops.SET_VERSION, ops.SetVersion(1)).result(30)
@@ -128,9 +127,7 @@ def test_pause_resume_with_a_running_request(vllm_server):
 def test_disk_update_serves_the_trainers_weights(vllm_server, tmp_path):
     """Pause, `reload_weights` from a checkpoint (with its tied output head written out), set the
     version, resume: greedy continuations equal transformers' on that checkpoint; then back."""
-    other = tmp_path / "seed1"
-    subprocess.run([sys.executable, "-m", "tandem.cli", "init-model", str(other), "--arch", "qwen3", "--preset",
-                    "small", "--seed", "1"], check=True, capture_output=True)
+    other = init_model(tmp_path / "seed1", 1)
     original = tmp_path / "seed0"
     shutil.copytree(vllm_server.model, original)
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:

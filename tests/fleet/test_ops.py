@@ -162,7 +162,7 @@ def test_every_layer_carries_every_operation_to_the_server(recorder):
 
 
 @pytest.mark.parametrize(("kind", "update_type", "missing"), [
-    ("sglang", "distributed", "staged transfers"), ("vllm", "disk", "staged transfers"),
+    ("sglang", "distributed", "staged transfers"), ("vllm", "distributed", "staged transfers"),
     ("sglang", "shm", "staged transfers")])
 def test_an_updater_refuses_servers_that_lack_what_its_transport_needs(kind, update_type, missing):
     from tandem.weights.meta import WeightUpdateMeta
