@@ -40,7 +40,7 @@ $(VLLM_STAMP): Makefile
 	   && $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
 	   && $(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
 	   && touch $(VLLM_STAMP) ) > $(VLLM_VENV).log 2>&1 \
-	 || { echo "pip install $(VLLM_PIN) into $(VLLM_VENV) failed (see $(VLLM_VENV).log): $$(tail -n 3 $(VLLM_VENV).log | tr '\n' ' ')" > $(VLLM_FAILED); \
+	 || { echo "pip install $(VLLM_PIN) into $(VLLM_VENV) failed (see $(VLLM_VENV).log): $$(grep -v "^WARNING" $(VLLM_VENV).log | tail -n 3 | tr '\n' ' ')" > $(VLLM_FAILED); \
 	      cat $(VLLM_FAILED); }
 
 vllm-venv: $(VLLM_STAMP)
