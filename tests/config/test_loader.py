@@ -222,3 +222,11 @@ def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
     overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]
     with pytest.raises(ConfigError, match=rf"train.weight_sync='{sync}' needs .*\(rollout.backend='{backend}'\)"):
         load_run_config(None, overrides)
+
+
+@pytest.mark.parametrize("backend", ["vllm:d1", "sglang:d1"])
+def test_train_refuses_weight_verification_on_servers_without_checksums(backend):
+    overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", "train.weight_sync=disk"]
+    load_run_config(None, overrides)  # disk updates go unstaged to them
+    with pytest.raises(ConfigError, match=rf"train.verify_weights=true .* {backend.split(':')[0]} servers"):
+        load_run_config(None, [*overrides, "train.verify_weights=true"])
