@@ -16,8 +16,8 @@ vLLM adapter needs it (docs/engines.md):
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -141,8 +141,6 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGTERM the server's process group (its engine core is a child), then SIGKILL if needed."""
     if proc.poll() is not None:
         return
-    import signal
-
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout_s)
@@ -158,7 +156,3 @@ def _tail(log: Path | None, chars: int = 3000) -> str:
         return ""
     return "; log tail:\n" + log.read_text(errors="replace")[-chars:]
 
-
-if __name__ == "__main__":  # pragma: no cover - a manual helper: python -m tandem.launch.vllm MODEL PORT
-    spec = VLLMServerSpec(default_vllm_python() or sys.executable, sys.argv[1], int(sys.argv[2]))
-    print(" ".join(spec.command()))
