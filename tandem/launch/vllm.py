@@ -1,0 +1,158 @@
+"""Starting a vLLM server (its CPU or GPU build, in an interpreter of its own) the way Tandem's
+vLLM adapter needs it (docs/engines.md):
+
+- `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU build pulls
+  in modules that are not installed with it);
+- `--logprobs-mode processed_logprobs`: logprobs of the temperature-scaled distribution, which is
+  what Tandem defines (vLLM's default reports T = 1 logprobs whatever the temperature);
+- `--enforce-eager`: no graph capture or compilation (slow to start, nothing gained for RL on CPU);
+- VLLM_SERVER_DEV_MODE=1: the routes the fleet uses (`/pause`, `/resume`,
+  `/update_weight_version`, `/collective_rpc` for `reload_weights`).
+
+`start` runs one server on its own (tests); `start_servers` runs a fleet of them as processes of a
+`LocalScheduler` (`tandem train` with `rollout.backend=vllm:dN`), which stops them with the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.launch.process import free_port
+from tandem.launch.scheduler import ServerHandle
+
+if TYPE_CHECKING:
+    from tandem.launch.local import LocalScheduler
+
+
+class _Process(Protocol):
+    def poll(self) -> int | None: ...
+
+DEFAULT_VENV = ".venv-vllm"  # what `make vllm-venv` creates
+
+
+def default_vllm_python(root: str | os.PathLike[str] = ".") -> str | None:
+    """`<root>/.venv-vllm/bin/python` when it exists, else None."""
+    path = Path(root) / DEFAULT_VENV / "bin" / "python"
+    return str(path) if path.exists() else None
+
+
+@dataclass
+class VLLMServerSpec:
+    """One vLLM server: interpreter, model directory, address, dtype and extra arguments."""
+
+    python: str
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    served_model_name: str | None = None
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
+    threads: int | None = None  # OMP_NUM_THREADS
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+               "--logprobs-mode", "processed_logprobs", "--max-model-len", str(self.max_model_len)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + list(self.extra_args)
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def wait_healthy(url: str, proc: _Process | None, timeout_s: float, log: Path | None = None) -> None:
+    """Poll `url`/health every 0.5 s until it answers 200; raise RuntimeError (with the log's tail)
+    when the process exits or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and (rc := proc.poll()) is not None:
+            raise RuntimeError(f"vLLM server at {url} exited with {rc}{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"vLLM server at {url} was not healthy within {timeout_s:.0f}s{_tail(log)}")
+
+
+def start(spec: VLLMServerSpec, log: Path, timeout_s: float = 300.0) -> subprocess.Popen:
+    """Run the server (output to `log`) and wait until it is healthy; the caller stops it."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(spec.command(), env=spec.env(), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_healthy(spec.url, proc, timeout_s, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+def start_servers(scheduler: LocalScheduler, specs: Sequence[VLLMServerSpec], *, name: str = "rollout",
+                  env: dict[str, str] | None = None, timeout_s: float = 300.0) -> list[ServerHandle]:
+    """Start one server per spec as the scheduler's processes (logs in its log directory, stopped
+    with it) and return once every one is healthy; on a failure, stop them and raise RuntimeError
+    with the log's tail."""
+    procs = []
+    try:
+        for i, spec in enumerate(specs):
+            procs.append(scheduler._spawn(f"{name}-{i}", spec.command(), scheduler._env(spec.env(dict(env or {}))),
+                                          guard=True))
+        deadline = time.monotonic() + timeout_s
+        for spec, proc in zip(specs, procs, strict=True):
+            wait_healthy(spec.url, proc, max(1.0, deadline - time.monotonic()), proc.log_path)
+    except BaseException:
+        scheduler._stop(procs, grace_s=5.0)
+        raise
+    handles = [ServerHandle(p.name, s.host, s.port, p.pid, p.log_path) for s, p in zip(specs, procs, strict=True)]
+    scheduler.servers.extend(handles)
+    return handles
+
+
+def specs_for(count: int, python: str, model: str, **fields: object) -> list[VLLMServerSpec]:
+    """`count` specs on free loopback ports."""
+    return [VLLMServerSpec(python, model, free_port(), **fields) for _ in range(count)]  # type: ignore[arg-type]
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group (its engine core is a child), then SIGKILL if needed."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(log: Path | None, chars: int = 3000) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "; log tail:\n" + log.read_text(errors="replace")[-chars:]
+
