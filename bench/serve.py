@@ -36,6 +36,9 @@ import torch
 import transformers
 from _report import append_benchmark
 
+from tandem.launch import vllm as vllm_launch
+from tandem.launch.process import free_port
+from tandem.launch.vllm import VLLMServerSpec, default_vllm_python
 from tandem.models.tiny import init_model
 
 N_PROMPTS, N_SAMPLES = 64, 4
@@ -48,9 +51,9 @@ def workload(seed: int, vocab: int) -> Work:
             for _ in range(N_PROMPTS)]
 
 
-def start_server(model: Path, threads: int, device: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, threads: int, device: str, dtype: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0", "--num-threads",
-           str(threads), "--kv-cache-tokens", "65536", "--max-num-seqs", "256", "--device", device]
+           str(threads), "--kv-cache-tokens", "65536", "--max-num-seqs", "256", "--device", device, "--dtype", dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = proc.stdout.readline()
     m = re.search(r"listening on (http://\S+)", line)
@@ -89,6 +92,47 @@ async def run_http(url: str, work: Work) -> tuple[int, float]:
         return sum(counts), time.perf_counter() - start
 
 
+class _BoundSpec(VLLMServerSpec):
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = super().env(base)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(self.threads or 1) - 1}"
+        return env
+
+
+def start_vllm(python: str, model: Path, threads: int, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server with Tandem's flags (tandem.launch.vllm), `threads` OpenMP threads bound to
+    CPUs 0..threads-1 (VLLM_CPU_OMP_THREADS_BIND; vLLM's default `auto` keeps one CPU of the node for
+    its scheduler process, which would leave it one thread here), the same sequence limit as tandem serve."""
+    spec = _BoundSpec(python, str(model), free_port(), dtype=dtype, served_model_name="bench", threads=threads,
+                      kv_cache_gib=4, extra_args=["--max-num-seqs", "256", "--seed", "0"])
+    return vllm_launch.start(spec, log, timeout_s=600.0), spec.url
+
+
+async def run_vllm(url: str, work: Work) -> tuple[int, float]:
+    """One repetition against vLLM's `/v1/completions` (token-id prompts, n=4): reset its prefix cache,
+    then all requests at once -> (output tokens, seconds)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        async def one(ids: list[int], n_out: int) -> int:
+            body = {"model": "bench", "prompt": ids, "n": N_SAMPLES, "max_tokens": n_out, "temperature": 1.0,
+                    "top_p": 1.0, "ignore_eos": True}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                out = await r.json()
+                assert r.status == 200, out
+                return out["usage"]["completion_tokens"]
+
+        async with s.post(url + "/reset_prefix_cache") as r:
+            assert r.status == 200, await r.text()
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(ids, n) for ids, n in work))
+        return sum(counts), time.perf_counter() - start
+
+
+def vllm_threads(log: Path) -> str:
+    """The thread binding vLLM's log reports (e.g. 'core ids=[0, 1]'), to print next to the figures."""
+    m = re.search(r"local_rank=0, core ids=(\[[^\]]*\])", log.read_text(errors="replace"))
+    return m.group(1) if m else "?"
+
+
 def hf_batches(work: Work, batch: int, order: str) -> list[Work]:
     items = sorted(work, key=lambda w: w[1]) if order == "sorted" else list(work)
     return [items[i:i + batch] for i in range(0, len(items), batch)]
@@ -117,65 +161,134 @@ def run_hf(model, work: Work, batch: int, device: str, order: str) -> tuple[int,
     return tokens, time.perf_counter() - start
 
 
+def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str) -> tuple[list[str], list[str]]:
+    """One preset and dtype: returns (transformers table row(s), vLLM table row(s))."""
+    model_dir = init_model(tmp / preset, arch="qwen3", preset=preset, seed=0)
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    work = workload(0, vocab)
+    sides = ["srv"] + (["arrival", "sorted"] if args.hf else []) + (["vllm"] if args.vllm_python else [])
+    runs: dict[str, list[tuple[int, float]]] = {k: [] for k in sides}
+    proc, vproc, model, vllm_url = None, None, None, None
+    log = tmp / f"vllm-{preset}-{dtype}.log"
+    try:
+        proc, url = start_server(model_dir, args.threads, args.device, dtype)
+        asyncio.run(wait_ready(url))
+        if args.vllm_python:
+            vproc, vllm_url = start_vllm(args.vllm_python, model_dir, args.threads, dtype, log)
+            binding = vllm_threads(log)
+            print(f"  vLLM {preset} {dtype}: OMP_NUM_THREADS={args.threads}, "
+                  f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1} (log: core ids={binding}); "
+                  f"tandem serve --num-threads {args.threads}", flush=True)
+        if args.hf:
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            model = model.to(args.device).eval()
+        # Warm-up: the whole workload once per server, one short batch for transformers.
+        asyncio.run(run_http(url, work))
+        if vllm_url:
+            asyncio.run(run_vllm(vllm_url, work))
+        if model is not None:
+            hf_generate(model, work[: args.hf_batch], args.device, max_new=8)
+        # Repetitions interleave the sides, so drifting load on a shared machine hits all of them
+        # alike; the servers are idle (no CPU) while another side runs.
+        for _ in range(args.reps):
+            for side in sides:
+                if side == "srv":
+                    runs[side].append(asyncio.run(run_http(url, work)))
+                elif side == "vllm":
+                    runs[side].append(asyncio.run(run_vllm(vllm_url, work)))
+                else:
+                    runs[side].append(run_hf(model, work, args.hf_batch, args.device, side))
+    finally:
+        if vproc is not None:
+            vllm_launch.stop(vproc)  # its process group (the engine core is a child)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    counts = {t for r in runs.values() for t, _ in r}
+    assert len(counts) == 1, counts  # same output tokens counted on every side and repetition
+    tokens = counts.pop()
+    secs = {k: statistics.median(t for _, t in r) for k, r in runs.items()}
+    tps = {k: tokens / s for k, s in secs.items()}
+    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(model_dir)).parameters()) if model is None else \
+        sum(p.numel() for p in model.parameters())
+    hf_rows, vllm_rows = [], []
+    a = tps["srv"]
+    if args.hf:
+        b, c = tps["arrival"], tps["sorted"]
+        hf_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {b:,.0f} | **{a / b:.2f}x** | "
+                       f"{c:,.0f} | {a / c:.2f}x | {tokens} | {secs['srv']:.1f} | {secs['arrival']:.1f} "
+                       f"| {secs['sorted']:.1f} |")
+    if args.vllm_python:
+        v = tps["vllm"]
+        vllm_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {v:,.0f} | **{a / v:.2f}x** | "
+                         f"{tokens} | {secs['srv']:.1f} | {secs['vllm']:.1f} |")
+    for row in hf_rows + vllm_rows:
+        print(row, flush=True)
+    print(f"  {preset} {dtype} seconds per repetition: "
+          + ", ".join(f"{k} {[round(t, 2) for _, t in r]}" for k, r in runs.items()), flush=True)
+    return hf_rows, vllm_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="+", default=["small", "medium"])
+    ap.add_argument("--presets", nargs="+", default=["small", "medium"],
+                    help="model presets (vLLM's CPU attention needs head_dim >= 32: small and medium)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="dtype of every side (tandem serve --dtype, vLLM --dtype, transformers)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=16, help="prompts per transformers batch (x4 sequences)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side (median reported)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers columns")
+    ap.add_argument("--vllm", action="store_true", help="add the vLLM column (its CPU build, over HTTP)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="interpreter of the vLLM install (default: .venv-vllm/bin/python); implies --vllm")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
+    if args.vllm and not args.vllm_python:
+        args.vllm_python = default_vllm_python(Path(__file__).resolve().parent.parent)
+        if args.vllm_python is None:
+            ap.error("--vllm: no .venv-vllm/bin/python; pass --vllm-python")
+    if not args.hf and not args.vllm_python:
+        ap.error("--no-hf needs --vllm: nothing to compare with")
     torch.set_num_threads(args.threads)
-    rows = ["| preset | params | tandem serve tok/s | hf arrival tok/s | **ratio (arrival)** | hf sorted tok/s "
-            "| ratio (sorted) | output tokens | tandem s | hf arrival s | hf sorted s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    hf_rows = ["| preset | dtype | params | tandem serve tok/s | hf arrival tok/s | **ratio (arrival)** "
+               "| hf sorted tok/s | ratio (sorted) | output tokens | tandem s | hf arrival s | hf sorted s |",
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    vllm_rows = ["| preset | dtype | params | tandem serve tok/s | vLLM tok/s | **Tandem / vLLM** | output tokens "
+                 "| tandem s | vLLM s |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets:
-            model_dir = init_model(Path(tmp) / preset, arch="qwen3", preset=preset, seed=0)
-            vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-            work = workload(0, vocab)
-            proc, url = start_server(model_dir, args.threads, args.device)
-            try:
-                asyncio.run(wait_ready(url))
-                model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-                model = model.to(args.device).eval()
-                asyncio.run(run_http(url, work))  # warm-up: the whole workload once
-                hf_generate(model, work[: args.hf_batch], args.device, max_new=8)  # warm-up
-                # Repetitions interleave the three runs, so drifting load on a shared machine hits
-                # all of them alike; the server is idle (no CPU) while transformers runs.
-                runs: dict[str, list[tuple[int, float]]] = {"srv": [], "arrival": [], "sorted": []}
-                for _ in range(args.reps):
-                    runs["srv"].append(asyncio.run(run_http(url, work)))
-                    runs["arrival"].append(run_hf(model, work, args.hf_batch, args.device, "arrival"))
-                    runs["sorted"].append(run_hf(model, work, args.hf_batch, args.device, "sorted"))
-            finally:
-                proc.terminate()
-                proc.wait(30)
-            counts = {t for r in runs.values() for t, _ in r}
-            assert len(counts) == 1, counts  # same output tokens counted on every side and repetition
-            srv_tokens = arr_tokens = srt_tokens = counts.pop()
-            srv_times, arr_times, srt_times = ([t for _, t in runs[k]] for k in ("srv", "arrival", "sorted"))
-            params = sum(p.numel() for p in model.parameters())
-            srv_s, arr_s, srt_s = (statistics.median(t) for t in (srv_times, arr_times, srt_times))
-            a, b, c = srv_tokens / srv_s, arr_tokens / arr_s, srt_tokens / srt_s
-            rows.append(f"| {preset} | {params / 1e6:.1f}M | {a:,.0f} | {b:,.0f} | **{a / b:.2f}x** | {c:,.0f} "
-                        f"| {a / c:.2f}x | {srv_tokens} | {srv_s:.1f} | {arr_s:.1f} | {srt_s:.1f} |")
-            print(rows[-1], flush=True)
-            print(f"  {preset} seconds per repetition: tandem {[round(t, 2) for t in srv_times]}, "
-                  f"hf arrival {[round(t, 2) for t in arr_times]}, hf sorted {[round(t, 2) for t in srt_times]}",
-                  flush=True)
-    table = "\n".join(rows)
-    print("\n" + table)
-    if not args.no_report:
-        body = (f"`bench/serve.py`: {N_PROMPTS} concurrent `/generate` requests x n={N_SAMPLES} (prompts 16-256 "
-                f"tokens, outputs 16-128 tokens, ignore_eos, temperature 1.0) over HTTP vs transformers `generate` "
-                f"(left-padded batches of {args.hf_batch} prompts x {N_SAMPLES}, each batch generating up to its "
-                f"longest output, only requested tokens counted; **arrival order** = the acceptance baseline, "
-                f"*sorted* = batches formed after sorting by output length, an oracle), {args.threads} torch "
-                f"threads each, device {args.device}, fp32; warm-up, then the median of {args.reps} repetitions "
-                f"per side, repetitions interleaved (prefix cache flushed before each server repetition).\n\n{table}")
-        append_benchmark("Inference server throughput (tandem serve vs transformers)", body)
+        for dtype in args.dtypes:
+            for preset in args.presets:
+                h, v = bench_preset(args, Path(tmp), preset, dtype)
+                hf_rows += h
+                vllm_rows += v
+    tables = ([("\n".join(hf_rows))] if args.hf else []) + ([("\n".join(vllm_rows))] if args.vllm_python else [])
+    print("\n" + "\n\n".join(tables))
+    if args.no_report:
+        return
+    dtypes = ", ".join(args.dtypes)
+    body = (f"`bench/serve.py`: {N_PROMPTS} concurrent `/generate` requests x n={N_SAMPLES} (prompts 16-256 "
+            f"tokens, outputs 16-128 tokens, ignore_eos, temperature 1.0) over HTTP")
+    if args.hf:
+        body += (f" vs transformers `generate` (left-padded batches of {args.hf_batch} prompts x {N_SAMPLES}, each "
+                 f"batch generating up to its longest output, only requested tokens counted; **arrival order** = "
+                 f"the acceptance baseline, *sorted* = batches formed after sorting by output length, an oracle)")
+    if args.vllm_python:
+        body += (f"{' and' if args.hf else ''} vs vLLM's OpenAI server (CPU build, started as "
+                 f"`tandem.launch.vllm` starts it: `--enforce-eager --logprobs-mode processed_logprobs`, "
+                 f"`--max-num-seqs 256`, VLLM_CPU_KVCACHE_SPACE=4) with the same {N_PROMPTS} x n={N_SAMPLES} "
+                 f"requests on `/v1/completions` (token-id prompts, max_tokens = the requested output, ignore_eos, "
+                 f"temperature 1.0), OMP_NUM_THREADS={args.threads} with VLLM_CPU_OMP_THREADS_BIND="
+                 f"0-{args.threads - 1} (vLLM's default `auto` keeps one CPU for its scheduler process)")
+    body += (f"; {args.threads} torch threads each, device {args.device}, dtype {dtypes}; warm-up, then the median "
+             f"of {args.reps} repetitions per side, repetitions interleaved (prefix caches flushed before each "
+             f"server repetition).\n\n" + "\n\n".join(tables))
+    title = "Inference server throughput (tandem serve vs " + " and ".join(
+        (["transformers"] if args.hf else []) + (["vLLM"] if args.vllm_python else [])) + ")"
+    append_benchmark(title, body)
 
 
 if __name__ == "__main__":
