@@ -14,8 +14,14 @@ the requested tokens count):
 Both sides are warmed up, then timed `--reps` times, interleaved (server, arrival, sorted, server, ...)
 so drifting load on a shared machine hits all alike; medians are reported. The server's prefix
 cache is flushed before every repetition so no repetition reuses an earlier one's prompts.
-Run: `.venv/bin/python bench/serve.py`; prints a table and appends it to docs/benchmarks.md
-(`--no-report` to skip).
+With `--vllm`, a vLLM column: the same requests (token-id prompts, n=4, max_tokens, ignore_eos,
+temperature 1.0) on the `/v1/completions` of vLLM's CPU build (.venv-vllm, or `--vllm-python`),
+started with tandem.launch.vllm's command (same dtype; OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND
+give it the same thread count as tandem serve), its prefix cache reset before every repetition; the
+Tandem / vLLM tokens/s ratio is reported. `--dtypes float32 bfloat16` applies to every side;
+`--no-hf` skips transformers.
+Run: `.venv/bin/python bench/serve.py [--vllm] [--no-hf]`; prints the tables and appends them to
+docs/benchmarks.md (`--no-report` to skip).
 """
 
 from __future__ import annotations
