@@ -64,8 +64,9 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
                                       failure.failures)
     else:
         transport.committed(meta)
-    if paused:  # always: the servers go on, on whichever weights they hold now
-        failure = failure or fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+    if paused:  # always, after a failure too: the servers go on, on whichever weights they hold now
+        resumed = fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+        failure = failure or resumed
     return failure
 
 

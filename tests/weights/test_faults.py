@@ -88,6 +88,7 @@ def assert_unchanged(servers, version: int, src: CheckpointSource) -> None:
         assert version_of(s) == str(version)
         assert served_checksums(s) == want
         assert s.get("/health")[0] == 200
+        assert s.ok("/get_server_info", method="GET")["paused"] is False  # generation goes on, failure or not
 
 
 def failing_update(updater: WeightUpdater, version: int, bound_s: float) -> WeightSyncError:
