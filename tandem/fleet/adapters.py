@@ -6,7 +6,8 @@ which the weight-update protocol consults).
   flat buckets, shared-memory buckets, checksums).
 - `sglang`: SGLang's native protocol as SGLang serves it: each bucket is applied on arrival.
 - `vllm`: generation through the OpenAI completions route; pause (abort), resume, version and disk
-  loads through vLLM's RL/dev routes, each applied on arrival; transfers over a group are not mapped yet.
+  loads through vLLM's RL/dev routes, each applied on arrival; with Tandem's worker extension also
+  transfers over a group and staged commit (`tandem.weights.vllm_worker`).
 
 An operation an adapter cannot serve raises `UnsupportedOperation` naming the server kind and the
 operation; it never falls through to a wrong route.
@@ -46,6 +47,9 @@ class Capabilities:
     # A tied model's checkpoint must store its output head for a disk load (vLLM's in-place reload
     # keeps the old head otherwise; `tandem.models.tied_head`).
     tied_head_on_disk: bool = False
+    # The commit sets the weight version too (tandem); else `set_version` follows it (vLLM, whose
+    # version lives in its API server while the commit runs in its worker).
+    commit_sets_version: bool = True
 
     def missing_for(self, update_type: str) -> str | None:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
@@ -246,10 +250,15 @@ class SGLangAdapter(_SGLangProtocol):
                                        "tandem server")
 
 
+def _rpc(method: str, **kwargs: Any) -> HttpCall:
+    """A call of a worker method through vLLM's `/collective_rpc` (its dev routes: the server runs
+    with VLLM_SERVER_DEV_MODE=1)."""
+    return HttpCall("/collective_rpc", {"method": method, "kwargs": kwargs})
+
+
 def _vllm_disk(req: ops.DiskLoad, index: int) -> HttpCall:
-    # The worker's `reload_weights` reads the checkpoint at `weights_path` into the served model in
-    # place (vLLM's dev routes: the server runs with VLLM_SERVER_DEV_MODE=1).
-    return HttpCall("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": req.path}})
+    # The worker's `reload_weights` reads the checkpoint at `weights_path` into the served model in place.
+    return _rpc("reload_weights", weights_path=req.path)
 
 
 VLLM_ROUTES: dict[str, Encoder] = {
@@ -259,6 +268,26 @@ VLLM_ROUTES: dict[str, Encoder] = {
     "continue_generation": lambda req, i: HttpCall("/resume", {}),
     "set_version": lambda req, i: HttpCall("/update_weight_version", {"new_version": str(req.version)}),
     "load_disk": _vllm_disk,
+}
+
+
+def _vllm_bucket(req: ops.DistributedBucket, index: int) -> HttpCall:
+    flat = {} if req.flat is None else {"offsets": list(req.flat.offsets), "nbytes": req.flat.nbytes}
+    return _rpc("tandem_stage_bucket", group_name=req.group_name, **_tensor_fields(req.specs), **flat)
+
+
+# Servers started with Tandem's worker extension (`tandem.weights.vllm_worker`): transfers over a
+# group and staged commit, through its methods.
+VLLM_EXTENSION_ROUTES: dict[str, Encoder] = {
+    **VLLM_ROUTES,
+    "join_group": lambda req, i: _rpc("tandem_join_group", master_address=req.master_address,
+                                      master_port=req.master_port, rank_offset=1 + i, world_size=req.world_size,
+                                      group_name=req.group_name, backend=req.backend, timeout_s=req.timeout_s),
+    "leave_group": lambda req, i: _rpc("tandem_leave_group", group_name=req.group_name),
+    "stage_distributed": _vllm_bucket,
+    "load_disk": lambda req, i: _vllm_disk(req, i) if req.commit else _rpc("tandem_stage_disk", path=req.path),
+    "commit": lambda req, i: _rpc("tandem_commit"),
+    "discard": lambda req, i: _rpc("tandem_discard"),
 }
 
 
@@ -273,22 +302,36 @@ class VLLMAdapter(ServerAdapter):
     after top-k/top-p filtering and after min_tokens masks the stop tokens, renormalised over what
     is left, so those settings are refused (`UnsupportedOperation`) instead of reported wrongly.
 
-    Fleet operations apply on arrival (no staging): a disk load swaps the weights at once and does
-    not set the version (send `set_version` after it)."""
+    Without Tandem's worker extension, weight updates are disk loads applied on arrival: the
+    weights swap at once and the version is not set (send `set_version` after it). With it
+    (`extension=True`: the server was started with `--worker-extension-cls
+    tandem.weights.vllm_worker.TandemWorkerExtension`, as `tandem train` starts them), updates
+    over a transfer group (flat buckets) and disk updates are staged in the worker and loaded at
+    the commit; `set_version` follows the commit."""
 
     kind = "vllm"
     capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
-                                shared_memory=False, checksums=False, tied_head_on_disk=True)
+                                shared_memory=False, checksums=False, tied_head_on_disk=True,
+                                commit_sets_version=False)
     routes: ClassVar[dict[str, Encoder]] = VLLM_ROUTES
     generate_path = "/v1/completions"
 
-    def __init__(self, model: str | None = None):
+    def __init__(self, model: str | None = None, extension: bool = False):
         self.model = model  # vLLM checks it against the served model name when given
+        self.extension = extension
+        if extension:
+            self.capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True,
+                                             shared_memory=False, checksums=False, tied_head_on_disk=True,
+                                             commit_sets_version=False)
+            self.routes = VLLM_EXTENSION_ROUTES
 
     def check(self, op: ops.FleetOp, request: Any) -> None:
-        if isinstance(request, ops.DiskLoad) and not request.commit:
-            raise UnsupportedOperation(f"vllm servers apply {op.name!r} on arrival; staged loads "
-                                       "(commit=false) need a tandem server")
+        if isinstance(request, ops.DiskLoad) and not request.commit and not self.extension:
+            raise UnsupportedOperation(f"vllm servers without Tandem's worker extension apply {op.name!r} on "
+                                       "arrival; staged loads (commit=false) need the extension (docs/engines.md)")
+        if isinstance(request, ops.DistributedBucket) and (request.commit or request.version is not None):
+            raise UnsupportedOperation(f"vllm servers stage every {op.name!r} bucket (commit=false, no version), "
+                                       "then load them all at the commit")
         if isinstance(request, ops.DiskLoad) and request.version is not None:
             raise UnsupportedOperation(f"vllm servers do not set a weight version with {op.name!r}; send "
                                        "set_version after it (DiskLoad.version=None)")
@@ -299,6 +342,13 @@ class VLLMAdapter(ServerAdapter):
             if isinstance(detail, dict):
                 detail = detail.get("message", detail)
             return Answer(False, f"HTTP {status}: {str(detail)[:300]}", None)
+        if status == 200 and isinstance(data, dict) and isinstance(data.get("results"), list):
+            # `/collective_rpc`: one answer per worker; the extension's are {"success", "message"}
+            failed = [r for r in data["results"] if isinstance(r, dict) and r.get("success") is False]
+            if failed:
+                return Answer(False, "; ".join(str(r.get("message", "")) for r in failed)[:600], None)
+            messages = [str(r.get("message", "")) for r in data["results"] if isinstance(r, dict)]
+            return Answer(True, "; ".join(messages), ops.Acknowledged())
         return super().answer(op, status, data, text)
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
@@ -352,12 +402,13 @@ def _token_id(token: str) -> int:
 SERVER_KINDS = ("tandem", "sglang", "vllm")
 
 
-def adapter_for(kind: str, model: str | None = None) -> ServerAdapter:
-    """The adapter of a server kind (`model`: the served model name a vLLM server checks)."""
+def adapter_for(kind: str, model: str | None = None, vllm_extension: bool = False) -> ServerAdapter:
+    """The adapter of a server kind (`model`: the served model name a vLLM server checks;
+    `vllm_extension`: vLLM servers run Tandem's worker extension)."""
     if kind == "tandem":
         return TandemAdapter()
     if kind == "sglang":
         return SGLangAdapter()
     if kind == "vllm":
-        return VLLMAdapter(model)
+        return VLLMAdapter(model, extension=vllm_extension)
     raise ValueError(f"unknown server kind {kind!r}; use one of {', '.join(SERVER_KINDS)}")

@@ -96,7 +96,7 @@ class HttpFleet:
                       timeout: float) -> FleetResult:
         answers = await asyncio.gather(*(self._post(op, a, c, timeout)
                                          for a, c in zip(addresses, calls, strict=True)))
-        if op is ops.COMMIT or op is ops.SET_VERSION:
+        if op is ops.SET_VERSION or (op is ops.COMMIT and self.adapter.capabilities.commit_sets_version):
             for answer in answers:
                 if answer.success:
                     self._known_version[answer.address] = request.version

@@ -7,7 +7,11 @@ vLLM adapter needs it (docs/engines.md):
   what Tandem defines (vLLM's default reports T = 1 logprobs whatever the temperature);
 - `--enforce-eager`: no graph capture or compilation (slow to start, nothing gained for RL on CPU);
 - VLLM_SERVER_DEV_MODE=1: the routes the fleet uses (`/pause`, `/resume`,
-  `/update_weight_version`, `/collective_rpc` for `reload_weights`).
+  `/update_weight_version`, `/collective_rpc` for `reload_weights` and the extension's methods);
+- `--worker-extension-cls tandem.weights.vllm_worker.TandemWorkerExtension` (unless
+  `worker_extension=False`): weight updates over a transfer group, staged then committed. The
+  server's interpreter imports it from this Tandem's package, which goes on its PYTHONPATH
+  through a directory holding only a link to the package (never the rest of this environment).
 
 `start` runs one server on its own (tests); `start_servers` runs a fleet of them as processes of a
 `LocalScheduler` (`tandem train` with `rollout.backend=vllm:dN`), which stops them with the run.
@@ -15,9 +19,11 @@ vLLM adapter needs it (docs/engines.md):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import tandem
 from tandem.launch.process import free_port
 from tandem.launch.scheduler import ServerHandle
 
@@ -37,6 +44,23 @@ class _Process(Protocol):
     def poll(self) -> int | None: ...
 
 DEFAULT_VENV = ".venv-vllm"  # what `make vllm-venv` creates
+WORKER_EXTENSION = "tandem.weights.vllm_worker.TandemWorkerExtension"
+
+
+def package_path_entry() -> str:
+    """A directory holding only a link named `tandem` to this Tandem package: the PYTHONPATH entry
+    that lets another interpreter (vLLM's venv) import it and nothing else of this environment."""
+    package = Path(tandem.__file__).resolve().parent
+    digest = hashlib.sha256(str(package).encode()).hexdigest()[:12]
+    entry = Path(tempfile.gettempdir()) / f"tandem-path-{os.getuid()}-{digest}"
+    link = entry / "tandem"
+    if not (link.is_symlink() and link.resolve() == package):
+        entry.mkdir(mode=0o700, exist_ok=True)
+        staged = entry / f".tandem-{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(package, target_is_directory=True)
+        os.replace(staged, link)  # atomic: a concurrent starter sees the old link or the new one
+    return str(entry)
 
 
 def default_vllm_python(root: str | os.PathLike[str] = ".") -> str | None:
@@ -58,6 +82,7 @@ class VLLMServerSpec:
     max_model_len: int = 2048
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     threads: int | None = None  # OMP_NUM_THREADS
+    worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
     extra_args: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:
@@ -66,6 +91,8 @@ class VLLMServerSpec:
                "--logprobs-mode", "processed_logprobs", "--max-model-len", str(self.max_model_len)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
+        if self.worker_extension:
+            cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         return cmd + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -74,6 +101,8 @@ class VLLMServerSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.worker_extension:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path_entry(), env.get("PYTHONPATH")) if p)
         return env
 
     @property

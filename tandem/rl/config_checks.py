@@ -77,7 +77,7 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str, ver
     checksums when `verify` (train.verify_weights) asks for them."""
     from tandem.fleet.adapters import adapter_for
 
-    capabilities = adapter_for(rollout.server_kind).capabilities
+    capabilities = adapter_for(rollout.server_kind, vllm_extension=rollout.vllm.worker_extension).capabilities
     if verify and not capabilities.checksums:
         raise ConfigError(f"{prefix}train.verify_weights=true compares per-tensor checksums, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not report; "
@@ -86,7 +86,9 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str, ver
     if missing is not None:
         raise ConfigError(f"{prefix}train.weight_sync={update_type!r} needs {missing}, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not offer; "
-                          "use tandem servers (rollout.backend=tandem:dN)")
+                          + ("start them with Tandem's worker extension and set rollout.vllm.worker_extension=true, or "
+                             if rollout.server_kind == "vllm" and not rollout.vllm.worker_extension else "")
+                          + "use tandem servers (rollout.backend=tandem:dN)")
 
 
 def check_model_split(path: str, tp: int, cp: int, key: str, ep: int = 1, etp: int = 1) -> None:

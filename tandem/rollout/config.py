@@ -24,7 +24,8 @@ from tandem.rollout.health import HealthConfig
 
 @dataclass
 class VLLMLaunchConfig:
-    """How Tandem starts vLLM servers (`rollout.backend=vllm:dN` without `rollout.servers`)."""
+    """How Tandem starts vLLM servers (`rollout.backend=vllm:dN` without `rollout.servers`), and
+    whether they (or listed ones) run Tandem's worker extension."""
 
     python: str | None = _f(None, "Interpreter with vLLM installed (None: .venv-vllm/bin/python, made by make vllm-venv).")
     max_model_len: int = _f(2048, "vLLM --max-model-len: prompt + output tokens of one request.", min=1)
@@ -32,6 +33,10 @@ class VLLMLaunchConfig:
     threads: int = _f(0, "OMP_NUM_THREADS of each vLLM server (0: vLLM's default).", min=0)
     args: list[str] = field(default_factory=list, metadata={"help": "Extra vLLM server options, e.g. ['--seed', '1']."})
     start_timeout_s: float = _f(300.0, "Seconds for a vLLM server to become healthy.", gt=0.0)
+    worker_extension: bool = _f(
+        True, "The vLLM servers load Tandem's worker extension (--worker-extension-cls "
+        "tandem.weights.vllm_worker.TandemWorkerExtension; passed to servers Tandem starts): weight sync over a "
+        "group and staged commit. false: disk updates only, each applied on arrival.")
 
     def interpreter(self) -> str:
         """`python`, else `.venv-vllm/bin/python` in the working directory; ConfigError naming
@@ -133,7 +138,8 @@ class RolloutConfig:
         """The inference client's config; `route_layout` (a MoE model's, routing replay r3) makes
         every generation ask for the routed experts."""
         return ClientConfig(
-            server_kind=self.server_kind, model=self.model, deadline_s=self.request_deadline_s,
+            server_kind=self.server_kind, model=self.model, vllm_extension=self.vllm.worker_extension,
+            deadline_s=self.request_deadline_s,
             call_timeout_s=self.call_timeout_s, api_key=self.api_key, route_layout=route_layout,
         )
 

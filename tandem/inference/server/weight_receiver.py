@@ -30,10 +30,11 @@ from tandem.inference.server.weight_requests import (
     SharedBucket,
     Stage,
 )
-from tandem.inference.server.weight_staging import Staging, byte_window, receive, receive_flat
+from tandem.inference.server.weight_staging import Staging, byte_window
 from tandem.inference.weights import mark_adoptable, stage_weights, weight_checksums
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, init_weight_group
+from tandem.weights.receive import receive, receive_flat
 from tandem.weights.shm import ShmError, map_segment, open_cuda_ipc, tensor_views
 
 

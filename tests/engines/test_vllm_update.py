@@ -1,0 +1,177 @@
+"""Tandem's trainer updating a real vLLM server (CPU build) through Tandem's worker extension
+(`tandem.weights.vllm_worker`, loaded with `--worker-extension-cls`): a transfer group over gloo,
+buckets staged in the worker and loaded at the commit, pipelined or serial, from disk too; a bad
+update leaves the served weights alone; and an update in the middle of generation, where every
+token's logprob matches the model of the version it is labelled with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tandem.fleet import ops
+from tandem.fleet.adapters import VLLMAdapter
+from tandem.fleet.generation import GenerationParams
+from tandem.fleet.http import HttpFleet
+from tandem.fleet.results import FleetResult
+from tandem.models import load_model
+from tandem.rollout.types import ModelRequest, ModelResponse
+from tandem.rollout.version import WeightVersion
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.report import WeightSyncError
+from tandem.weights.updater import WeightUpdater
+from tests.engines.conftest import init_model
+from tests.engines.test_vllm import PROMPTS, client_for, generate, get, recomputed
+from tests.weights.common import CheckpointSource
+
+DEADLINES = ops.Deadlines(init_group_s=60.0, bucket_s=60.0, update_s=300.0, http_s=60.0)
+BUCKET = 1024**2  # the small preset (~12 MB in fp32) travels in about ten buckets
+
+
+def fleet_for(server) -> HttpFleet:
+    return HttpFleet([server.url], adapter=VLLMAdapter(server.name, extension=True), deadlines=DEADLINES)
+
+
+def greedy(server, version: int) -> list[list[int]]:
+    params = GenerationParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    got = generate(client_for(server, WeightVersion(version)), [ModelRequest(list(p), params) for p in PROMPTS])
+    assert all(r.output_versions == [version] * 12 for r in got)
+    return [r.output_ids for r in got]
+
+
+def hf_greedy(path) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+            out.append(want[0, len(ids):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("seed1") / "seed1", 1)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_distributed_update_over_a_group(vllm_server, other_model, pipeline):
+    """Seed 1's weights go over the group (flat buckets); vLLM then decodes as transformers does on
+    seed 1; the original weights go back the same way."""
+    with fleet_for(vllm_server) as fleet:
+        assert fleet.capabilities.staged_commit and fleet.capabilities.flat_buckets
+        for version, path in ((11, other_model), (12, vllm_server.model)):
+            meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
+            with WeightUpdater(CheckpointSource(path), fleet, meta, pipeline=pipeline) as updater:
+                report = updater.update(version)
+            print(f"pipeline={pipeline} v{version}: {report.buckets} buckets, {report.bytes / 1e6:.0f} MB in "
+                  f"{report.seconds:.2f}s; phases {({k: round(v, 2) for k, v in report.phases.items()})}")
+            assert report.buckets >= 4, report
+            assert get(vllm_server, "/weight_info") == {"weight_version": str(version)}
+            assert greedy(vllm_server, version) == hf_greedy(path), version
+
+
+def test_staged_disk_update(vllm_server, other_model, tmp_path):
+    """A disk update staged in the worker (`tandem_stage_disk`) and loaded at the commit."""
+    with fleet_for(vllm_server) as fleet:
+        for version, path in ((21, other_model), (22, vllm_server.model)):
+            meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "versions"), deadlines=DEADLINES)
+            with WeightUpdater(CheckpointSource(path), fleet, meta) as updater:
+                updater.update(version)
+            assert get(vllm_server, "/weight_info") == {"weight_version": str(version)}
+            assert greedy(vllm_server, version) == hf_greedy(path), version
+
+
+def test_a_bad_update_leaves_the_served_weights_alone(vllm_server, other_model):
+    """A bucket whose tensor does not fit the served model fails in the worker, the staged buckets
+    are discarded, and the server still decodes with the weights it had (version unchanged); the
+    group formed again afterwards carries a good update."""
+    before = greedy(vllm_server, 0)
+    version_before = get(vllm_server, "/weight_info")
+    src = CheckpointSource(other_model)
+    broken = CheckpointSource(other_model, break_shape=list(src.tensors)[-1])
+    with fleet_for(vllm_server) as fleet:
+        meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
+        with WeightUpdater(broken, fleet, meta) as updater, pytest.raises(WeightSyncError, match="shape"):
+            updater.update(31)
+        assert get(vllm_server, "/weight_info") == version_before
+        assert greedy(vllm_server, 0) == before
+        with WeightUpdater(CheckpointSource(vllm_server.model), fleet, meta) as updater:
+            updater.update(32)
+    assert get(vllm_server, "/weight_info") == {"weight_version": "32"}
+
+
+class LabellingFleet:
+    """A fleet that moves the client's version when the servers' is set, before the call returns
+    (as the rollout controller's fleet does): tokens generated after `continue` carry it."""
+
+    def __init__(self, fleet: HttpFleet, version: WeightVersion):
+        self.fleet, self.version = fleet, version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fleet, name)
+
+    def send(self, op: ops.FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
+        inner, outer = self.fleet.send(op, request, targets), Future()
+
+        def settle(fut: Future[FleetResult]) -> None:
+            if fut.exception() is not None:
+                outer.set_exception(fut.exception())
+                return
+            if op is ops.SET_VERSION:
+                self.version.set(request.version)
+            outer.set_result(fut.result())
+
+        inner.add_done_callback(settle)
+        return outer
+
+
+def test_update_in_the_middle_of_generation(vllm_server, other_model):
+    """A long request is running when the trainer updates the server to seed 1 over the group: the
+    pause aborts it, the client resubmits prompt + partial output, and it finishes on the new
+    weights. Tokens labelled 0 have seed 0's logprobs, tokens labelled 1 seed 1's (each recomputed
+    by Tandem's model teacher-forced on everything before it)."""
+    version = WeightVersion(0)
+    with fleet_for(vllm_server) as fleet:  # the server holds seed 0 at version 0 first
+        fleet.send(ops.SET_VERSION, ops.SetVersion(0)).result(30)
+    client = client_for(vllm_server, version)
+    budget = 4096 - len(PROMPTS[0]) - 1
+    params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
+    result: list[ModelResponse] = []
+    thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
+    # Read before generation starts: torch's two threads here and vLLM's busy core slow each other
+    # down tenfold (the request could finish first).
+    source = CheckpointSource(other_model)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        with fleet_for(vllm_server) as http:
+            meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
+            with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
+                updater.update(1)
+        thread.join(300)
+        [r] = result
+        before = r.output_versions.count(0)
+        assert r.num_aborts >= 1 and 0 < before < budget, (r.num_aborts, before)
+        assert r.output_versions == [0] * before + [1] * (budget - before)
+        worst = []
+        for model, segment in ((load_model(vllm_server.model), slice(0, before)),
+                               (load_model(other_model), slice(before, budget))):
+            want = recomputed(model, r.input_ids, r.output_ids, 0.7)[segment]
+            worst.append((torch.tensor(r.output_logprobs[segment]) - want).abs().max().item())
+        print(f"update mid-generation: {before} tokens at v0, {budget - before} at v1; max logprob error "
+              f"{worst[0]:.2e} (v0), {worst[1]:.2e} (v1)")
+        assert max(worst) < 1e-5
+    finally:
+        thread.join(300)
+        with fleet_for(vllm_server) as fleet:  # back to seed 0 for the other tests
+            meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
+            with WeightUpdater(CheckpointSource(vllm_server.model), fleet, meta) as updater:
+                updater.update(0)
