@@ -20,60 +20,15 @@ Written from AReaL's code (inclusionAI/AReaL at 4aef98d), not from our server's:
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.verify import tensor_checksum
+from tests.inference.areal_client import GROUP, areal_trainer, bucket_request, free_port
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess
-
-GROUP = "update_weight_group"
-
-
-def _areal_trainer(port: int, cmd_q, result_q) -> None:
-    """Trainer rank 0 as AReaL forms its weight-update group, then broadcasts on command."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(False)
-    timeout = datetime.timedelta(seconds=30)
-    try:
-        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
-        store.set_timeout(timeout)
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend("gloo"), PrefixStore(GROUP, store),
-                                          group_name=GROUP, timeout=timeout, group_desc=GROUP)
-        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-        result_q.put(("joined", None))
-        while True:
-            tensors = cmd_q.get()
-            if tensors is None:
-                break
-            handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
-            for h in handles:
-                h.wait()
-            result_q.put(("sent", len(tensors)))
-        dist.destroy_process_group(pg)
-    except Exception as exc:  # reported to the test, which fails on it
-        result_q.put(("error", repr(exc)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:  # AReaL: find_free_ports(1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +36,6 @@ def server(qwen3_dir, tmp_path_factory):
     srv = ServerProcess(qwen3_dir, tmp_path_factory.mktemp("serve"), "--weight-sync-timeout", "30")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
-
-
-def _bucket(tensors: list[tuple[str, torch.Tensor]]) -> dict:
-    return {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).split("torch.")[1] for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors], "group_name": GROUP, "abort_all_requests": True}
 
 
 def test_areal_trainer_updates_tandem_serve_in_two_partial_buckets(server, qwen3_dir, tmp_path):
@@ -100,8 +50,8 @@ def test_areal_trainer_updates_tandem_serve_in_two_partial_buckets(server, qwen3
 
     ctx = mp.get_context("spawn")
     cmd_q, result_q = ctx.Queue(), ctx.Queue()
-    port = _free_port()
-    trainer = ctx.Process(target=_areal_trainer, args=(port, cmd_q, result_q), daemon=True)
+    port = free_port()
+    trainer = ctx.Process(target=areal_trainer, args=(port, cmd_q, result_q), daemon=True)
     try:
         with ThreadPoolExecutor(2) as pool:
             init = pool.submit(server.ok, "/init_weights_update_group", {
@@ -112,7 +62,7 @@ def test_areal_trainer_updates_tandem_serve_in_two_partial_buckets(server, qwen3
             assert init.result(60)["success"] is True
             server.ok("/pause_generation", {})
             for k, bucket in enumerate((first, second)):
-                answer = pool.submit(server.ok, "/update_weights_from_distributed", _bucket(bucket))
+                answer = pool.submit(server.ok, "/update_weights_from_distributed", bucket_request(bucket))
                 cmd_q.put([t.contiguous() for _, t in bucket])
                 assert result_q.get(timeout=60) == ("sent", len(bucket))
                 assert answer.result(60)["success"] is True

@@ -17,6 +17,7 @@ import transformers
 
 from tandem.inference.server import sglang_fields
 from tandem.models import load_model
+from tests.inference.areal_client import areal_generate_body, areal_parse
 from tests.inference.conftest import prompts
 from tests.inference.server_utils import ServerProcess, wait_for
 from tests.inference.test_parity import teacher_forced_logprobs
@@ -36,36 +37,6 @@ def server(qwen3_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer_model(qwen3_dir):
     return load_model(qwen3_dir)
-
-
-def areal_generate_body(input_ids: list[int], max_new_tokens: int, temperature: float) -> dict:
-    """The body AReaL's `SGLangBackend.build_generation_request` (areal/engine/sglang_remote.py,
-    inclusionAI/AReaL) posts to /generate, with `GenerationHyperparameters`' defaults
-    (areal/api/cli_args.py): top_k int(1e8), stop_token_ids [], no stop, no LoRA."""
-    sample_params = {
-        "top_p": 1.0,
-        "top_k": int(1e8),
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "stop_token_ids": [],
-        "ignore_eos": False,
-        "skip_special_tokens": True,
-        "frequency_penalty": 0.0,
-    }
-    return {"input_ids": list(input_ids), "image_data": None, "sampling_params": sample_params,
-            "return_logprob": True, "stream": False}
-
-
-def areal_parse(response: dict) -> tuple[list[int], list[float], str]:
-    """What `SGLangBackend.parse_generation_response` reads (same file): finish_reason's type and
-    message, and tokens/logprobs from meta_info.output_token_logprobs unless 'Abort before prefill'."""
-    meta_info = response["meta_info"]
-    finish_reason = meta_info["finish_reason"]
-    stop_reason = finish_reason["type"]
-    if stop_reason == "abort" and finish_reason.get("message", "").startswith("Abort before prefill"):
-        return [], [], stop_reason
-    return ([x[1] for x in meta_info["output_token_logprobs"]], [x[0] for x in meta_info["output_token_logprobs"]],
-            stop_reason)
 
 
 def test_areal_generate_body_is_answered_in_the_shape_areal_parses(server, trainer_model):
