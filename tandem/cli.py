@@ -206,7 +206,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     require_model_path(cfg)
     from tandem.rl.console import CONTROLLER_LOG, setup_console
-    from tandem.rl.trial import plan_trial
+    from tandem.rl.trial import plan_trial, relaunch_plan
 
     plan = plan_trial(cfg)  # refuses at once a launch that would mix or discard runs
     setup_console()
@@ -214,11 +214,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{plan.run_dir / 'logs' / CONTROLLER_LOG}", file=sys.stderr, flush=True)
     from tandem.rl.trainer import RunInterrupted, run_rl  # torch, transformers: seconds
 
-    try:
-        summary = run_rl(cfg, plan)
-    except RunInterrupted as exc:
-        print(f"tandem train: {exc}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    for attempt in range(cfg.recover.retries + 1):
+        try:
+            summary = run_rl(cfg, plan)
+            break
+        except RunInterrupted as exc:
+            print(f"tandem train: {exc}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            if attempt == cfg.recover.retries or isinstance(exc, ConfigError):
+                raise
+            plan = relaunch_plan(cfg)
+            print(f"tandem train: the run failed ({type(exc).__name__}: {str(exc)[:500]}); relaunching it "
+                  f"(recover.retries: {attempt + 1} of {cfg.recover.retries}), {plan.describe()}",
+                  file=sys.stderr, flush=True)
     print(summary.describe())
     return 0
 

@@ -32,6 +32,7 @@ class Trajectory:
     reward: float = 0.0
     prompt_id: str = ""
     group_id: str = ""
+    stream_index: int = -1  # the item's position in the run's train stream (-1: not drawn from one)
     num_turns: int = 1
     finish_reasons: list[str] = field(default_factory=list)
     # Wall-clock facts (seconds): e.g. "start", "end", "generate", "reward".

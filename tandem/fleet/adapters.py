@@ -208,6 +208,8 @@ class _SGLangProtocol(ServerAdapter):
             "top_k": params.top_k, "min_new_tokens": min(params.min_new_tokens, max_new_tokens),
             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
         }
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
         body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
         if return_routed_experts:
             body["return_routed_experts"] = True
@@ -374,6 +376,8 @@ class VLLMAdapter(ServerAdapter):
             "return_tokens_as_token_ids": True, "skip_special_tokens": False, "n": 1, "stream": False,
             "request_id": rid,
         }
+        if params.seed is not None:
+            body["seed"] = params.seed
         if self.model is not None:
             body["model"] = self.model
         return body

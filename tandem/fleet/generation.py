@@ -20,6 +20,7 @@ class GenerationParams:
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    seed: int | None = None  # per-request sampling seed (SGLang's sampling_seed, vLLM's seed); None: the server's
 
 
 @dataclass

@@ -147,6 +147,17 @@ class TrainConfig:
                                        "(default: the trial's latest checkpoint, if any).")
     overwrite: bool = _f(False, "Replace the outputs of an earlier run of this trial instead of resuming or "
                                 "refusing.")
+    keep_checkpoints: int = _f(2, "Checkpoints kept in the trial (the newest; older ones are deleted after each "
+                                  "save).", min=1)
+
+
+@dataclass
+class RecoverConfig:
+    mode: str = _f("auto", "auto: a launch into a trial with a checkpoint continues from checkpoints/LATEST; "
+                           "resume: requires one; off: refuses a trial with checkpoints (unless train.overwrite=true).",
+                   choices=("auto", "resume", "off"))
+    retries: int = _f(0, "After a failure (a dead rank, a crash), relaunch the whole job this many times, each "
+                         "resuming from the latest checkpoint.", min=0)
 
 
 @dataclass
@@ -194,6 +205,7 @@ class TandemConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
 
     @classmethod
     def defaults_for(cls, data: dict[str, Any]) -> TandemConfig:

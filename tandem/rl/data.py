@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.data.tasks import Task, get_task
 from tandem.data.tasks.chat import with_input_ids
 from tandem.rl.config import TandemConfig
+from tandem.rollout.frontier import STREAM_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -16,20 +18,26 @@ logger = logging.getLogger(__name__)
 class CursorLoader:
     """An endless, ordered stream over `items` (epoch after epoch) that counts what it handed out.
 
-    The rollout executor draws from it as capacity opens; `cursor` is saved in checkpoints so a
-    resumed run continues with the next unseen item instead of replaying the start.
+    Each drawn item is a copy tagged with its position in the stream (`item[STREAM_INDEX]`), which
+    the rollout executor tracks to know which items are done with (`tandem.rollout.frontier`).
+    A resumed run starts at its checkpoint's frontier (`cursor`) and skips the positions beyond it
+    that were already done with (`skip`), so nothing is trained twice or left out.
     """
 
-    def __init__(self, items: list[dict[str, Any]], cursor: int = 0):
+    def __init__(self, items: list[dict[str, Any]], cursor: int = 0, skip: Iterable[int] = ()):
         if not items:
             raise ValueError("no training items")
         self.items, self.cursor = items, cursor
+        self.skip = {i for i in skip if i >= cursor}
 
     def __iter__(self) -> CursorLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        item = self.items[self.cursor % len(self.items)]
+        while self.cursor in self.skip:
+            self.skip.discard(self.cursor)
+            self.cursor += 1
+        item = {**self.items[self.cursor % len(self.items)], STREAM_INDEX: self.cursor}
         self.cursor += 1
         return item
 

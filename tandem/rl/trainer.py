@@ -36,17 +36,19 @@ from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch import LocalScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
+from tandem.rl.checkpoints import TRAINER, LoopState, latest_checkpoint, save_checkpoint
 from tandem.rl.cluster import InferenceServers, start_servers, start_workers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
-from tandem.rl.trial import TrialPlan, checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
+from tandem.rl.trial import TrialPlan, plan_trial
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.workflows.rlvr import RLVRWorkflow
@@ -163,8 +165,10 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
         params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
                                 top_p=cfg.gen.top_p, top_k=cfg.gen.top_k),
         n_samples=cfg.gen.n_samples, tokenizer=tokenizer, reward_runner=runner,
+        seed=cfg.experiment.seed if cfg.rollout.seed_sampling else None,
     )
-    loader = CursorLoader(data.train, cursor=plan.cursor)
+    frontier = plan.loop.frontier
+    loader = CursorLoader(data.train, cursor=frontier.next_index, skip=frontier.resolved)
 
     def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
         began = time.monotonic()
@@ -182,9 +186,12 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                                                          servers.api_key, os.getpid())):
         trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
-            trainer.load(str(plan.resume_from / "trainer"))
-            trainer.update_weights(start_step)  # the fleet serves the resumed weights
-            controller.recover_version(start_step)
+            began = time.monotonic()
+            trainer.load(str(plan.resume_from / TRAINER))
+            trainer.update_weights(start_step)  # the fleet serves the resumed weights, before any rollout
+            controller.recover_version(start_step, frontier)
+            logger.info("resumed at step %d from %s in %.1f s (the stream continues at item %d)", start_step,
+                        plan.resume_from, time.monotonic() - began, frontier.next_index)
         else:
             call(controller, ops.SET_VERSION, ops.SetVersion(0))
         first = run_eval(start_step, controller)
@@ -202,7 +209,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
                 metrics.log(done, stats)
                 progress.update(stats, last_eval.get("eval/accuracy"))
                 if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == cfg.train.total_steps):
-                    _save_checkpoint(checkpoint_dir(plan.run_dir, done), trainer, done, loader.cursor)
+                    _save_checkpoint(cfg, plan.run_dir, trainer, controller, done)
         summary.eval_after = last_eval.get("eval/accuracy")
         trainer.close_weight_update()
 
@@ -233,9 +240,11 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     """One step; returns its stats. `step` is the weight version the trainer holds before it."""
     dp = trainer.dp_size
     t0 = time.monotonic()
+    kill_point("rollout", step + 1, delay_s=0.3)
     trajs = controller.prepare_batch(loader, workflow)
     t1 = time.monotonic()
     batch, stats = build_training_batch(trajs, cfg.algo, version=step)
+    stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
     if batch is None or len(batch) < dp:
         # Everything was filtered out (e.g. every group solved): no gradient this step, but the
         # version still advances so the staleness accounting stays exact.
@@ -245,8 +254,10 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     else:
         shards, dispatch_stats = split_for_ranks(batch, dp)
         stats.update(dispatch_stats)
+        kill_point("train", step + 1, delay_s=0.05)
         stats.update(trainer.ppo_update(shards, cfg.algo, step, cfg.gen.temperature, cfg.train.n_minibatches))
     t2 = time.monotonic()
+    kill_point("sync", step + 1, delay_s=0.02)
     report = trainer.update_weights(step + 1)
     t3 = time.monotonic()
     times = {"generation": t1 - t0, "train": t2 - t1, "sync": t3 - t2}
@@ -260,12 +271,19 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     return stats
 
 
-def _save_checkpoint(path: Path, trainer: TrainController, step: int, cursor: int) -> None:
-    """Trainer state (DCP), then the loop's own (step = weight version, data cursor), whose file
-    marks the checkpoint complete."""
-    trainer.save(str(path / "trainer"))
-    write_loop_state(path, step, cursor)
-    logger.info("step %d: checkpoint %s", step, path)
+def _save_checkpoint(cfg: TandemConfig, run_dir: Path, trainer: TrainController, controller: RolloutController,
+                     step: int) -> None:
+    """The trainer's state (DCP) and the loop's (step = weight version, the stream's frontier),
+    written whole, then made LATEST (`tandem.rl.checkpoints`)."""
+    began = time.monotonic()
+    state = LoopState(step, controller.frontier(), cfg.experiment.seed)
+
+    def save_trainer(directory: Path) -> None:
+        trainer.save(str(directory))
+        kill_point("checkpoint", step)  # fault injection: a save cut short after the trainer's part
+
+    path = save_checkpoint(run_dir, state, save_trainer, keep=cfg.train.keep_checkpoints)
+    logger.info("step %d: checkpoint %s (%.1f s)", step, path, time.monotonic() - began)
 
 
 def _resume_hint(cfg: TandemConfig, run_dir: Path, step: int) -> str:

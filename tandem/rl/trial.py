@@ -3,9 +3,11 @@
 `runs/<experiment.name>/<experiment.trial>/` is one trial. A launch into it:
 
 - `train.resume_from=DIR`: continues from that checkpoint (of this trial or another);
-- otherwise, when the trial has checkpoints (`checkpoints/stepNNNNNN/loop_state.json`), continues
-  from the latest one, as if `train.resume_from` named it; a trial whose latest checkpoint already
-  reached `train.total_steps` is complete and is refused (raise `train.total_steps` to go on);
+- otherwise, when the trial has a checkpoint (`checkpoints/LATEST`, `tandem.rl.checkpoints`),
+  `recover.mode=auto` (the default) and `resume` continue from it, as if `train.resume_from` named
+  it, and `off` refuses; a trial whose latest checkpoint already reached `train.total_steps` is
+  complete and is refused (raise `train.total_steps` to go on); `recover.mode=resume` refuses a
+  trial without one;
 - otherwise, when the trial holds the outputs of an earlier run (metrics, summary, ...) but no
   checkpoint, it is refused, naming `train.overwrite=true` and a new `experiment.trial`;
 - `train.overwrite=true` removes the RL outputs of earlier runs and starts at step 0. Logs are
@@ -18,16 +20,14 @@ second; `TrialPlan.prepare()` then makes the directory (and removes what overwri
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.errors import ConfigError
+from tandem.rl.checkpoints import CHECKPOINTS, LoopState, latest_checkpoint, read_loop_state
 from tandem.rl.config import TandemConfig
 
-LOOP_STATE = "loop_state.json"
-CHECKPOINTS = "checkpoints"
 # What `tandem train` writes into a trial (everything but logs/); overwrite removes exactly these.
 RL_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.txt", "plot.png", "tensorboard", CHECKPOINTS, "weights")
 
@@ -36,10 +36,14 @@ RL_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.txt", "plot.png", "tensor
 class TrialPlan:
     run_dir: Path
     resume_from: Path | None  # the checkpoint directory to continue from; None: start at step 0
-    start_step: int  # the weight version the run starts from (= the checkpoint's step)
-    cursor: int  # items of the train stream drawn before the checkpoint
+    loop: LoopState  # where the loop and the item stream stand (the checkpoint's; step 0: nothing drawn)
     replace: tuple[Path, ...] = ()  # earlier outputs that `prepare` removes (train.overwrite=true)
     automatic: bool = False  # the checkpoint was found in the trial, not named by train.resume_from
+
+    @property
+    def start_step(self) -> int:
+        """The weight version the run starts from (= the checkpoint's step)."""
+        return self.loop.step
 
     def describe(self) -> str:
         if self.resume_from is not None:
@@ -63,36 +67,6 @@ def run_dir_of(cfg: TandemConfig) -> Path:
     return Path(cfg.experiment.fileroot) / cfg.experiment.name / cfg.experiment.trial
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINTS / f"step{step:06d}"
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint (its loop state written last) with the highest step, or None."""
-    found = sorted(p.parent for p in (run_dir / CHECKPOINTS).glob(f"step*/{LOOP_STATE}"))
-    return found[-1] if found else None
-
-
-def read_loop_state(checkpoint: Path, key: str = "train.resume_from") -> dict[str, int]:
-    path = checkpoint / LOOP_STATE
-    if not path.is_file():
-        raise ConfigError(f"{key}: {str(checkpoint)!r} has no {LOOP_STATE}; pass a checkpoint directory "
-                          "written by train.save_every (runs/<name>/<trial>/checkpoints/stepNNNNNN)")
-    try:
-        state = json.loads(path.read_text())
-        return {"step": int(state["step"]), "cursor": int(state["cursor"])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{key}: cannot read {str(path)!r} ({exc}); the checkpoint is damaged") from None
-
-
-def write_loop_state(checkpoint: Path, step: int, cursor: int) -> None:
-    """Written after the trainer state, atomically: its presence marks the checkpoint complete."""
-    checkpoint.mkdir(parents=True, exist_ok=True)
-    tmp = checkpoint / f".{LOOP_STATE}.tmp"
-    tmp.write_text(json.dumps({"step": step, "cursor": cursor}))
-    tmp.replace(checkpoint / LOOP_STATE)
-
-
 def plan_trial(cfg: TandemConfig) -> TrialPlan:
     """Decide what this launch does with its trial directory (see the module docstring); raises
     `ConfigError` for a launch that would mix or silently discard runs."""
@@ -105,9 +79,18 @@ def plan_trial(cfg: TandemConfig) -> TrialPlan:
             raise ConfigError(f"train.overwrite=true would delete the checkpoint that train.resume_from names "
                               f"({str(ckpt)!r}); drop one of the two")
         return _resume(cfg, run_dir, ckpt, automatic=False, replace=tuple(earlier) if cfg.train.overwrite else ())
+    fresh = LoopState(0, seed=cfg.experiment.seed)
     if cfg.train.overwrite:
-        return TrialPlan(run_dir, None, 0, 0, replace=tuple(earlier))
+        return TrialPlan(run_dir, None, fresh, replace=tuple(earlier))
     latest = latest_checkpoint(run_dir)
+    mode = cfg.recover.mode
+    if latest is not None and mode == "off":
+        raise ConfigError(
+            f"{run_dir} has checkpoints (the latest: {latest.name}) and recover.mode=off does not resume: pass "
+            f"train.overwrite=true to start again, recover.mode=auto to continue, or a new experiment.trial")
+    if latest is None and mode == "resume":
+        raise ConfigError(f"recover.mode=resume: {run_dir} has no checkpoint to resume from (checkpoints/LATEST); "
+                          "set recover.mode=auto to start at step 0 when there is none")
     if latest is not None:
         plan = _resume(cfg, run_dir, latest, automatic=True)
         if plan.start_step >= total:
@@ -122,14 +105,25 @@ def plan_trial(cfg: TandemConfig) -> TrialPlan:
             f"{run_dir} already holds the outputs of an earlier run ({names}) and no checkpoint to resume from "
             f"(train.save_every was 0). Pass train.overwrite=true to replace them, or a new trial name such as "
             f"experiment.trial={cfg.experiment.trial}-2 to keep them")
-    return TrialPlan(run_dir, None, 0, 0)
+    return TrialPlan(run_dir, None, fresh)
 
 
 def _resume(cfg: TandemConfig, run_dir: Path, ckpt: Path, automatic: bool,
             replace: tuple[Path, ...] = ()) -> TrialPlan:
     state = read_loop_state(ckpt, "train.resume_from" if not automatic else f"checkpoint {ckpt}")
-    return TrialPlan(run_dir, ckpt, state["step"], state["cursor"], replace=replace, automatic=automatic)
+    return TrialPlan(run_dir, ckpt, state, replace=replace, automatic=automatic)
 
 
 def _inside(path: Path, directory: Path) -> bool:
     return path.resolve().is_relative_to(directory.resolve())
+
+
+def relaunch_plan(cfg: TandemConfig) -> TrialPlan:
+    """After a failed run of `cfg` (recover.retries): continue from the trial's latest checkpoint,
+    or start again at step 0 when the run saved none."""
+    run_dir = run_dir_of(cfg)
+    latest = latest_checkpoint(run_dir)
+    if latest is not None:
+        return _resume(cfg, run_dir, latest, automatic=True)
+    earlier = tuple(run_dir / name for name in RL_OUTPUTS if (run_dir / name).exists())
+    return TrialPlan(run_dir, None, LoopState(0, seed=cfg.experiment.seed), replace=earlier)

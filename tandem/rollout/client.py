@@ -18,6 +18,7 @@ made its tokens), so each chunk's rows replace the earlier ones wherever they ar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from tandem.fleet.adapters import adapter_for
-from tandem.fleet.generation import Chunk, FinishReason
+from tandem.fleet.generation import Chunk, FinishReason, GenerationParams
 from tandem.fleet.routes import RouteLayout, Routes, decode_routed_experts, splice_routes
 from tandem.rollout.errors import (
     GenerationDeadlineError,
@@ -36,6 +37,7 @@ from tandem.rollout.errors import (
     PromptTooLongError,
     ServerRequestError,
 )
+from tandem.rollout.frontier import continuation_seed
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
@@ -136,7 +138,9 @@ class InferenceClient:
             while True:
                 remaining = budget - len(out_ids)
                 sent = [*req.input_ids, *out_ids]
-                chunk, server = await self._call(state, req, sent, remaining)
+                params = req.params if req.params.seed is None else dataclasses.replace(
+                    req.params, seed=continuation_seed(req.params.seed, len(out_ids)))
+                chunk, server = await self._call(state, req.rid, params, sent, remaining)
                 state.servers_used.append(server)
                 new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
                 if self.config.route_layout is not None:
@@ -190,9 +194,10 @@ class InferenceClient:
         rows = num_sent + len(chunk.output_ids) - 1
         return decode_routed_experts(chunk.routed_experts, rows, layout)[: num_sent + num_new - 1]
 
-    async def _call(self, state: _RequestState, req: ModelRequest, ids: list[int], remaining: int) -> tuple[Chunk, str]:
+    async def _call(self, state: _RequestState, rid: str, params: GenerationParams, ids: list[int],
+                    remaining: int) -> tuple[Chunk, str]:
         """One generation call, retried across transient failures until the deadline."""
-        body = self.adapter.generate_body(req.rid, ids, req.params, remaining,
+        body = self.adapter.generate_body(rid, ids, params, remaining,
                                           return_routed_experts=self.config.route_layout is not None)
         attempt = 0
         while True:
@@ -200,7 +205,7 @@ class InferenceClient:
             if left <= 0:
                 raise state.deadline_error()
             try:
-                server = self.pool.choose(req.rid)
+                server = self.pool.choose(rid)
             except NoServerError as exc:  # nobody may serve right now: wait for the fleet
                 state.last_error = str(exc)
                 await asyncio.sleep(self._backoff(attempt, state))
@@ -225,7 +230,7 @@ class InferenceClient:
                 with self._counts_lock:
                     self._resubmitted += 1
                 delay = self._backoff(attempt, state)
-                logger.debug("request %s: %s; retry in %.2fs", req.rid, state.last_error, delay)
+                logger.debug("request %s: %s; retry in %.2fs", rid, state.last_error, delay)
                 attempt += 1
                 state.retries += 1
                 await asyncio.sleep(delay)

@@ -67,6 +67,8 @@ class RolloutConfig:
     max_concurrent_rollouts: int = _f(64, "Episodes running at once.", min=1)
     consumer_batch_size: int = _f(8, "Episodes per training batch.", min=1)
     max_head_offpolicyness: int = _f(1, "Staleness bound: batches the fleet may run ahead of the trainer.", min=0)
+    seed_sampling: bool = _f(False, "Seed every request from (experiment.seed, the item's stream position, sample "
+                                    "index), so an item drawn again after a resume gets the same tokens.")
     max_consecutive_failures: int = _f(
         64, "End the run when this many episodes in a row failed (an error storm), with the first error.", min=1)
     order: str = _f("dispatch", "Hand-out order of accepted episodes.", choices=("dispatch", "completion"))

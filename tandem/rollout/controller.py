@@ -40,6 +40,7 @@ from tandem.rollout.client import InferenceClient
 from tandem.rollout.config import RolloutConfig
 from tandem.rollout.elastic import ElasticFleet
 from tandem.rollout.executor import WorkflowExecutor
+from tandem.rollout.frontier import FrontierState
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.version import WeightVersion
 from tandem.rollout.workers import RemoteWorkflow, WorkerPool
@@ -155,11 +156,18 @@ class RolloutController:
             self._driver_paused = False
             self._sync_dispatch()
 
-    def recover_version(self, version: int) -> None:
+    def recover_version(self, version: int, frontier: FrontierState | None = None) -> None:
         """After a restart at `version` (whose weights the servers already hold): the trainer
-        consumed `version` batches before it, which the staleness bound counts."""
+        consumed `version` batches before it, which the staleness bound counts; `frontier`: the
+        item stream's, saved with the checkpoint (items beyond it are drawn again)."""
         self.executor.staleness.on_version_recovered(version)
+        if frontier is not None:
+            self.executor.restore_frontier(frontier)
         self.version.set(version)
+
+    def frontier(self) -> FrontierState:
+        """The item stream's frontier (`tandem.rollout.frontier`), for a checkpoint."""
+        return self.executor.frontier()
 
     def stats(self) -> dict[str, Any]:
         out = self.executor.stats()

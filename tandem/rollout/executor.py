@@ -40,6 +40,7 @@ from tandem.log_repeats import RepeatCounter
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.dump import TrajectoryDumper
 from tandem.rollout.errors import EpisodeFailureStorm, RolloutError
+from tandem.rollout.frontier import DrawFrontier, FrontierState, stream_index_of
 from tandem.rollout.staleness import StalenessManager
 from tandem.rollout.workflow import RolloutWorkflow, as_trajectories
 
@@ -63,6 +64,7 @@ class _Episode:
     future: concurrent.futures.Future | None  # private result (rollout_batch); None: shared queue
     seq: int = -1
     version: int = -1  # trainer version when the episode started
+    index: int | None = None  # the item's position in the run's stream (`tandem.rollout.frontier`)
 
 
 class WorkflowExecutor:
@@ -77,8 +79,9 @@ class WorkflowExecutor:
         self._cond = threading.Condition()
         self._pending: deque[_Episode] = deque()  # submitted, not started
         self._order: deque[int] = deque()  # started queue episodes, unresolved ("dispatch" order)
-        self._done: dict[int, list[Trajectory] | None] = {}
-        self._ready: deque[list[Trajectory]] = deque()  # accepted episodes, oldest first
+        self._done: dict[int, tuple[int | None, list[Trajectory] | None]] = {}
+        self._ready: deque[tuple[int | None, list[Trajectory]]] = deque()  # accepted episodes (stream index), oldest first
+        self._frontier = DrawFrontier()  # which drawn items are done with (handed out or rejected)
         self._paused = False
         self._closed = False
         self._error: BaseException | None = None
@@ -124,7 +127,7 @@ class WorkflowExecutor:
     # -- submitting and collecting --------------------------------------------------------------
     def submit(self, item: Any, workflow: RolloutWorkflow) -> None:
         """Queue one episode; its accepted trajectories come out of `wait` / `prepare_batch`."""
-        self._enqueue(_Episode(item, workflow, None))
+        self._enqueue(_Episode(item, workflow, None, index=stream_index_of(item)))
 
     def wait(self, count: int, timeout: float | None = None) -> list[Trajectory]:
         """Block until `count` accepted episodes are ready; return their trajectories, oldest first.
@@ -180,6 +183,17 @@ class WorkflowExecutor:
                     continue
             for _ in range(want):  # draw outside the lock: a dataloader may block
                 self.submit(self._next_item(dataloader), workflow)
+
+    def frontier(self) -> FrontierState:
+        """The stream positions done with so far (`tandem.rollout.frontier`): what a checkpoint
+        saves so that a resumed run draws again exactly the items not handed out or rejected."""
+        with self._cond:
+            return self._frontier.state()
+
+    def restore_frontier(self, state: FrontierState) -> None:
+        """Continue a run whose checkpoint saved `state` (before any item is drawn)."""
+        with self._cond:
+            self._frontier = DrawFrontier(state)
 
     def stats(self) -> dict[str, Any]:
         s = self.staleness.stats()
@@ -237,7 +251,13 @@ class WorkflowExecutor:
             raise RuntimeError("the rollout executor is shut down")
 
     def _take(self, count: int) -> list[Trajectory]:
-        return [t for _ in range(count) for t in self._ready.popleft()]
+        out = []
+        for _ in range(count):
+            index, trajectories = self._ready.popleft()
+            if index is not None:
+                self._frontier.resolve(index, trained=True)
+            out += trajectories
+        return out
 
     def _next_item(self, dataloader: Iterable[Any]) -> Any:
         key = id(dataloader)
@@ -308,15 +328,20 @@ class WorkflowExecutor:
             self._counts["failed"] += error is not None
             self._track_streak(result is not None, error)
             if ep.future is None:
+                if ep.index is not None:
+                    for t in result or ():
+                        t.stream_index = ep.index
+                    if result is None:  # rejected: done with, never handed out
+                        self._frontier.resolve(ep.index)
                 if self.config.order == "completion":
                     if result is not None:
-                        self._ready.append(result)
+                        self._ready.append((ep.index, result))
                 else:
-                    self._done[ep.seq] = result
+                    self._done[ep.seq] = (ep.index, result)
                     while self._order and self._order[0] in self._done:
-                        done = self._done.pop(self._order.popleft())
+                        index, done = self._done.pop(self._order.popleft())
                         if done is not None:
-                            self._ready.append(done)
+                            self._ready.append((index, done))
             self._cond.notify_all()
         if ep.future is not None and not ep.future.done():
             ep.future.set_result(result)

@@ -216,12 +216,18 @@ def test_external_servers_must_be_listed():
     assert load_run_config(None).rollout.launched_by_tandem
 
 
-@pytest.mark.parametrize(("backend", "sync"), [("vllm:d1", "distributed"), ("sglang:d2", "shm"), ("vllm:d1", "shm")])
-def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync):
+@pytest.mark.parametrize(("backend", "sync", "extension"), [
+    ("vllm:d1", "distributed", False), ("sglang:d2", "shm", True), ("vllm:d1", "shm", True)])
+def test_train_refuses_servers_that_cannot_take_its_weight_sync(backend, sync, extension):
     """Caught when the config loads, naming both keys, instead of when the first update starts."""
-    overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}"]
+    overrides = [f"rollout.backend={backend}", "rollout.servers=[127.0.0.1:8000]", f"train.weight_sync={sync}",
+                 f"rollout.vllm.worker_extension={str(extension).lower()}"]
     with pytest.raises(ConfigError, match=rf"train.weight_sync='{sync}' needs .*\(rollout.backend='{backend}'\)"):
         load_run_config(None, overrides)
+    if not extension:  # the extension is what vLLM servers lack for it
+        with pytest.raises(ConfigError, match=r"set rollout.vllm.worker_extension=true"):
+            load_run_config(None, overrides)
+        load_run_config(None, overrides[:-1])  # with it (the default), accepted
 
 
 @pytest.mark.parametrize("sync", ["disk", "distributed"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tandem.rl.trial import checkpoint_dir
+from tandem.rl.checkpoints import TRAINER, checkpoint_name, checkpoints_dir
 from tandem.train import TrainEngine, TrainEngineConfig
 from tests.inference.server_utils import ServerProcess
 
@@ -21,7 +21,7 @@ def assert_server_serves_the_checkpoint(server: ServerProcess, model: Path, run:
     """`model`: the run's initial model directory (config and tokenizer); `run`: its run
     directory, with a checkpoint at `steps`; `out`: where to write the HF weights."""
     engine = TrainEngine(TrainEngineConfig(path=str(model)))
-    engine.load_state(checkpoint_dir(run, steps) / "trainer")
+    engine.load_state(checkpoints_dir(run) / checkpoint_name(steps) / TRAINER)
     assert engine.step == steps
     hf_dir = engine.save_hf(out, tokenizer_dir=model)
     engine.close()

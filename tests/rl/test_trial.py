@@ -7,8 +7,10 @@ import time
 import pytest
 
 from tandem.errors import ConfigError
+from tandem.rl.checkpoints import LoopState, checkpoints_dir, latest_checkpoint, save_checkpoint
 from tandem.rl.config import load_run_config
-from tandem.rl.trial import checkpoint_dir, latest_checkpoint, plan_trial, write_loop_state
+from tandem.rl.trial import plan_trial, relaunch_plan
+from tandem.rollout.frontier import FrontierState
 
 
 @pytest.fixture
@@ -21,6 +23,15 @@ def cfg(tmp_path):
 
 def trial(tmp_path):
     return tmp_path / "e" / "t"
+
+
+def checkpoint(run, step: int, next_index: int, resolved=(), keep: int = 10):
+    """A checkpoint as `tandem train` writes one (its trainer part: one file)."""
+    def trainer_part(directory):
+        directory.mkdir(parents=True)
+        (directory / "train_state.pt").write_bytes(b"x")
+    return save_checkpoint(run, LoopState(step, FrontierState(next_index, tuple(resolved)), seed=1), trainer_part,
+                           keep=keep)
 
 
 def test_a_fresh_trial_starts_at_zero(tmp_path, cfg):
@@ -45,23 +56,46 @@ def test_outputs_without_a_checkpoint_are_refused(tmp_path, cfg):
     assert "train.overwrite=true" in msg and "experiment.trial=t-2" in msg
 
 
-def test_the_latest_complete_checkpoint_is_resumed(tmp_path, cfg):
-    write_loop_state(checkpoint_dir(trial(tmp_path), 2), step=2, cursor=8)
-    write_loop_state(checkpoint_dir(trial(tmp_path), 4), step=4, cursor=16)
-    (checkpoint_dir(trial(tmp_path), 6) / "trainer").mkdir(parents=True)  # died while saving: no loop state
-    (trial(tmp_path) / "metrics.jsonl").write_text('{"step": 5}\n')
-    assert latest_checkpoint(trial(tmp_path)) == checkpoint_dir(trial(tmp_path), 4)
+def test_the_latest_checkpoint_is_resumed(tmp_path, cfg):
+    run = trial(tmp_path)
+    two = checkpoint(run, 2, 8)
+    four = checkpoint(run, 4, 16, resolved=(18, 19))
+    (checkpoints_dir(run) / ".step00000006.partial-123" / "trainer").mkdir(parents=True)  # a save cut short
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    assert latest_checkpoint(run) == four and four.name == "step00000004"
     plan = plan_trial(cfg())
-    assert (plan.resume_from, plan.start_step, plan.cursor, plan.automatic) == (
-        checkpoint_dir(trial(tmp_path), 4), 4, 16, True)
+    assert (plan.resume_from, plan.start_step, plan.loop.frontier, plan.automatic) == (
+        four, 4, FrontierState(16, (18, 19)), True)
     assert "resuming at step 4" in plan.describe()
-    explicit = plan_trial(cfg(f"train.resume_from={checkpoint_dir(trial(tmp_path), 2)}"))
-    assert (explicit.start_step, explicit.cursor, explicit.automatic) == (2, 8, False)
+    explicit = plan_trial(cfg(f"train.resume_from={two}"))
+    assert (explicit.start_step, explicit.loop.frontier.next_index, explicit.automatic) == (2, 8, False)
+
+
+def test_recover_modes(tmp_path, cfg):
+    run = trial(tmp_path)
+    with pytest.raises(ConfigError, match=r"recover.mode=resume: .* has no checkpoint"):
+        plan_trial(cfg("recover.mode=resume"))
+    assert plan_trial(cfg("recover.mode=off")).start_step == 0  # nothing to resume: starts
+    checkpoint(run, 3, 12)
+    assert plan_trial(cfg("recover.mode=resume")).start_step == 3
+    with pytest.raises(ConfigError, match=r"recover.mode=off does not resume: pass train.overwrite=true"):
+        plan_trial(cfg("recover.mode=off"))
+    assert plan_trial(cfg("recover.mode=off", "train.overwrite=true")).start_step == 0
+
+
+def test_a_relaunch_resumes_or_starts_again(tmp_path, cfg):
+    run = trial(tmp_path)
+    (run / "metrics.jsonl").parent.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    fresh = relaunch_plan(cfg())  # failed before its first checkpoint: start again, replacing its outputs
+    assert fresh.start_step == 0 and run / "metrics.jsonl" in fresh.replace
+    checkpoint(run, 2, 8)
+    assert relaunch_plan(cfg()).start_step == 2
 
 
 def test_a_complete_trial_is_refused(tmp_path, cfg):
-    write_loop_state(checkpoint_dir(trial(tmp_path), 10), step=10, cursor=40)
-    with pytest.raises(ConfigError, match=r"is complete: its latest checkpoint \(step000010\) is at step 10 and "
+    checkpoint(trial(tmp_path), 10, 40)
+    with pytest.raises(ConfigError, match=r"is complete: its latest checkpoint \(step00000010\) is at step 10 and "
                                           r"train.total_steps=10. Raise train.total_steps"):
         plan_trial(cfg())
     assert plan_trial(cfg("train.total_steps=12")).start_step == 10
@@ -69,7 +103,7 @@ def test_a_complete_trial_is_refused(tmp_path, cfg):
 
 def test_overwrite_replaces_rl_outputs_only(tmp_path, cfg):
     run = trial(tmp_path)
-    write_loop_state(checkpoint_dir(run, 2), step=2, cursor=8)
+    checkpoint(run, 2, 8)
     for name in ("metrics.jsonl", "summary.txt", "sft-metrics.jsonl", "logs/rollout-0.log"):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("x")
@@ -82,9 +116,9 @@ def test_overwrite_replaces_rl_outputs_only(tmp_path, cfg):
 
 
 def test_overwrite_cannot_delete_the_checkpoint_it_resumes(tmp_path, cfg):
-    write_loop_state(checkpoint_dir(trial(tmp_path), 2), step=2, cursor=8)
+    two = checkpoint(trial(tmp_path), 2, 8)
     with pytest.raises(ConfigError, match=r"train.overwrite=true would delete the checkpoint that train.resume_from"):
-        plan_trial(cfg("train.overwrite=true", f"train.resume_from={checkpoint_dir(trial(tmp_path), 2)}"))
+        plan_trial(cfg("train.overwrite=true", f"train.resume_from={two}"))
 
 
 def test_resume_from_a_directory_that_is_no_checkpoint(tmp_path, cfg):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -11,12 +12,13 @@ from tandem.data.trajectory import Trajectory
 from tandem.fleet.generation import GenerationParams
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.errors import RewardError
+from tandem.rollout.frontier import STREAM_INDEX, sampling_seed, stream_index_of
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
 
 # Item keys the workflow reads itself; everything else goes to the reward function as keywords.
-_RESERVED = ("input_ids", "messages", "prompt", "id")
+_RESERVED = ("input_ids", "messages", "prompt", "id", STREAM_INDEX)
 
 
 def reward_fields(item: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +46,12 @@ class RLVRWorkflow(RolloutWorkflow):
         tokenizer: Any = None,
         max_tokens: int | None = None,
         reward_runner: RewardRunner | None = None,
+        seed: int | None = None,
     ):
+        """`seed` (rollout.seed_sampling): each sample of an item drawn from the run's stream asks
+        for the seed `sampling_seed(seed, stream index, sample)`, so the item drawn again after a
+        resume gets the same tokens; None: the servers' own randomness."""
+        self.seed = seed
         self.reward_fn = reward_fn
         self.params = params or GenerationParams()
         self.n_samples = n_samples
@@ -64,8 +71,8 @@ class RLVRWorkflow(RolloutWorkflow):
         # TaskGroup: if one sample fails, its siblings are cancelled instead of left running.
         async with asyncio.TaskGroup() as tg:
             tasks = [
-                tg.create_task(client.agenerate(ModelRequest(prompt_ids, self.params, max_tokens=self.max_tokens)))
-                for _ in range(self.n_samples)
+                tg.create_task(client.agenerate(ModelRequest(prompt_ids, self._params(item, i), max_tokens=self.max_tokens)))
+                for i in range(self.n_samples)
             ]
         responses = [t.result() for t in tasks]
         prompt_text = item.get("prompt") or self._decode(prompt_ids)
@@ -93,6 +100,12 @@ class RLVRWorkflow(RolloutWorkflow):
             )
             for r, rw in zip(responses, rewards, strict=True)
         ]
+
+    def _params(self, item: dict[str, Any], sample: int) -> GenerationParams:
+        index = stream_index_of(item)
+        if self.seed is None or index is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=sampling_seed(self.seed, index, sample))
 
     def close(self) -> None:
         if self._own_runner:

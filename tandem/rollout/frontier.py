@@ -1,0 +1,80 @@
+"""The trained frontier of a run's item stream, and the sampling seeds derived from it.
+
+A run draws its train items from one ordered stream; each drawn item carries its position in it
+(`item[STREAM_INDEX]`, set by the loader). An item is *resolved* once its episode was handed to
+the trainer or rejected (failed, filtered). The frontier is the lowest position not resolved yet:
+every item before it is done with, for good. A checkpoint saves the frontier and the resolved
+positions beyond it (`FrontierState`); a resumed run draws again from the frontier and skips
+those, so the items that were in flight, queued or ready but untrained at the save are drawn
+again, and none is trained twice or skipped.
+
+`sampling_seed` derives a request's seed from (run seed, stream position, sample index), and
+`continuation_seed` the seed of each call that continues it after an abort: an item drawn again
+after a resume asks the servers for the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+STREAM_INDEX = "stream_index"  # the key a loader sets on each item it draws
+MAX_SEED = 2**63 - 1  # servers take signed 64-bit seeds
+
+
+def stream_index_of(item: Any) -> int | None:
+    """The item's position in the run's stream, or None (not drawn from one)."""
+    if isinstance(item, dict) and isinstance(item.get(STREAM_INDEX), int):
+        return int(item[STREAM_INDEX])
+    return None
+
+
+@dataclass(frozen=True)
+class FrontierState:
+    next_index: int = 0  # every position below is resolved
+    resolved: tuple[int, ...] = field(default_factory=tuple)  # resolved positions above next_index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"next_index": self.next_index, "resolved": list(self.resolved)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FrontierState:
+        return cls(int(data["next_index"]), tuple(sorted(int(i) for i in data.get("resolved", ()))))
+
+
+class DrawFrontier:
+    """Tracks resolved positions (callers serialise access: the executor's lock)."""
+
+    def __init__(self, state: FrontierState | None = None):
+        state = state or FrontierState()
+        self._next = state.next_index
+        self._resolved = {i for i in state.resolved if i >= self._next}
+        self.trained = 0  # items handed to the trainer (resolve(..., trained=True)) since the start
+
+    def resolve(self, index: int, trained: bool = False) -> None:
+        self.trained += trained
+        if index < self._next:
+            return
+        self._resolved.add(index)
+        while self._next in self._resolved:
+            self._resolved.remove(self._next)
+            self._next += 1
+
+    def state(self) -> FrontierState:
+        return FrontierState(self._next, tuple(sorted(self._resolved)))
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & MAX_SEED
+
+
+def sampling_seed(run_seed: int, stream_index: int, sample: int) -> int:
+    """The seed of sample `sample` of the item at `stream_index` in the run seeded `run_seed`."""
+    return _hash(f"{run_seed}:{stream_index}:{sample}")
+
+
+def continuation_seed(seed: int, tokens_before: int) -> int:
+    """The seed of a call that continues a seeded request after `tokens_before` tokens (resubmitted
+    after an abort): fresh randomness, yet the same in every rerun that aborts there."""
+    return seed if tokens_before == 0 else _hash(f"{seed}+{tokens_before}")
