@@ -240,7 +240,7 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     """One step; returns its stats. `step` is the weight version the trainer holds before it."""
     dp = trainer.dp_size
     t0 = time.monotonic()
-    kill_point("rollout", step + 1, delay_s=0.3)
+    kill_point("rollout", step + 1, delay_s=0.05)
     trajs = controller.prepare_batch(loader, workflow)
     t1 = time.monotonic()
     batch, stats = build_training_batch(trajs, cfg.algo, version=step)

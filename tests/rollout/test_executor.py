@@ -320,3 +320,37 @@ def test_shutdown_with_rewards_in_flight_leaves_no_task_behind(make_server):
     print(f"closed with rewards in flight in {took:.2f}s; unraisable: {unraisable}")
     assert not unraisable
     assert took < 5
+
+
+class IndexedGenerate(RolloutWorkflow):
+    """Items are dicts tagged with their stream position (as `CursorLoader` draws them); the
+    item at position 3 is rejected."""
+
+    async def arun_episode(self, client, item):
+        if item["stream_index"] == 3:
+            return None
+        resp = await client.agenerate(ModelRequest([1, 2 + item["stream_index"]], GenerationParams(max_new_tokens=2)))
+        return resp.to_trajectory(prompt_id=str(item["stream_index"]))
+
+
+@pytest.mark.parametrize("order", ["dispatch", "completion"])
+def test_the_frontier_counts_what_was_handed_out_or_rejected(make_server, make_executor, order):
+    """What a checkpoint saves: items handed to the trainer or rejected are done with; the ones
+    queued, running or ready but not handed out are not (a resumed run draws them again)."""
+    from tandem.rl.data import CursorLoader
+
+    server = make_server(token_delay_s=0.01)
+    ex = make_executor([server.address], max_concurrent_rollouts=8, consumer_batch_size=2, max_staleness=1,
+                       order=order)
+    loader = CursorLoader([{"id": i} for i in range(50)])
+    first = ex.prepare_batch(loader, IndexedGenerate(), timeout=10)
+    if order == "dispatch":
+        assert [t.stream_index for t in first] == [0, 1]
+    handed = {t.stream_index for t in first + ex.wait(1, timeout=10)}
+    deadline = time.monotonic() + 10
+    while ex.stats()["rejected"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    state = ex.frontier()
+    assert set(range(state.next_index)) | set(state.resolved) == handed | {3}
+    assert loader.cursor > state.next_index + len(state.resolved)  # drawn ahead but not done with
