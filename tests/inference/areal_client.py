@@ -5,7 +5,11 @@ tests that replay what AReaL sends against a real `tandem serve`."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import socket
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -87,3 +91,39 @@ def free_port() -> int:
 def bucket_request(tensors: list[tuple[str, torch.Tensor]]) -> dict:
     return {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).split("torch.")[1] for _, t in tensors],
             "shapes": [list(t.shape) for _, t in tensors], "group_name": GROUP, "abort_all_requests": True}
+
+
+@contextlib.contextmanager
+def areal_group_update(server) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+    """AReaL's distributed update of `server` (a `ServerProcess`): the init request sent first and
+    the trainer (`areal_trainer`, a spawned process) joining, `/pause_generation {}`; yields
+    `send(bucket)`, which posts one bucket's request and broadcasts its tensors, checking both
+    succeeded; on leaving, `/continue_generation {}` and the trainer leaves."""
+    ctx = mp.get_context("spawn")
+    cmd_q, result_q = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    trainer = ctx.Process(target=areal_trainer, args=(port, cmd_q, result_q), daemon=True)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            init = pool.submit(server.ok, "/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
+                "backend": "gloo", "group_name": GROUP})
+            trainer.start()
+            assert result_q.get(timeout=60) == ("joined", None)
+            assert init.result(60)["success"] is True
+            assert server.ok("/pause_generation", {})["success"] is True
+
+            def send(bucket: list[tuple[str, torch.Tensor]]) -> None:
+                answer = pool.submit(server.ok, "/update_weights_from_distributed", bucket_request(bucket))
+                cmd_q.put([t.contiguous() for _, t in bucket])
+                assert result_q.get(timeout=60) == ("sent", len(bucket))
+                assert answer.result(60)["success"] is True
+
+            yield send
+            assert server.ok("/continue_generation", {})["success"] is True
+            cmd_q.put(None)
+            trainer.join(30)
+            assert trainer.exitcode == 0
+    finally:
+        if trainer.is_alive():
+            trainer.kill()

@@ -19,14 +19,11 @@ Written from AReaL's code (inclusionAI/AReaL at 4aef98d), not from our server's:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.verify import tensor_checksum
-from tests.inference.areal_client import GROUP, areal_trainer, bucket_request, free_port
+from tests.inference.areal_client import GROUP, areal_group_update
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess
 
@@ -48,35 +45,13 @@ def test_areal_trainer_updates_tandem_serve_in_two_partial_buckets(server, qwen3
     def served() -> dict[str, str]:
         return server.ok("/get_weights_checksum", {})["checksums"]
 
-    ctx = mp.get_context("spawn")
-    cmd_q, result_q = ctx.Queue(), ctx.Queue()
-    port = free_port()
-    trainer = ctx.Process(target=areal_trainer, args=(port, cmd_q, result_q), daemon=True)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            init = pool.submit(server.ok, "/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
-                "backend": "gloo", "group_name": GROUP})
-            trainer.start()
-            assert result_q.get(timeout=60) == ("joined", None)
-            assert init.result(60)["success"] is True
-            server.ok("/pause_generation", {})
-            for k, bucket in enumerate((first, second)):
-                answer = pool.submit(server.ok, "/update_weights_from_distributed", bucket_request(bucket))
-                cmd_q.put([t.contiguous() for _, t in bucket])
-                assert result_q.get(timeout=60) == ("sent", len(bucket))
-                assert answer.result(60)["success"] is True
-                sums = served()
-                # Each call's tensors are in place at once (SGLang's semantics), the rest untouched.
-                done = {n for part in (first, second)[: k + 1] for n, _ in part}
-                assert {n for n, _ in new if sums[n] == want[n]} == done
-            server.ok("/continue_generation", {})
-            cmd_q.put(None)
-            trainer.join(30)
-            assert trainer.exitcode == 0
-    finally:
-        if trainer.is_alive():
-            trainer.kill()
+    with areal_group_update(server) as send:
+        for k, bucket in enumerate((first, second)):
+            send(bucket)
+            sums = served()
+            # Each call's tensors are in place at once (SGLang's semantics), the rest untouched.
+            done = {n for part in (first, second)[: k + 1] for n, _ in part}
+            assert {n for n, _ in new if sums[n] == want[n]} == done
     assert served() == want
     server.ok("/destroy_weights_update_group", {"group_name": GROUP})
     out = server.ok("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})

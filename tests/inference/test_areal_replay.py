@@ -16,7 +16,6 @@ sequence. Every logprob is checked against the trainer's recompute with the weig
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ import torch
 from tandem.models import load_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.verify import tensor_checksum
-from tests.inference.areal_client import GROUP, areal_generate_body, areal_trainer, bucket_request, free_port
+from tests.inference.areal_client import areal_generate_body, areal_group_update
 from tests.inference.conftest import make_model_dir, prompts
 from tests.inference.server_utils import ServerProcess, wait_for
 from tests.inference.test_parity import teacher_forced_logprobs
@@ -127,31 +126,9 @@ def test_areal_run_replayed(server, qwen3_dir):
     # -- the weight-update group, two partial buckets --------------------------------------------
     tensors = list(iter_hf_tensors(group_model))
     halves = (tensors[: len(tensors) // 2], tensors[len(tensors) // 2:])
-    ctx = mp.get_context("spawn")
-    cmd_q, result_q = ctx.Queue(), ctx.Queue()
-    port = free_port()
-    trainer = ctx.Process(target=areal_trainer, args=(port, cmd_q, result_q), daemon=True)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            init = pool.submit(server.ok, "/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
-                "backend": "gloo", "group_name": GROUP})
-            trainer.start()
-            assert result_q.get(timeout=60) == ("joined", None)
-            assert init.result(60)["success"] is True
-            assert server.ok("/pause_generation", {})["success"] is True
-            for bucket in halves:
-                answer = pool.submit(server.ok, "/update_weights_from_distributed", bucket_request(bucket))
-                cmd_q.put([t.contiguous() for _, t in bucket])
-                assert result_q.get(timeout=60) == ("sent", len(bucket))
-                assert answer.result(60)["success"] is True
-            assert server.ok("/continue_generation", {})["success"] is True
-            cmd_q.put(None)
-            trainer.join(30)
-            assert trainer.exitcode == 0
-    finally:
-        if trainer.is_alive():
-            trainer.kill()
+    with areal_group_update(server) as send:
+        for bucket in halves:
+            send(bucket)
     served = server.ok("/get_weights_checksum", {})["checksums"]
     assert served == {n: tensor_checksum(t.contiguous()) for n, t in tensors}
 
