@@ -68,8 +68,10 @@ def latest(root: Path) -> str:
 def reference(model_dir, tmp_path_factory):
     """The on-policy run, left alone."""
     root = tmp_path_factory.mktemp("reference")
+    began = time.time()
     proc = launch(config(root, model_dir, 0))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (root / "first-step-s").write_text(str(min(r["time"] for r in rl_rows(root) if r["step"] == 1) - began))
     return root
 
 
@@ -86,9 +88,13 @@ def test_killed_anywhere_the_rerun_is_bit_identical(reference, model_dir, tmp_pa
         resumes.append((kill, time.monotonic() - began))
     leftovers = [p.name for p in checkpoints_dir(run_dir(tmp_path)).iterdir() if ".partial-" in p.name]
     assert leftovers, "the killed checkpoint write left no partial directory"
+    began = time.time()
     proc = launch(cfg)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming at step 3" in proc.stderr
+    first_new = min(r["time"] for r in rl_rows(tmp_path) if r["step"] == 4)
+    print(f"resume: {first_new - began:.1f} s from launch to the first new step's row "
+          f"(from scratch: {float((reference / 'first-step-s').read_text()):.1f} s to step 1)")
     log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
     resumed = [line for line in log.splitlines() if "resumed at step" in line]
     print("\n".join(resumed[-5:]))
