@@ -4,9 +4,11 @@ a venv that exists but whose server does not come up fails them."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,3 +77,16 @@ def vllm_server(tmp_path_factory, small_model, vllm_python_path):
         yield VLLMServer(spec.url, model, MODEL_NAME)
     finally:
         vllm.stop(proc)
+
+
+def wait_running(url: str, timeout_s: float = 60.0) -> None:
+    """Until the server at `url` reports a running request (its Prometheus gauge
+    `vllm:num_requests_running`): a test pauses it only once generation is under way."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        if any(float(v) > 0 for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no request was running at {url} within {timeout_s:.0f}s")

@@ -16,15 +16,16 @@ import torch
 import transformers
 
 from tandem.fleet import ops
-from tandem.fleet.adapters import UnsupportedOperation, VLLMAdapter
+from tandem.fleet.adapters import UnsupportedOperation
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.http import HttpFleet
+from tandem.fleet.vllm_adapter import VLLMAdapter
 from tandem.models import load_model
 from tandem.models.tied_head import write_tied_output_head
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
-from tests.engines.conftest import init_model
+from tests.engines.conftest import init_model, wait_running
 
 PROMPTS = ([5, 9, 13], [40, 2, 7, 7, 100, 3], [11] * 20, [300, 301, 302, 303, 304, 305, 306, 307])
 
@@ -105,13 +106,14 @@ def test_pause_resume_with_a_running_request(vllm_server):
     thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
         thread.start()
-        time.sleep(0.5)
+        wait_running(vllm_server.url)
+        time.sleep(0.2)  # some tokens before the pause
         fleet.send(ops.PAUSE, ops.PauseGeneration()).result(30)
         assert get(vllm_server, "/is_paused") == {"is_paused": True}
         fleet.send(ops.SET_VERSION, ops.SetVersion(1)).result(30)
         version.set(1)
         time.sleep(1.0)
-        assert thread.is_alive(), "the request finished while the server was paused"
+        assert thread.is_alive(), f"the request finished while the server was paused: {result}"
         fleet.send(ops.CONTINUE, ops.ContinueGeneration()).result(30)
         thread.join(120)
     assert get(vllm_server, "/weight_info") == {"weight_version": "1"}

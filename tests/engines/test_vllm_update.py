@@ -17,17 +17,17 @@ import torch
 import transformers
 
 from tandem.fleet import ops
-from tandem.fleet.adapters import VLLMAdapter
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.http import HttpFleet
 from tandem.fleet.results import FleetResult
+from tandem.fleet.vllm_adapter import VLLMAdapter
 from tandem.models import load_model
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import WeightSyncError
 from tandem.weights.updater import WeightUpdater
-from tests.engines.conftest import init_model
+from tests.engines.conftest import init_model, wait_running
 from tests.engines.test_vllm import PROMPTS, client_for, generate, get, recomputed
 from tests.weights.common import CheckpointSource
 
@@ -151,7 +151,8 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
     source = CheckpointSource(other_model)
     thread.start()
     try:
-        time.sleep(1.0)
+        wait_running(vllm_server.url)
+        time.sleep(0.5)  # some tokens at version 0
         with fleet_for(vllm_server) as http:
             meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
             with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
