@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tandem.rl.checkpoints import LATEST, TRAINER, checkpoint_name, checkpoints_dir
+from tests.launch.procs import CHILD_ENV
 from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 STEPS = 4
@@ -34,13 +35,16 @@ def config(root: Path, model: Path, staleness: int, **train) -> Path:
         actor={"backend": "archon:d1", "deterministic": True},
         rollout={"backend": "tandem:d1", "max_head_offpolicyness": staleness, "seed_sampling": True},
         train={"total_steps": STEPS, "save_every": 1, "weight_sync": "distributed", **train},
+        # A reward the tiny random model earns half the time (the last token's parity): groups differ,
+        # so every step has advantages, a loss and a gradient to reproduce (arithmetic would give 0).
+        task={"reward_fn": "tests.rollout.rewards:parity_reward"},
     )
 
 
 def launch(cfg: Path, kill: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`tandem train cfg` in a process group of its own; `kill`: `phase@step` where it SIGKILLs
     that group (its servers and trainer ranks included)."""
-    env = {k: v for k, v in os.environ.items() if k != "TANDEM_FAULT_KILL"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TANDEM_FAULT_KILL"}, **CHILD_ENV}  # imports tests.*
     if kill:
         env["TANDEM_FAULT_KILL"] = kill
     return subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=timeout, env=env,
@@ -100,10 +104,12 @@ def test_killed_anywhere_the_rerun_is_bit_identical(reference, model_dir, tmp_pa
     print("\n".join(resumed[-5:]))
     assert len(resumed) >= 4
     got, want = by_step(tmp_path), by_step(reference)
+    assert all(want[step]["train/grad_norm"] > 0 for step in want), "no learning signal: nothing to reproduce"
     for step in range(1, STEPS + 1):
         assert got[step]["data/prompt_ids"] == want[step]["data/prompt_ids"], step
         assert got[step]["train/loss"] == want[step]["train/loss"], step  # bit-identical (JSON keeps every bit)
         assert got[step]["reward/mean"] == want[step]["reward/mean"], step
+        assert got[step]["train/grad_norm"] == want[step]["train/grad_norm"], step
     mine, theirs = final_weights(tmp_path, tmp_path), final_weights(reference, tmp_path)
     assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert [p.name for p in checkpoints_dir(run_dir(tmp_path)).iterdir() if p.name.startswith("step")] == \
@@ -146,7 +152,7 @@ def test_retries_relaunch_a_job_whose_trainer_rank_died(model_dir, tmp_path):
     cfg_data["recover"] = {"retries": 1}
     cfg.write_text(json.dumps(cfg_data))
     proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **CHILD_ENV})
     try:
         deadline = time.monotonic() + 180
         while not any(r["step"] >= 1 for r in rl_rows(tmp_path)):
