@@ -149,3 +149,13 @@ def test_disk_update_serves_the_trainers_weights(vllm_server, tmp_path):
                     want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
                 assert r.output_ids == want[0, len(ids):].tolist(), (version, ids)
                 assert r.output_versions == [version] * 12
+
+
+def test_a_seeded_request_draws_the_same_tokens(vllm_server):
+    """rollout.seed_sampling reaches vLLM as `seed`: the same seed, the same tokens (T = 1)."""
+    def sample(seed: int) -> list[int]:
+        params = GenerationParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, seed=seed)
+        return generate(client_for(vllm_server), [ModelRequest(list(PROMPTS[1]), params)])[0].output_ids
+
+    first = sample(11)
+    assert sample(11) == first and sample(12) != first

@@ -64,3 +64,19 @@ def test_client_config_carries_the_layout_across_processes():
 
     config = ClientConfig(route_layout=LAYOUT)
     assert ClientConfig(**asdict(config)).route_layout == LAYOUT
+
+
+def test_a_request_seed_reaches_every_server_kind_under_its_name():
+    """rollout.seed_sampling: SGLang's (and tandem serve's) `sampling_params.sampling_seed`, vLLM's `seed`;
+    a call that continues a seeded request after an abort gets a seed of its own, the same in every rerun."""
+    from tandem.rollout.frontier import continuation_seed, sampling_seed
+
+    seed = sampling_seed(1, 40, 3)
+    assert seed == sampling_seed(1, 40, 3) and len({seed, sampling_seed(1, 40, 2), sampling_seed(2, 40, 3)}) == 3
+    assert 0 <= seed < 2**63
+    for kind in ("sglang", "tandem"):
+        body = adapter_for(kind).generate_body("r", [1], GenerationParams(seed=seed), 4)
+        assert body["sampling_params"]["sampling_seed"] == seed
+        assert "sampling_seed" not in adapter_for(kind).generate_body("r", [1], GenerationParams(), 4)["sampling_params"]
+    assert adapter_for("vllm").generate_body("r", [1], GenerationParams(seed=seed), 4)["seed"] == seed
+    assert continuation_seed(seed, 0) == seed and continuation_seed(seed, 7) == continuation_seed(seed, 7) != seed
