@@ -103,8 +103,10 @@ def test_kill_join_and_replace_in_a_running_job(tmp_path, model_dir):
     assert last["fleet/evicted_total"] == 1 and last["fleet/joined_total"] == 2, last  # the replacement + joiner
     assert last["fleet/healthy"] == 4
     assert "rollout-1 (" in err and "exited (killed by SIGKILL); it leaves the fleet" in err
-    # The joiner went through the join path and served requests.
-    assert seen[joiner.url] >= {"warming", "healthy"}, seen[joiner.url]
+    # The joiner went through the join path (warming lasts well under the 1 s the states are polled
+    # at, so the controller's log says it) and served requests.
+    assert "healthy" in seen[joiner.url], seen[joiner.url]
+    assert f"{joiner.url} answers; warming up" in err and f"{joiner.url} joined the fleet at version" in err
     assert served > 0
     # After the run: the joiner holds the last version, and its weights passed every verification.
     request = urllib.request.Request(joiner.url + "/get_weight_version", headers={"Authorization": f"Bearer {api_key}"})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.rl.checkpoints import write_pointer
 from tests.launch.procs import CHILD_ENV, descendants, listening_sockets, wait_gone
 from tests.rl.common import TANDEM, run_dir, write_config
 
@@ -97,7 +98,8 @@ def test_second_launch_into_a_trial(tmp_path, model_dir):
     fresh = train(cfg, "train.overwrite=true", "train.save_every=1")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert [r["step"] for r in all_rows(tmp_path)] == [0, 1, 2]
-    assert sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir()) == ["step000001", "step000002"]
+    assert sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir()) == [
+        "LATEST", "step00000001", "step00000002"]
 
     launched = time.time()
     resumed = train(cfg, "train.save_every=1", "train.total_steps=3")
@@ -115,9 +117,11 @@ def test_resume_replaces_the_redone_steps(tmp_path, model_dir):
     steps this run trained."""
     cfg = write_config(tmp_path, model_dir, train={"total_steps": 4, "save_every": 2})
     assert train(cfg).returncode == 0
-    shutil.rmtree(run_dir(tmp_path) / "checkpoints" / "step000004")  # as if it died before this checkpoint
+    # As if it died before this checkpoint: step 4's directory never renamed into place, LATEST on step 2.
+    shutil.rmtree(run_dir(tmp_path) / "checkpoints" / "step00000004")
+    write_pointer(run_dir(tmp_path) / "checkpoints" / "LATEST", "step00000002")
     assert [r["step"] for r in all_rows(tmp_path)] == [0, 1, 2, 3, 4]
-    ckpt = run_dir(tmp_path) / "checkpoints" / "step000002"
+    ckpt = run_dir(tmp_path) / "checkpoints" / "step00000002"
     resumed = train(cfg, f"train.resume_from={ckpt}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [r["step"] for r in all_rows(tmp_path)]
@@ -186,7 +190,7 @@ def test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c(tmp_path, model_dir
         assert rc == 130
         assert took < 5
         assert "Traceback" not in text and "Exception ignored" not in text
-        assert re.search(r"interrupted after step \d+ of 500\. The latest checkpoint is .*step\d{6}: run the same "
+        assert re.search(r"interrupted after step \d+ of 500\. The latest checkpoint is .*step\d{8}: run the same "
                          r"command again to resume from it", text)
         assert not wait_gone(tree), "processes left behind after Ctrl-C"
     finally:
