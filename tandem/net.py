@@ -53,3 +53,15 @@ def bound_tcp_store(host: str, port: int, *, world_size: int | None = None,
         raise
     sock.detach()  # the store closes the descriptor; the Python object must not
     return store
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches `host` (the route the kernel picks;
+    nothing is sent): what a process should bind and advertise to a peer at `host`. Loopback for
+    a loopback `host`."""
+    if is_loopback(host):
+        return "::1" if ":" in host.strip("[]") else "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), 9))  # UDP connect: a route lookup, no packet
+        return probe.getsockname()[0]

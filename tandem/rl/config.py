@@ -152,6 +152,21 @@ class TrainConfig:
 
 
 @dataclass
+class ClusterConfig:
+    host_ip: str = _f("127.0.0.1", "This host's address that the run advertises to servers on other hosts (the weight-update "
+                                   "group's store and transfers listen on it); 127.0.0.1 keeps the run on this machine.")
+
+    def check(self, prefix: str) -> None:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(self.host_ip)
+        except ValueError:
+            raise ConfigError(f"{prefix}host_ip: {self.host_ip!r} is not an IP address; give this host's address on "
+                              "the network the servers are on, e.g. 10.0.0.2 (127.0.0.1: one machine)") from None
+
+
+@dataclass
 class RecoverConfig:
     mode: str = _f("auto", "auto: a launch into a trial with a checkpoint continues from checkpoints/LATEST; "
                            "resume: requires one; off: refuses a trial with checkpoints (unless train.overwrite=true).",
@@ -206,6 +221,7 @@ class TandemConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @classmethod
     def defaults_for(cls, data: dict[str, Any]) -> TandemConfig:

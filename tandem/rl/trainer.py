@@ -103,6 +103,7 @@ def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
         path=str(weights) if cfg.train.weight_sync == "disk" else None,
         bucket_bytes=cfg.train.bucket_mb * 1024**2,
         backend="nccl" if cfg.experiment.device == "cuda" else "gloo",
+        master_address=cfg.cluster.host_ip,
         warmup_dir=str(weights),
     )
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.errors import TandemError
-from tandem.net import bound_tcp_store
+from tandem.net import address_towards, bound_tcp_store
 
 DEFAULT_TIMEOUT_S = 60.0
 BACKENDS = ("gloo", "nccl")
@@ -128,7 +128,7 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
             connect_store(master_address, master_port, timeout_s, world_size=world_size)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        pg = _make_process_group(store, group_name, rank, world_size, backend, timeout)
+        pg = _make_process_group(store, group_name, rank, world_size, backend, timeout, address_towards(master_address))
     except WeightGroupError:
         raise
     except Exception as exc:
@@ -137,13 +137,18 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
 
 
 def _make_process_group(store: Any, name: str, rank: int, world_size: int, backend: str,
-                        timeout: datetime.timedelta) -> Any:
+                        timeout: datetime.timedelta, local_address: str) -> Any:
     """The group under torch's key layout for a group called `name` created on
-    `PrefixStore(name, store)` (what SGLang's and AReaL's `init_custom_process_group` do)."""
+    `PrefixStore(name, store)` (what SGLang's and AReaL's `init_custom_process_group` do).
+    gloo's pairs listen on `local_address`: gloo's default is the address the machine's hostname
+    resolves to, often loopback, which peers on another host (or network namespace) cannot reach."""
     group_store = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
     pg = dist.ProcessGroup(group_store, rank, world_size)
     if backend == "gloo":
-        be = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+        be = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, opts)
         kind, devices = dist.ProcessGroup.BackendType.GLOO, ("cpu", "cuda")
     else:
         opts = dist.ProcessGroupNCCL.Options()
