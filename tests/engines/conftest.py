@@ -79,14 +79,19 @@ def vllm_server(tmp_path_factory, small_model, vllm_python_path):
         vllm.stop(proc)
 
 
-def wait_running(url: str, timeout_s: float = 60.0) -> None:
-    """Until the server at `url` reports a running request (its Prometheus gauge
-    `vllm:num_requests_running`): a test pauses it only once generation is under way."""
+def generated_tokens(url: str) -> float:
+    """The server's count of generated tokens so far (its Prometheus counter `vllm:generation_tokens`)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def wait_generating(url: str, since: float, tokens: int = 20, timeout_s: float = 60.0) -> None:
+    """Until the server generated `tokens` more than `since` (`generated_tokens` before the request
+    started): a test pauses it only once its request is decoding. (The `vllm:num_requests_running`
+    gauge is no such sign: it keeps its last value while the engine is idle.)"""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        if any(float(v) > 0 for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no request was running at {url} within {timeout_s:.0f}s")
+    while generated_tokens(url) < since + tokens:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} generated fewer than {tokens} tokens within {timeout_s:.0f}s")
+        time.sleep(0.02)

@@ -25,7 +25,7 @@ from tandem.models.tied_head import write_tied_output_head
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
-from tests.engines.conftest import init_model, wait_running
+from tests.engines.conftest import generated_tokens, init_model, wait_generating
 
 PROMPTS = ([5, 9, 13], [40, 2, 7, 7, 100, 3], [11] * 20, [300, 301, 302, 303, 304, 305, 306, 307])
 
@@ -105,9 +105,9 @@ def test_pause_resume_with_a_running_request(vllm_server):
     result: list[ModelResponse] = []
     thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
+        before = generated_tokens(vllm_server.url)
         thread.start()
-        wait_running(vllm_server.url)
-        time.sleep(0.2)  # some tokens before the pause
+        wait_generating(vllm_server.url, before)
         fleet.send(ops.PAUSE, ops.PauseGeneration()).result(30)
         assert get(vllm_server, "/is_paused") == {"is_paused": True}
         fleet.send(ops.SET_VERSION, ops.SetVersion(1)).result(30)

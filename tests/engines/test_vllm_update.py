@@ -7,7 +7,6 @@ token's logprob matches the model of the version it is labelled with."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -27,7 +26,7 @@ from tandem.rollout.version import WeightVersion
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import WeightSyncError
 from tandem.weights.updater import WeightUpdater
-from tests.engines.conftest import init_model, wait_running
+from tests.engines.conftest import generated_tokens, init_model, wait_generating
 from tests.engines.test_vllm import PROMPTS, client_for, generate, get, recomputed
 from tests.weights.common import CheckpointSource
 
@@ -149,10 +148,10 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
     # Read before generation starts: torch's two threads here and vLLM's busy core slow each other
     # down tenfold (the request could finish first).
     source = CheckpointSource(other_model)
+    before = generated_tokens(vllm_server.url)
     thread.start()
     try:
-        wait_running(vllm_server.url)
-        time.sleep(0.5)  # some tokens at version 0
+        wait_generating(vllm_server.url, before)
         with fleet_for(vllm_server) as http:
             meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
             with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
