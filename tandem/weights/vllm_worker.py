@@ -28,13 +28,14 @@ Limit: one worker per server (tensor and pipeline parallel size 1): a group memb
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.errors import CheckpointError
+from tandem.models.hf_checkpoint import read_tensor_shapes
 from tandem.weights.group import WeightGroup, WeightGroupError, dtype_from_name, init_weight_group
 from tandem.weights.receive import receive, receive_flat
 
@@ -68,13 +69,11 @@ def _answer(ok: bool, message: str) -> dict[str, Any]:
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in an HF checkpoint directory's safetensors files (headers only)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    """Name -> shape of every tensor in an HF checkpoint directory (file headers only)."""
+    try:
+        shapes = {name: shape for name, (shape, _) in read_tensor_shapes(path).items()}
+    except CheckpointError as exc:
+        raise ReceiveError(str(exc)) from exc
     if not shapes:
         raise ReceiveError(f"{str(path)!r} holds no *.safetensors tensors")
     return shapes
