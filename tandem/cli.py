@@ -281,6 +281,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host-towards", default=None, metavar="ADDR",
+                   help="bind this host's address on the interface that routes to ADDR (overrides --host): how "
+                        "a scheduler that places the server on some node has it listen where the controller "
+                        "reaches it")
     p.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one (printed on startup)")
     p.add_argument("--api-key", default=os.environ.get(ENV_SERVE_API_KEY) or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
@@ -333,6 +337,10 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tandem.inference.server import ServerArgs, serve
 
+    if args.host_towards:  # a scheduler on another host: bind the address the controller reaches
+        from tandem.net import address_towards
+
+        args.host = address_towards(args.host_towards)
     return serve(ServerArgs.from_namespace(args))
 
 

@@ -65,3 +65,27 @@ def address_towards(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((host.strip("[]"), 9))  # UDP connect: a route lookup, no packet
         return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's interface that holds the IPv4 `address` ('lo' for 127.0.0.1),
+    or None (IPv6, or no interface has it): what GLOO_SOCKET_IFNAME needs to bind there."""
+    import fcntl
+    import struct
+
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if raw[20:24] == wanted:
+                return name
+    if ipaddress.ip_address(address).is_loopback:
+        return next((n for _, n in socket.if_nameindex() if n == "lo"), None)
+    return None

@@ -1,8 +1,10 @@
-"""One child process of a launcher: its own session, its output in a log file, a pidfd to wait on.
+"""What a scheduler sees of a process it started, and one child process of this one.
 
-`ManagedProcess` is what `LocalScheduler` (and the RPC layer, through `WorkerProcess`) sees of a
-child: exit status, the lines this launch wrote to its log (a role's log is appended to by every
-launch into the same run directory), process-group signals.
+`LaunchedProcess` is the interface every scheduler's processes have (the RPC layer needs its
+`WorkerProcess` subset): a sentinel to wait on, exit status, the lines this launch wrote to its log
+(a role's log is appended to by every launch into the same run directory), signals to its process
+group, and where it runs. `ManagedProcess` is the local one: a child in its own session, its output
+in a log file, a pidfd as its sentinel (`LocalScheduler`, and `srun` for `SlurmScheduler`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,6 +36,39 @@ def describe_returncode(rc: int | None) -> str:
         except ValueError:
             return f"killed by signal {-rc}"
     return f"exit code {rc}"
+
+
+class LaunchedProcess(Protocol):
+    """One process of a role, wherever a scheduler started it."""
+
+    name: str  # the role, e.g. rollout-0, actor-rank1
+    pid: int | None  # on its own host
+    log_path: Path
+    log_start: int  # where this launch's lines begin in log_path
+    started: float  # time.monotonic() at launch
+    placement: str  # where it runs, in words ("this host, pid 12", "node1, job 34.0")
+
+    @property
+    def sentinel(self) -> int:
+        """A descriptor that becomes readable once the process has ended (-1 once released)."""
+        ...
+
+    def poll(self) -> int | None: ...
+    def exit_status(self, wait_s: float = 0.0) -> str: ...
+    def log_tail(self, lines: int = 40) -> str: ...
+    def describe(self, what: str, lines: int = 40) -> str: ...
+    def signal_group(self, sig: int) -> None: ...
+    def group_alive(self) -> bool: ...
+    def reap(self, timeout_s: float) -> None: ...
+    def release(self) -> None: ...
+
+    def waiting_reason(self) -> str:
+        """Why it may not have started yet ('; job 12 is PENDING (Resources)'), or ''."""
+        ...
+
+    def placed(self, hostname: str, address: str, pid: int, where: str) -> None:
+        """What the process said of itself once it ran (a worker rank's hello)."""
+        ...
 
 
 class ManagedProcess:
@@ -61,6 +97,7 @@ class ManagedProcess:
         else:
             self._sentinel = os.pidfd_open(self.popen.pid)
         self.started = time.monotonic()
+        self.placement = f"this host, pid {self.pid}"
 
     @property
     def sentinel(self) -> int:
@@ -96,6 +133,18 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
 
+    def reap(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout_s)
+
+    def waiting_reason(self) -> str:
+        return ""
+
+    def placed(self, hostname: str, address: str, pid: int, where: str) -> None:
+        self.placement = f"this host, pid {pid}" if pid == self.pid else f"{hostname} ({address}), pid {pid}"
+        if where:
+            self.placement += f", {where}"
+
     def group_alive(self) -> bool:
         try:
             os.killpg(self.popen.pid, 0)
@@ -117,7 +166,7 @@ class ManagedProcess:
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): .*")
 
 
-def last_error_line(proc: ManagedProcess) -> str | None:
+def last_error_line(proc: LaunchedProcess) -> str | None:
     """The last 'SomeError: message' line of a log (the exception a traceback ended with)."""
     for line in reversed(proc.log_tail(200).splitlines()):
         if _ERROR_LINE.match(line.strip()):

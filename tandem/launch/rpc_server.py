@@ -1,13 +1,14 @@
 """The worker side of the RPC layer: a worker process's life, and serving one object.
 
 `serve_from_environment(build)` is the whole life of a worker process a scheduler started: it
-applies the CPU pinning (`TANDEM_CPUS`), arms the parent-death signal (`TANDEM_PARENT_PID`), takes
-the run's RPC key (`TANDEM_RPC_AUTHKEY`) and the ready pipe (`TANDEM_RPC_READY_FD`) out of the
-environment, calls `build()` (e.g. joining torch.distributed: the port is announced only after
-it, so a scheduler's start waits for the whole group), listens on an ephemeral 127.0.0.1 port,
-writes it to the pipe, accepts the controller's authenticated connection and serves the object
-until the controller disconnects or a method returns `ExitAfterReply`; then `os._exit(0)`
-(interpreter teardown after collectives sometimes aborts; the reply has been sent by then).
+applies the CPU pinning (`TANDEM_CPUS`), arms the parent-death signal (`TANDEM_PARENT_PID`, when
+the controller is this process's parent), takes the run's RPC key (`TANDEM_RPC_AUTHKEY`) out of the
+environment, joins the controller's rendezvous (`TANDEM_RPC_CONNECT`: connect, hello, learn
+MASTER_ADDR/PORT; `tandem.launch.rendezvous`), calls `build()` (e.g. joining torch.distributed: the
+rank says ready only after it, so a scheduler's start waits for the whole group) and serves the
+object on that connection until the controller disconnects or a method returns `ExitAfterReply`;
+then `os._exit(0)` (interpreter teardown after collectives sometimes aborts; the reply has been
+sent by then).
 
 `serve(conn, obj)` answers the controller's requests with `obj`'s public methods, one at a time,
 in the calling (main) thread. See `rpc.py` for the controller side, `rpc_wire.py` for messages.
@@ -19,17 +20,18 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
-from multiprocessing.context import AuthenticationError
+from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 from tandem.launch.affinity import apply_cpu_affinity_from_env
 from tandem.launch.guard import die_with_parent
+from tandem.launch.rendezvous import ENV_CONNECT, READY, join_controller
 from tandem.launch.rpc_wire import ERR, OK, Channel, dumps, failure_of
 
-# What a scheduler puts in a worker's environment (read by `serve_from_environment`).
+# What a scheduler puts in a worker's environment (read by `serve_from_environment`), besides RANK,
+# WORLD_SIZE, LOCAL_RANK and `rendezvous.ENV_CONNECT`.
 ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"  # hex of the run's key; removed from the environment once read
-ENV_READY_FD = "TANDEM_RPC_READY_FD"  # a pipe to write the listening port to, then close
+ENV_PLACEMENT = "TANDEM_PLACEMENT"  # the scheduler's words for where the rank runs (e.g. "job 12.0")
 ENV_PARENT_PID = "TANDEM_PARENT_PID"  # the controller: SIGKILL when it dies
 ENV_NAME = "TANDEM_RPC_NAME"  # the process's name in its log lines (e.g. actor-rank0)
 
@@ -76,7 +78,6 @@ def serve(conn: Connection, obj: Any) -> None:
             return
 
 
-
 def serve_from_environment(build: Callable[[], object]) -> NoReturn:
     """Run a worker process as the module docstring says: `build()` makes the object to serve.
     An exception from `build` ends the process with it (the scheduler reports a failed start)."""
@@ -84,10 +85,11 @@ def serve_from_environment(build: Callable[[], object]) -> NoReturn:
     if (parent := os.environ.get(ENV_PARENT_PID)) is not None:
         die_with_parent(int(parent))
     authkey = bytes.fromhex(os.environ.pop(ENV_AUTHKEY))
-    ready_fd = int(os.environ.pop(ENV_READY_FD))
     name = os.environ.get(ENV_NAME, f"worker-{os.getpid()}")
+    conn = join_controller(os.environ.pop(ENV_CONNECT), authkey, int(os.environ["RANK"]),
+                           os.environ.get(ENV_PLACEMENT, ""))
     obj = build()
-    conn = _accept(authkey, ready_fd)
+    conn.send(READY)
     print(f"{name}: pid {os.getpid()}, {obj}: serving RPC", flush=True)
     try:
         serve(conn, obj)
@@ -96,19 +98,3 @@ def serve_from_environment(build: Callable[[], object]) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def _accept(authkey: bytes, ready_fd: int) -> Connection:
-    """Listen on 127.0.0.1, announce the port on `ready_fd`, accept the controller (connections
-    that fail the key's challenge are dropped)."""
-    listener = Listener(("127.0.0.1", 0), authkey=authkey)
-    os.write(ready_fd, f"{listener.address[1]}\n".encode())
-    os.close(ready_fd)
-    while True:
-        try:
-            conn = listener.accept()
-            break
-        except AuthenticationError:
-            continue  # not our controller
-    listener.close()
-    return conn

@@ -148,8 +148,8 @@ def start_servers(scheduler: LocalScheduler, specs: Sequence[VLLMServerSpec], *,
     procs = []
     try:
         for i, spec in enumerate(specs):
-            procs.append(scheduler._spawn(f"{name}-{i}", spec.command(), scheduler._env(spec.env(dict(env or {}))),
-                                          guard=True))
+            procs.append(scheduler._launch_server(f"{name}-{i}", spec.command(),
+                                                  scheduler._env(spec.env(dict(env or {}))), [i], "cpu"))
         deadline = time.monotonic() + timeout_s
         for spec, proc in zip(specs, procs, strict=True):
             wait_healthy(spec.url, proc, max(1.0, deadline - time.monotonic()), proc.log_path)

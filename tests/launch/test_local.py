@@ -120,13 +120,13 @@ def test_servers_and_trainer_group(tmp_path, tiny_model):
         print(f"engine via RPC: initialize + sft_step + compute_logprobs + save_hf in "
               f"{time.perf_counter() - start:.1f}s; loss {stats[0]['loss']:.4f}")
 
-        rpc_ports = [c.sock.getpeername()[1] for c in group.conns]
-        ports = [s.port for s in servers] + rpc_ports + [group.master_port]
+        rendezvous_port = int(sched.rendezvous_address.rsplit(":", 1)[1])  # the ranks connected to it
+        ports = [s.port for s in servers] + [rendezvous_port, group.master_port]
     finally:
         sched.shutdown()
     print(f"teardown (graceful RPC shutdown of the group, SIGTERM to servers): {sched.teardown_s:.2f}s")
     _assert_all_gone(sched)
-    assert all(can_listen(p) for p in ports), "a port is still taken after shutdown"
+    assert all(can_listen(p) for p in ports), f"a port is still taken after shutdown: {[p for p in ports if not can_listen(p)]} of {ports}"
     sched.shutdown()  # idempotent
 
 
