@@ -38,6 +38,25 @@ def describe_returncode(rc: int | None) -> str:
     return f"exit code {rc}"
 
 
+def read_log_tail(path: Path, start: int, lines: int) -> str:
+    """The last `lines` lines of `path` after byte `start` (a launch's own lines)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def describe_process(proc: LaunchedProcess, what: str, lines: int) -> str:
+    """'NAME (pid N) WHAT; log PATH' and the last `lines` lines it wrote; where it ran, unless here."""
+    where = "" if proc.placement.startswith("this host") else f", {proc.placement}"
+    return (f"{proc.name} (pid {proc.pid}{where}) {what}; log {proc.log_path}\n"
+            f"--- last lines of its log ---\n{proc.log_tail(lines).rstrip()}")
+
+
 class LaunchedProcess(Protocol):
     """One process of a role, wherever a scheduler started it."""
 
@@ -46,7 +65,11 @@ class LaunchedProcess(Protocol):
     log_path: Path
     log_start: int  # where this launch's lines begin in log_path
     started: float  # time.monotonic() at launch
-    placement: str  # where it runs, in words ("this host, pid 12", "node1, job 34.0")
+
+    @property
+    def placement(self) -> str:
+        """Where it runs, in words ("this host, pid 12", "Slurm job 34.0 on node1")."""
+        ...
 
     @property
     def sentinel(self) -> int:
@@ -97,7 +120,11 @@ class ManagedProcess:
         else:
             self._sentinel = os.pidfd_open(self.popen.pid)
         self.started = time.monotonic()
-        self.placement = f"this host, pid {self.pid}"
+        self._placement = f"this host, pid {self.pid}"
+
+    @property
+    def placement(self) -> str:
+        return self._placement
 
     @property
     def sentinel(self) -> int:
@@ -115,19 +142,11 @@ class ManagedProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last `lines` lines this launch wrote (never an earlier launch's)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(self.log_start, f.tell() - 64 * 1024))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return read_log_tail(self.log_path, self.log_start, lines)
 
     def describe(self, what: str, lines: int = 40) -> str:
         """'NAME (pid N) WHAT; log PATH' and the last `lines` lines this launch wrote."""
-        return (f"{self.name} (pid {self.pid}) {what}; log {self.log_path}\n"
-                f"--- last lines of its log ---\n{self.log_tail(lines).rstrip()}")
+        return describe_process(self, what, lines)
 
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -141,9 +160,9 @@ class ManagedProcess:
         return ""
 
     def placed(self, hostname: str, address: str, pid: int, where: str) -> None:
-        self.placement = f"this host, pid {pid}" if pid == self.pid else f"{hostname} ({address}), pid {pid}"
+        self._placement = f"this host, pid {pid}" if pid == self.pid else f"{hostname} ({address}), pid {pid}"
         if where:
-            self.placement += f", {where}"
+            self._placement += f", {where}"
 
     def group_alive(self) -> bool:
         try:

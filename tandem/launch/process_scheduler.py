@@ -80,7 +80,8 @@ class ProcessScheduler(Scheduler):
         self.env = dict(env or {})
         self._authkey = secrets.token_bytes(32)  # per run: authenticates every RPC connection
         self._rendezvous: RankRendezvous | None = None
-        self.processes: list[LaunchedProcess] = []
+        self.processes: list[LaunchedProcess] = []  # what was started (an srun may run a whole group)
+        self.roles: list[LaunchedProcess] = []  # one per server and trainer rank
         self.servers: list[ServerHandle] = []
         self.groups: list[WorkerGroup] = []
         self.teardown_s: float | None = None
@@ -138,6 +139,7 @@ class ProcessScheduler(Scheduler):
             self._stop(procs, grace_s=min(self.grace_s, 5.0))
             raise
         self.servers.extend(handles)
+        self.roles.extend(procs)
         return handles
 
     def _await_server(self, proc: LaunchedProcess, deadline: float, timeout_s: float) -> ServerHandle:
@@ -206,12 +208,11 @@ class ProcessScheduler(Scheduler):
                                 log_tail_lines=self.log_tail_lines)
             group.master_port = hellos[0].port
             logger.info("%s: %d rank(s) connected after %.1f s", name, world, time.monotonic() - procs[0].started)
-            for proc in procs:
-                logger.info("placement: %s -> %s", proc.name, proc.placement)
         except BaseException:
             self._stop(procs, grace_s=min(self.grace_s, 5.0))
             raise
         self.groups.append(group)
+        self.roles.extend(procs)
         return group
 
     def _rendezvous_listener(self) -> RankRendezvous:
@@ -228,8 +229,8 @@ class ProcessScheduler(Scheduler):
         return None if self._rendezvous is None else self._rendezvous.address
 
     def placement(self) -> list[tuple[str, str]]:
-        """(role, where it runs) of every process started so far."""
-        return [(p.name, p.placement) for p in self.processes]
+        """(role, where it runs) of every server and trainer rank started so far."""
+        return [(p.name, p.placement) for p in self.roles]
 
     # ----------------------------------------------------------------------------- teardown
 

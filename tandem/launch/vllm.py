@@ -37,7 +37,7 @@ from tandem.launch.process import free_port
 from tandem.launch.scheduler import ServerHandle
 
 if TYPE_CHECKING:
-    from tandem.launch.local import LocalScheduler
+    from tandem.launch.process_scheduler import ProcessScheduler
 
 
 class _Process(Protocol):
@@ -140,7 +140,7 @@ def start(spec: VLLMServerSpec, log: Path, timeout_s: float = 300.0) -> subproce
     return proc
 
 
-def start_servers(scheduler: LocalScheduler, specs: Sequence[VLLMServerSpec], *, name: str = "rollout",
+def start_servers(scheduler: ProcessScheduler, specs: Sequence[VLLMServerSpec], *, name: str = "rollout",
                   env: dict[str, str] | None = None, timeout_s: float = 300.0) -> list[ServerHandle]:
     """Start one server per spec as the scheduler's processes (logs in its log directory, stopped
     with it) and return once every one is healthy; on a failure, stop them and raise RuntimeError

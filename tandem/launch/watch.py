@@ -15,28 +15,28 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from tandem.launch.process import ManagedProcess
+from tandem.launch.process import LaunchedProcess
 
 logger = logging.getLogger(__name__)
 
 
 class ExitWatcher:
-    def __init__(self, on_exit: Callable[[ManagedProcess, str], None]):
+    def __init__(self, on_exit: Callable[[LaunchedProcess, str], None]):
         self.on_exit = on_exit
         self._lock = threading.Lock()
-        self._watched: dict[int, ManagedProcess] = {}  # sentinel -> process
+        self._watched: dict[int, LaunchedProcess] = {}  # sentinel -> process
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tandem-exit-watch", daemon=True)
         self._thread.start()
 
-    def add(self, proc: ManagedProcess) -> None:
+    def add(self, proc: LaunchedProcess) -> None:
         with self._lock:
             if proc.sentinel >= 0:
                 self._watched[proc.sentinel] = proc
         self._wake()
 
-    def discard(self, proc: ManagedProcess) -> None:
+    def discard(self, proc: LaunchedProcess) -> None:
         """Stop watching `proc` (the launcher stops it on purpose)."""
         with self._lock:
             self._watched = {s: p for s, p in self._watched.items() if p is not proc}

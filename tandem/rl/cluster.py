@@ -2,7 +2,7 @@
 
 Shared by `tandem train` and `tandem sft`. Servers come from `rollout.backend` (launched when it is
 `tandem:dN` without addresses; SGLang/vLLM servers are used by address), trainer workers from
-`actor.backend` (one SPMD group); the `LocalScheduler` tears everything down on exit or Ctrl-C.
+`actor.backend` (one SPMD group); the scheduler (`scheduler.type`: local, ray or slurm) tears everything down on exit or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config.alloc import parse_allocation_of_kind
-from tandem.launch import LocalScheduler
 from tandem.launch.affinity import ENV_CPUS
+from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
 from tandem.rl.config import TandemConfig
 from tandem.train.config import DETERMINISTIC_ENV
@@ -25,7 +25,7 @@ from tandem.train.controller import TrainController
 logger = logging.getLogger("tandem.run")
 
 
-def start_workers(cfg: TandemConfig, scheduler: LocalScheduler) -> TrainController:
+def start_workers(cfg: TandemConfig, scheduler: ProcessScheduler) -> TrainController:
     """The trainer group for `actor.backend`, with the engine initialised on every rank."""
     comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
     env = {}
@@ -35,7 +35,8 @@ def start_workers(cfg: TandemConfig, scheduler: LocalScheduler) -> TrainControll
         env[ENV_CPUS] = cfg.actor.cpus
     if cfg.actor.deterministic:  # before the ranks' process group exists (NCCL reads them then)
         env.update({k: os.environ.get(k, v) for k, v in DETERMINISTIC_ENV.items()})
-    trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env)
+    trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env,
+                                    timeout_s=cfg.scheduler.start_timeout_s)
     began = time.monotonic()
     ranks = trainer.initialize(cfg.actor)
     logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),
@@ -52,7 +53,7 @@ class InferenceServers:
     server_args: list[str] = field(default_factory=list)  # what they were started with
 
 
-def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, *,
+def start_servers(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str, *,
                   weights_dir: Path | None = None) -> InferenceServers:
     """The run's inference servers: launched for `tandem:dN` (each requiring the run's API key,
     `rollout.api_key` or a fresh per-run key, handed over in the environment where other users
@@ -68,12 +69,12 @@ def start_servers(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str,
     if weights_dir is not None:
         server_args += ["--weights-dir", str(weights_dir)]
     handles = scheduler.start_servers(comp, model_path, server_args=server_args, device=cfg.experiment.device,
-                                      env=env, api_key=api_key)
+                                      env=env, api_key=api_key, timeout_s=cfg.scheduler.start_timeout_s)
     return InferenceServers([h.url for h in handles], launched=True, api_key=api_key, handles=handles,
                             server_args=server_args)
 
 
-def _start_vllm(cfg: TandemConfig, scheduler: LocalScheduler, model_path: str, count: int,
+def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str, count: int,
                 api_key: str) -> InferenceServers:
     """`count` vLLM servers (`rollout.vllm`), each requiring `api_key` on its OpenAI routes
     (VLLM_API_KEY, in the environment); the model's dtype is the trainer's."""

@@ -21,6 +21,7 @@ from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
 from tandem.errors import ConfigError
+from tandem.launch.config import SchedulerConfig
 from tandem.rl.config_checks import (
     check_cpus,
     check_model_dir,
@@ -222,6 +223,7 @@ class TandemConfig:
     stats: StatsConfig = field(default_factory=StatsConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
     def defaults_for(cls, data: dict[str, Any]) -> TandemConfig:
@@ -251,6 +253,10 @@ class TandemConfig:
         self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_runnable_algo(self.algo, f"{prefix}algo.")
+        if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":
+            raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
+                              f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "
+                              f"{prefix}rollout.backend=tandem:dN")
         if self.command == "train":
             check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)

@@ -20,8 +20,8 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from tandem.launch import LocalScheduler
-from tandem.launch.process import ManagedProcess
+from tandem.launch.process import LaunchedProcess
+from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
 from tandem.launch.watch import ExitWatcher
 from tandem.rollout.controller import RolloutController
@@ -32,7 +32,7 @@ MAX_REPLACEMENTS_PER_SERVER = 3
 
 
 class ServerKeeper:
-    def __init__(self, scheduler: LocalScheduler, controller: RolloutController, handles: Sequence[ServerHandle], *,
+    def __init__(self, scheduler: ProcessScheduler, controller: RolloutController, handles: Sequence[ServerHandle], *,
                  model_path: str, server_args: Sequence[str], device: str, api_key: str | None,
                  replace_dead: bool):
         self.scheduler, self.controller = scheduler, controller
@@ -57,7 +57,7 @@ class ServerKeeper:
             if proc.name == handle.name:
                 self._watcher.add(proc)
 
-    def _on_exit(self, proc: ManagedProcess, status: str) -> None:
+    def _on_exit(self, proc: LaunchedProcess, status: str) -> None:
         with self._lock:
             if self._closed:
                 return

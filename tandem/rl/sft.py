@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tandem.config.loader import to_yaml
 from tandem.data.tasks.chat import sft_example
-from tandem.launch import LocalScheduler
+from tandem.launch.config import make_scheduler
 from tandem.rl.cluster import start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, load_task_data
@@ -38,7 +38,7 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
                             tensorboard_dir="sft-tensorboard")
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
     try:
-        with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
+        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
             trainer = start_workers(cfg, scheduler)
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
                 chunk = [next(examples) for _ in range(cfg.sft.batch_size)]

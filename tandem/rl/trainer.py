@@ -33,7 +33,8 @@ from tandem.fleet.generation import GenerationParams
 from tandem.fleet.protocol import call
 from tandem.fleet.routes import RouteLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
-from tandem.launch import LocalScheduler
+from tandem.launch.config import make_scheduler
+from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.checkpoints import TRAINER, LoopState, latest_checkpoint, save_checkpoint
@@ -131,7 +132,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                                 run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
-        with LocalScheduler(run_dir) as scheduler:  # logs go to run_dir/logs
+        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
             try:
                 _run(cfg, plan, scheduler, data, tokenizer, reward_function(cfg, data.task), runner, metrics,
                      summary, totals)
@@ -152,7 +153,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     return summary
 
 
-def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: Any, tokenizer: Any,
+def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: Any, tokenizer: Any,
          reward_fn: RewardFn, runner: RewardRunner, metrics: MetricsLogger, summary: RunSummary,
          totals: dict[str, float]) -> None:
     start_step = plan.start_step
@@ -160,7 +161,12 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: LocalScheduler, data: An
     Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
     servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
     trainer = start_workers(cfg, scheduler)
-    rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key)
+    for role, where in scheduler.placement():
+        logger.info("placement: %s -> %s", role, where)
+    # Trainer rank 0 reaches the callback server from wherever the scheduler placed it.
+    callback_host = cfg.cluster.host_ip if cfg.scheduler.remote else cfg.rollout.callback_host
+    rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key,
+                                      callback_host=callback_host)
     workflow = RLVRWorkflow(
         reward_fn=reward_fn,
         params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
@@ -225,7 +231,7 @@ def route_layout(cfg: TandemConfig) -> RouteLayout | None:
     return RouteLayout.of_model(cfg.actor.path)
 
 
-def _keep_servers(cfg: TandemConfig, scheduler: LocalScheduler, controller: RolloutController,
+def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: RolloutController,
                   servers: InferenceServers) -> contextlib.AbstractContextManager:
     """Evict launched servers the moment they exit (and replace them with `rollout.replace_dead`);
     launched vLLM servers are not watched (the keeper restarts `tandem serve`)."""

@@ -13,14 +13,9 @@ import pytest
 from tests.launch.slurm_cluster import SlurmCluster
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = SlurmCluster.unavailable()
-    if why:
-        print(f"Slurm tests skipped: {why}")
-        pytest.skip(why)
-    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
-        yield running
+@pytest.fixture
+def cluster(slurm_cluster):
+    return slurm_cluster
 
 
 def submit(cluster: SlurmCluster, script: str, out) -> str:

@@ -1,0 +1,85 @@
+"""The `scheduler` section: where a run's processes are started (local, Ray, Slurm), and the
+factory that turns it into a `Scheduler`. See docs/launch.md for the worked examples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.config.fields import config_field as _f
+from tandem.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.launch.process_scheduler import ProcessScheduler
+
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class RaySchedulerConfig:
+    address: str | None = _f(None, "Ray cluster to join: 'auto' (the cluster this machine belongs to, as "
+                                   "`ray start` left it), 'HOST:PORT' of its head, or None to start a private "
+                                   "one in this process (stopped with the run).")
+    strategy: str = _f("PACK", "Placement group strategy of each role's bundles (one bundle per process).",
+                       choices=RAY_STRATEGIES)
+    cpus_per_process: float = _f(1.0, "Logical CPUs each server and trainer rank reserves in its bundle.", gt=0.0)
+    num_cpus: int = _f(0, "CPUs of a private cluster (address=None); 0: this machine's count.", min=0)
+    namespace: str = _f("tandem", "Ray namespace of the run's actors.")
+
+
+@dataclass
+class SlurmSchedulerConfig:
+    partition: str | None = _f(None, "Partition of every job (None: the cluster's default).")
+    account: str | None = _f(None, "Account charged (None: the user's default).")
+    server_nodes: str | None = _f(None, "Nodes the inference servers run on (--nodelist, e.g. 'gpu[01-02]').")
+    trainer_nodes: str | None = _f(None, "Nodes the trainer ranks run on (--nodelist).")
+    cpus_per_task: int = _f(1, "CPUs of each server and trainer rank (--cpus-per-task).", min=1)
+    srun_args: list[str] = field(default_factory=list, metadata={
+        "help": "Extra srun options for every role, e.g. ['--time=04:00:00', '--mem=32G']."})
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = _f("local", "local: processes on this machine; ray: Ray actors in placement groups; slurm: one "
+                            "srun job (or job step, inside an allocation) per role.",
+                   choices=("local", "ray", "slurm"))
+    start_timeout_s: float = _f(180.0, "Seconds each role may take to start: queueing for Slurm nodes or Ray "
+                                       "resources included.", gt=0.0)
+    ray: RaySchedulerConfig = field(default_factory=RaySchedulerConfig)
+    slurm: SlurmSchedulerConfig = field(default_factory=SlurmSchedulerConfig)
+
+    @property
+    def remote(self) -> bool:
+        """True when processes may run on other hosts (they reach the controller at cluster.host_ip)."""
+        return self.type != "local"
+
+    def check(self, prefix: str = "scheduler.") -> None:
+        if self.type == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"{prefix}type=ray needs Ray in this environment: pip install 'ray>=2.40'") from None
+        if self.type == "slurm":
+            import shutil
+
+            missing = [c for c in ("srun", "squeue", "scancel", "scontrol") if shutil.which(c) is None]
+            if missing:
+                raise ConfigError(f"{prefix}type=slurm needs Slurm's commands on PATH ({', '.join(missing)} not "
+                                  f"found): run on a Slurm login or compute node")
+
+
+def make_scheduler(config: SchedulerConfig, run_dir: str | Path, *, host: str = "127.0.0.1") -> ProcessScheduler:
+    """The scheduler `config` names, logging to `run_dir/logs`; `host` is the controller's address
+    as the processes reach it (`cluster.host_ip`)."""
+    if config.type == "ray":
+        from tandem.launch.ray_cluster import RayScheduler
+
+        return RayScheduler(run_dir, config.ray, host=host)
+    if config.type == "slurm":
+        from tandem.launch.slurm import SlurmScheduler
+
+        return SlurmScheduler(run_dir, config.slurm, host=host)
+    from tandem.launch.local import LocalScheduler
+
+    return LocalScheduler(run_dir)
