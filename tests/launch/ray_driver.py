@@ -1,0 +1,48 @@
+"""A controller that drives a `RayScheduler` inside a loopback-only network namespace (run by
+`tests/launch/test_ray_scheduler.py` under `unshare --net`): a 2-rank group of `HelperWorker`s in a
+placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call. Prints one JSON line.
+
+    python -m tests.launch.ray_driver RUN_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import ray
+
+from tandem.launch.config import RaySchedulerConfig
+from tandem.launch.ray_cluster import RayScheduler
+from tandem.launch.rpc_errors import WorkerCrashedError
+from tests.launch.helpers import CPU, HELPERS, HelperWorker
+
+
+def main(run_dir: str) -> None:
+    result: dict[str, object] = {}
+    sched = RayScheduler(run_dir, RaySchedulerConfig(num_cpus=2, strategy="SPREAD"))
+    try:
+        group = sched.start_workers("archon:d2", HELPERS, args=CPU, timeout_s=120)
+        result["sums"] = group.call(HelperWorker.all_reduce_sum, 1.5)
+        result["placement"] = sched.placement()
+        victim = sched.roles[1]
+        # both ranks are inside a 30 s call when the Ray actor of rank 1 is killed
+        threading.Timer(1.0, lambda: ray.kill(victim.actor)).start()  # type: ignore[attr-defined]
+        began = time.monotonic()
+        try:
+            group.call(HelperWorker.sleep, 30.0)
+        except WorkerCrashedError as exc:
+            result["crash"] = str(exc)
+            result["crash_after_s"] = time.monotonic() - began
+        pids = [p.pid for p in sched.roles]
+    finally:
+        sched.shutdown()
+    result["left"] = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

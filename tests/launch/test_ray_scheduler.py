@@ -1,0 +1,70 @@
+"""`scheduler.type=ray` (issue 24) against a real Ray cluster. Ray binds every interface and looks for
+the machine's address, so every test runs its controller (the Ray driver, which starts a private
+Ray) inside a network namespace of its own that has only loopback (`unshare --net`): nothing it
+sends can leave it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.launch.procs import CHILD_ENV, REPO
+from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
+
+pytestmark = pytest.mark.slow
+PY = os.path.join(os.path.dirname(TANDEM), "python")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_and_namespaces():
+    why = None
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        why = "Ray is not installed (pip install 'ray>=2.40'; `make test` installs it)"
+    if why is None and (os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None):
+        why = "a loopback-only network namespace for Ray needs root, util-linux's `unshare` and iproute2's `ip`"
+    if why:
+        print(f"Ray tests skipped: {why}")
+        pytest.skip(why)
+
+
+def _in_private_network(*cmd: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in a new network namespace with only `lo` up."""
+    script = 'ip link set lo up && exec "$@"'
+    return subprocess.run(["unshare", "--net", "sh", "-c", script, "sh", *cmd], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, **CHILD_ENV}, start_new_session=True)
+
+
+def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
+    out = _in_private_network(PY, "-m", "tests.launch.ray_driver", str(tmp_path / "run"), timeout_s=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"Ray: 2-rank group all_reduce {result['sums']}; actor of rank 1 killed -> WorkerCrashedError after "
+          f"{result['crash_after_s']:.2f}s")
+    assert result["sums"] == [3.0, 3.0]  # one gloo group across the two actors' processes
+    assert [role for role, _ in result["placement"]] == ["actor-rank0", "actor-rank1"]
+    assert all(re.match(r"Ray node 127\.0\.0\.1 \(\S+\), pid \d+", where) for _, where in result["placement"])
+    # the death surfaces like a local one: role, rank, why, its log
+    crash = result["crash"]
+    assert "rank 1" in crash and "during 'sleep'" in crash and "Ray actor died" in crash, crash
+    assert "actor-rank1: pid" in crash and "serving RPC" in crash, crash  # the tail of its log
+    assert result["crash_after_s"] < 10
+    assert result["left"] == [], "processes of the actors outlived the scheduler"
+
+
+def test_train_with_the_ray_scheduler(tmp_path, tiny_model):
+    cfg = write_config(tmp_path, tiny_model, scheduler={"type": "ray", "ray": {"num_cpus": 2}},
+                       train={"total_steps": 3}, actor={"backend": "archon:d1"}, rollout={"backend": "tandem:d1"})
+    out = _in_private_network(TANDEM, "train", str(cfg), timeout_s=480)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert [r["step"] for r in rl_rows(tmp_path)] == [1, 2, 3]
+    log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
+    assert "ray: started a private cluster" in log
+    for role in ("rollout-0", "actor-rank0"):
+        assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", log), log[-3000:]
