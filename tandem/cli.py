@@ -35,7 +35,9 @@ Guides: docs/rl.md (runs, resuming, outputs), docs/configuration.md; example con
 
 # `tandem serve` flags that the launcher sets for every server it starts, and the key to use instead.
 LAUNCHER_FLAGS = {
-    "--model": "actor.path", "--model-path": "actor.path", "--host": "the launcher (127.0.0.1)",
+    "--model": "actor.path", "--model-path": "actor.path",
+    "--host": "the launcher (127.0.0.1, or the node's address towards cluster.host_ip)",
+    "--host-towards": "the launcher (the node's address towards cluster.host_ip)",
     "--port": "the launcher (a free port per server)", "--api-key": "rollout.api_key",
     "--device": "experiment.device",
 }

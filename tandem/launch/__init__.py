@@ -20,6 +20,8 @@ from tandem.lazy import lazy_attributes
 # wrapper, every reward pool worker) should pay for.
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.process",
+    "SlurmScheduler": "tandem.launch.slurm", "RayScheduler": "tandem.launch.ray_cluster",
+    "ProcessScheduler": "tandem.launch.process_scheduler", "make_scheduler": "tandem.launch.config",
     "GroupBrokenError": "tandem.launch.rpc_errors", "RemoteError": "tandem.launch.rpc_errors",
     "RPCError": "tandem.launch.rpc_errors", "RPCTimeoutError": "tandem.launch.rpc_errors",
     "WorkerCrashedError": "tandem.launch.rpc_errors",
@@ -36,11 +38,15 @@ __all__ = [
     "LaunchError",
     "LocalScheduler",
     "ManagedProcess",
+    "ProcessScheduler",
     "RPCError",
     "RPCTimeoutError",
+    "RayScheduler",
     "RemoteError",
     "Scheduler",
     "ServerHandle",
+    "SlurmScheduler",
     "WorkerCrashedError",
     "WorkerGroup",
+    "make_scheduler",
 ]

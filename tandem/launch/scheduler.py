@@ -6,8 +6,9 @@ server addresses (`ServerHandle`) and an RPC handle on the worker ranks (`Worker
 program a worker rank runs is the caller's: a module whose main hands its object to
 `rpc_server.serve_from_environment` (the trainer's is `tandem.train.worker`, which
 `tandem.train.TrainController.start` names); launch itself knows nothing of training.
-`LocalScheduler` (`tandem.launch.local`) runs everything as processes on 127.0.0.1. Ray and
-Slurm schedulers are not written yet; they implement the same three methods (see docs/launch.md).
+`LocalScheduler` (`tandem.launch.local`) runs everything as processes on 127.0.0.1,
+`SlurmScheduler` (`tandem.launch.slurm`) as `srun` jobs, `RayScheduler` (`tandem.launch.ray_cluster`)
+under Ray actors; all three are `ProcessScheduler`s (`tandem.launch.process_scheduler`).
 
     with LocalScheduler(run_dir) as sched:
         servers = sched.start_servers(alloc.inference[0], model_path)
