@@ -38,6 +38,17 @@ def describe_returncode(rc: int | None) -> str:
     return f"exit code {rc}"
 
 
+def process_group_alive(pgid: int) -> bool:
+    """True while any process of the group `pgid` exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_log_tail(path: Path, start: int, lines: int) -> str:
     """The last `lines` lines of `path` after byte `start` (a launch's own lines)."""
     try:
@@ -165,13 +176,7 @@ class ManagedProcess:
             self._placement += f", {where}"
 
     def group_alive(self) -> bool:
-        try:
-            os.killpg(self.popen.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return process_group_alive(self.popen.pid)
 
     def release(self) -> None:
         with contextlib.suppress(OSError):

@@ -37,7 +37,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.launch.config import RaySchedulerConfig
-from tandem.launch.process import LaunchedProcess, describe_process, describe_returncode, read_log_tail
+from tandem.launch.process import (
+    LaunchedProcess,
+    describe_process,
+    describe_returncode,
+    process_group_alive,
+    read_log_tail,
+)
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import LaunchError
 from tandem.net import is_loopback
@@ -72,15 +78,7 @@ class ProcessHost:
                 os.killpg(self.popen.pid, sig)
 
     def group_alive(self) -> bool:
-        if self.popen is None:
-            return False
-        try:
-            os.killpg(self.popen.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self.popen is not None and process_group_alive(self.popen.pid)
 
 
 _RemoteHost = ray.remote(ProcessHost)
