@@ -230,13 +230,18 @@ class SlurmScheduler(ProcessScheduler):
         return [SlurmRank(srun, r) for r in range(len(envs))]
 
     def _cleanup(self) -> None:
-        """`scancel` what the sruns left: the job each started, or its step inside an allocation."""
-        targets = []
+        """`scancel` what the sruns left: the job each started (by its name: also one still
+        queued, which printed no job id yet), or its step inside an allocation."""
+        steps = []
         for proc in self.processes:
-            if isinstance(proc, SrunProcess) and (job := proc.job()) is not None:
-                targets.append(f"{job.job_id}.{job.step}" if self.in_allocation else job.job_id)
-        if targets:
-            _slurm("scancel", *targets)
+            if not isinstance(proc, SrunProcess):
+                continue
+            if not self.in_allocation:
+                _slurm("scancel", "--name", proc.job_name)
+            elif (job := proc.job()) is not None:
+                steps.append(f"{job.job_id}.{job.step}")
+        if steps:
+            _slurm("scancel", *steps)
 
     def __enter__(self) -> SlurmScheduler:
         return self

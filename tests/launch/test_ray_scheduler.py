@@ -1,15 +1,17 @@
 """`scheduler.type=ray` (issue 24) against a real Ray cluster. Ray binds every interface and looks for
 the machine's address, so every test runs its controller (the Ray driver, which starts a private
-Ray) inside a network namespace of its own that has only loopback (`unshare --net`): nothing it
-sends can leave it."""
+Ray, or joins one the test starts there) inside a network namespace of its own that has only
+loopback (`unshare --net`): nothing it sends can leave it."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -34,11 +36,12 @@ def _ray_and_namespaces():
         pytest.skip(why)
 
 
-def _in_private_network(*cmd: str, timeout_s: float) -> subprocess.CompletedProcess:
+def _in_private_network(*cmd: str, timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` in a new network namespace with only `lo` up."""
     script = 'ip link set lo up && exec "$@"'
     return subprocess.run(["unshare", "--net", "sh", "-c", script, "sh", *cmd], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, **CHILD_ENV}, start_new_session=True)
+                          text=True, timeout=timeout_s, start_new_session=True,
+                          env={**os.environ, **CHILD_ENV, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
 
 
 def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
@@ -58,13 +61,25 @@ def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
     assert result["left"] == [], "processes of the actors outlived the scheduler"
 
 
-def test_train_with_the_ray_scheduler(tmp_path, tiny_model):
-    cfg = write_config(tmp_path, tiny_model, scheduler={"type": "ray", "ray": {"num_cpus": 2}},
+def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
+    """`ray start --head` in the namespace, then `tandem train` joins it (scheduler.ray.address)."""
+    port = str(6379 + os.getpid() % 1000)
+    cfg = write_config(tmp_path, tiny_model, scheduler={"type": "ray", "ray": {"address": f"127.0.0.1:{port}"}},
                        train={"total_steps": 3}, actor={"backend": "archon:d1"}, rollout={"backend": "tandem:d1"})
-    out = _in_private_network(TANDEM, "train", str(cfg), timeout_s=480)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    ray_bin = os.path.join(os.path.dirname(TANDEM), "ray")
+    temp_dir = tempfile.mkdtemp(prefix="tdm-ray-")  # short: Ray's socket paths must fit in 107 bytes
+    head = (f"{ray_bin} start --head --port {port} --num-cpus 2 --node-ip-address 127.0.0.1 --include-dashboard false "
+            f"--disable-usage-stats --temp-dir {temp_dir}")
+    script = f'{head} >{tmp_path / "ray-start.log"} 2>&1 && "$@"; rc=$?; {ray_bin} stop --force >/dev/null 2>&1; exit $rc'
+    try:
+        # the cluster requires a token (Ray's token authentication), which the controller is given too
+        token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        out = _in_private_network("sh", "-c", script, "sh", TANDEM, "train", str(cfg), timeout_s=480, env=token)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + (tmp_path / "ray-start.log").read_text()[-2000:]
     assert [r["step"] for r in rl_rows(tmp_path)] == [1, 2, 3]
     log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
-    assert "ray: started a private cluster" in log
+    assert f"ray: joined 127.0.0.1:{port}" in log, log[-3000:]
     for role in ("rollout-0", "actor-rank0"):
         assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", log), log[-3000:]

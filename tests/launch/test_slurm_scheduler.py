@@ -25,9 +25,9 @@ def _jobs(cluster) -> dict[str, str]:
     return {name: job for name, job, state in (line.split() for line in out.splitlines()) if state == "RUNNING"}
 
 
-def _start(cluster, tmp_path, model, steps: int, **sections: dict) -> subprocess.Popen:
-    cfg = write_config(tmp_path, model, scheduler={"type": "slurm"}, train={"total_steps": steps},
-                       actor={"backend": "archon:d1"}, **sections)
+def _start(cluster, tmp_path, model, steps: int, slurm: dict | None = None, **sections: dict) -> subprocess.Popen:
+    cfg = write_config(tmp_path, model, scheduler={"type": "slurm", "slurm": slurm or {}},
+                       train={"total_steps": steps}, actor={"backend": "archon:d1"}, **sections)
     return subprocess.Popen([TANDEM, "train", str(cfg)], env={**os.environ, **CHILD_ENV, **cluster.env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -52,8 +52,8 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
 
 def test_train_on_slurm_survives_a_cancelled_server(slurm_cluster, tiny_model, tmp_path):
     began = time.monotonic()
-    proc = _start(slurm_cluster, tmp_path, tiny_model, steps=8,
-                  rollout={"backend": "tandem:d2", "min_servers": 1})
+    proc = _start(slurm_cluster, tmp_path, tiny_model, steps=8, rollout={"backend": "tandem:d2", "min_servers": 1},
+                  slurm={"server_nodes": slurm_cluster.host, "trainer_nodes": slurm_cluster.host})
     try:
         _wait_for_step(proc, tmp_path, 1)
         jobs = _jobs(slurm_cluster)
@@ -94,3 +94,23 @@ def test_cancelling_the_trainer_job_ends_the_run_naming_it(slurm_cluster, tiny_m
     assert "actor-rank0" in out and f"Slurm job {trainer} CANCELLED" in out, out[-4000:]
     assert len(rl_rows(tmp_path)) < 50
     assert not _jobs(slurm_cluster), "jobs of the run are still running after it"
+
+
+def test_a_role_slurm_cannot_place_fails_at_its_deadline_saying_why(slurm_cluster, tiny_model, tmp_path):
+    began = time.monotonic()
+    cfg = write_config(tmp_path, tiny_model, actor={"backend": "archon:d1"}, rollout={"backend": "tandem:d1"},
+                       scheduler={"type": "slurm", "start_timeout_s": 15,
+                                  "slurm": {"cpus_per_task": 64}})  # more than the node has: it queues
+    proc = subprocess.run([TANDEM, "train", str(cfg)], env={**os.environ, **CHILD_ENV, **slurm_cluster.env},
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    print(f"a job Slurm cannot place: the run failed after {time.monotonic() - began:.1f}s")
+    assert proc.returncode != 0
+    assert re.search(r"rollout-0 .*did not print its listening line within 15s; Slurm: job \d+ PENDING", out), out[-3000:]
+    assert not _queued(slurm_cluster), "the queued job outlived the run"
+
+
+def _queued(cluster) -> list[str]:
+    out = subprocess.run(["squeue", "--noheader", "--format", "%i %j %T"], env=cluster.env, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    return out.splitlines()
