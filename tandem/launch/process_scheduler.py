@@ -207,6 +207,7 @@ class ProcessScheduler(Scheduler):
             group = WorkerGroup(name, conns, procs, default_timeout_s=self.call_timeout_s,
                                 log_tail_lines=self.log_tail_lines)
             group.master_port = hellos[0].port
+            group.hosts = [h.host for h in hellos]
             logger.info("%s: %d rank(s) connected after %.1f s", name, world, time.monotonic() - procs[0].started)
         except BaseException:
             self._stop(procs, grace_s=min(self.grace_s, 5.0))

@@ -170,6 +170,7 @@ class WorkerGroup:
         self._submitter: _Submitter | None = None
         self.last_call_bytes = 0  # request bytes of the last call, all ranks together
         self.master_port: int | None = None  # the group's torch.distributed rendezvous port, when known
+        self.hosts: list[str] = []  # each rank's address on the network it reaches the controller through
 
     @property
     def world_size(self) -> int:

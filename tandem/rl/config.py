@@ -154,8 +154,10 @@ class TrainConfig:
 
 @dataclass
 class ClusterConfig:
-    host_ip: str = _f("127.0.0.1", "This host's address that the run advertises to servers on other hosts (the weight-update "
-                                   "group's store and transfers listen on it); 127.0.0.1 keeps the run on this machine.")
+    host_ip: str = _f("127.0.0.1", "The controller's address as servers and trainer ranks on other hosts reach it: the "
+                                   "ranks' rendezvous, the callback server (ray, slurm) and, with the local scheduler, the "
+                                   "weight-update group's store listen on it (ray, slurm: on trainer rank 0's node); "
+                                   "127.0.0.1 keeps the run on this machine.")
 
     def check(self, prefix: str) -> None:
         import ipaddress

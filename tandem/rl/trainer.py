@@ -161,6 +161,8 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
     servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
     trainer = start_workers(cfg, scheduler)
+    if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed
+        meta = dataclasses.replace(meta, master_address=trainer.group.hosts[0])
     for role, where in scheduler.placement():
         logger.info("placement: %s -> %s", role, where)
     # Trainer rank 0 reaches the callback server from wherever the scheduler placed it.
