@@ -151,7 +151,7 @@ def _pid_of(name: str, parent: int) -> int | None:
 
 
 def test_retries_relaunch_a_job_whose_trainer_rank_died(model_dir, tmp_path):
-    cfg = config(tmp_path, model_dir, 1, total_steps=8)  # killed after step 1: steps left to need the rank
+    cfg = config(tmp_path, model_dir, 1, total_steps=8)  # killed after step 2: steps left to need the rank
     cfg_data = json.loads(cfg.read_text())
     cfg_data["recover"] = {"retries": 1}
     cfg.write_text(json.dumps(cfg_data))
@@ -159,16 +159,25 @@ def test_retries_relaunch_a_job_whose_trainer_rank_died(model_dir, tmp_path):
                             start_new_session=True, env={**os.environ, **CHILD_ENV})
     try:
         deadline = time.monotonic() + 180
-        while not any(r["step"] >= 1 for r in rl_rows(tmp_path)):
-            assert time.monotonic() < deadline and proc.poll() is None, "the run never finished step 1"
+        # step 2's row: step 1's checkpoint is complete (LATEST) by then, so the relaunch resumes
+        while not any(r["step"] >= 2 for r in rl_rows(tmp_path)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the run never finished step 2"
             time.sleep(0.2)
-        pid = _pid_of("actor-rank0", proc.pid)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        # The controller is frozen while its rank is killed, so the death lands with steps still
+        # to run whatever the machine's load (a loaded CI run once finished all 8 steps first).
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            done = max(r["step"] for r in rl_rows(tmp_path))
+            assert done < 8, "the run had finished before the rank could be killed"
+            pid = _pid_of("actor-rank0", proc.pid)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         _out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
-    assert "relaunching it (recover.retries: 1 of 1)" in err and "resuming at step" in err
+    assert "relaunching it (recover.retries: 1 of 1)" in err and "resuming at step" in err, err[-5000:]
     assert [r["step"] for r in rl_rows(tmp_path)] == list(range(1, 9))
