@@ -30,8 +30,6 @@ from tandem.weights.shm import remove_stale_segments
 class LocalScheduler(ProcessScheduler):
     """Processes on 127.0.0.1; arguments as `ProcessScheduler`'s (no `host`: always loopback)."""
 
-    kind = "local"
-
     def __init__(self, run_dir: str | Path | None = None, **kwargs: object):
         super().__init__(run_dir, host="127.0.0.1", **kwargs)  # type: ignore[arg-type]
 

@@ -66,8 +66,6 @@ class ProcessScheduler(Scheduler):
     previous handlers are restored and then run). `call_timeout_s`: default deadline of trainer RPC
     calls (None: none; crashes end calls regardless)."""
 
-    kind = "process"
-
     def __init__(self, run_dir: str | Path | None = None, *, host: str = "127.0.0.1", grace_s: float = 10.0,
                  handle_signals: bool = True, env: Mapping[str, str] | None = None,
                  call_timeout_s: float | None = None, log_tail_lines: int = 40, python: str = sys.executable):

@@ -165,8 +165,6 @@ class RayScheduler(ProcessScheduler):
     """Processes under Ray actors (see the module docstring); `config` is `scheduler.ray`, `host`
     the controller's address as the nodes reach it (`cluster.host_ip`)."""
 
-    kind = "ray"
-
     def __init__(self, run_dir: str | Path | None, config: RaySchedulerConfig, *, host: str = "127.0.0.1",
                  **kwargs: object):
         super().__init__(run_dir, host=host, **kwargs)  # type: ignore[arg-type]

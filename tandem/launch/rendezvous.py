@@ -145,14 +145,11 @@ class RankRendezvous:
         try:
             deliver_challenge(conn, self.authkey)
             answer_challenge(conn, self.authkey)
-        except (OSError, EOFError, Exception):  # AuthenticationError, a timeout, a reset
+        except Exception:  # AuthenticationError, EOF, a timeout, a reset
             conn.close()
             return None
         _set_io_timeout(conn.fileno(), 0.0)
         return conn
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -162,7 +159,7 @@ class RankRendezvous:
 def _recv_or_none(conn: Connection) -> object:
     try:
         return conn.recv()
-    except (EOFError, OSError, Exception):  # EOF, reset, or bytes that do not unpickle
+    except Exception:  # EOF, a reset, or bytes that do not unpickle
         return None
 
 

@@ -40,8 +40,6 @@ logger = logging.getLogger("tandem.launch")
 JOB_LINE = re.compile(r"tandem-slurm: job (\d+) step (\S+) node (\S+) task (\d+)")
 # What slurmstepd writes into a step's output when Slurm ends it (scancel, time limit, ...).
 STEPD_LINE = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ (.+?) \*\*\*")
-TERMINAL_STATES = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "PREEMPTED", "TIMEOUT")
 _COMMAND_TIMEOUT_S = 30.0
 
 
@@ -180,8 +178,6 @@ _RANK_EXPORTS = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE
 class SlurmScheduler(ProcessScheduler):
     """Roles as `srun` jobs (see the module docstring); `config` is `scheduler.slurm`, `host` the
     controller's address as the nodes reach it (`cluster.host_ip`)."""
-
-    kind = "slurm"
 
     def __init__(self, run_dir: str | Path | None, config: SlurmSchedulerConfig, *, host: str = "127.0.0.1",
                  **kwargs: object):
