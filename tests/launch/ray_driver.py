@@ -8,7 +8,6 @@ placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from tandem.launch.config import RaySchedulerConfig
 from tandem.launch.ray_cluster import RayScheduler
 from tandem.launch.rpc_errors import WorkerCrashedError
 from tests.launch.helpers import CPU, HELPERS, HelperWorker
+from tests.launch.procs import alive
 
 
 def main(run_dir: str) -> None:
@@ -40,7 +40,9 @@ def main(run_dir: str) -> None:
         pids = [p.pid for p in sched.roles]
     finally:
         sched.shutdown()
-    result["left"] = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    # a killed actor's process is SIGKILLed and handed to init, which reaps it when it likes:
+    # a zombie has ended, so it does not count as left
+    result["left"] = [pid for pid in pids if alive(pid)]
     print(json.dumps(result), flush=True)
 
 
