@@ -64,7 +64,7 @@ def vllm_python_path() -> str:
     return vllm_python()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after tests/engines: it would idle through the rest of the session
 def vllm_server(tmp_path_factory, small_model, vllm_python_path):
     root = tmp_path_factory.mktemp("vllm")
     model = small_model

@@ -10,7 +10,7 @@ def tiny_model(tmp_path_factory):
     return init_model(tmp_path_factory.mktemp("launch-models") / "qwen3-tiny", arch="qwen3", preset="tiny", seed=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after tests/launch
 def slurm_cluster(tmp_path_factory):
     """A real single-node Slurm (`tests/launch/slurm_cluster.py`), shared by the Slurm tests;
     skipped, printing why, where one cannot run."""
