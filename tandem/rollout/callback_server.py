@@ -26,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -40,6 +38,7 @@ from tandem.fleet.http import normalize_address
 from tandem.fleet.ops import OPS, FleetOp
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.fleet.wire import WireError, from_json, to_json
+from tandem.rollout.asgi_server import EventServer, listen_socket
 from tandem.rollout.workers import EPISODE_ROUTE, READY_ROUTE
 
 if TYPE_CHECKING:
@@ -170,47 +169,13 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-class _EventServer(uvicorn.Server):
-    """uvicorn whose main loop waits for `stop` instead of waking every 0.1 s to check a flag."""
-
-    def __init__(self, config: uvicorn.Config):
-        super().__init__(config)
-        self.started_event = threading.Event()
-        self._stop: asyncio.Event | None = None
-
-    def capture_signals(self):  # a server in a thread leaves the process's signals alone
-        return contextlib.nullcontext()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._stop = asyncio.Event()
-        await super().startup(sockets=sockets)
-        self.started_event.set()
-
-    async def main_loop(self) -> None:
-        await self.on_tick(0)  # sets the default headers once
-        assert self._stop is not None
-        await self._stop.wait()
-
-    def request_stop(self) -> None:
-        self.should_exit = True
-        if self._stop is not None:
-            self._stop.set()
-
-
 class CallbackServer:
     """The callback app served by uvicorn on its own event loop, in a daemon thread."""
 
     def __init__(self, app: ASGIApp, host: str, port: int):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(256)
-        bound_host, self.port = self.sock.getsockname()[:2]
-        self.address = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=60)
-        self.server = _EventServer(config)
+        self.sock, self.address = listen_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.server = EventServer(app)
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self._run, name="tandem-rollout-callbacks", daemon=True)
         self._error: BaseException | None = None

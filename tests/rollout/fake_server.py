@@ -6,7 +6,8 @@ control routes the rollout side uses (`/pause_generation`, `/continue_generation
 next token is `(last * 7 + 3) % vocab_size`, so a resubmitted prompt + partial continues the same
 chain on any server, and its logprob is `-(token % 97 + 1) / 100`.
 
-Fault modes: `fail_first` (answer 500 to the first N generation requests), `hang` (never answer),
+Scripted answers (`replies`: token id lists, one per generation request, in order) stand in
+for a model that must say something exact (a tool call). Fault modes: `fail_first` (answer 500 to the first N generation requests), `hang` (never answer),
 `token_delay_s` (slow server), `abort_when_done` (report `abort` after producing the full budget)
 and, only as a subprocess (`python -m tests.rollout.fake_server`), `--die-after K` (the process
 exits shortly after its K-th generation request, in the middle of requests).
@@ -57,6 +58,9 @@ class FakeConfig:
     vllm_report_version: bool = False
     die_after: int | None = None  # subprocess only
     die_delay_s: float = 0.2
+    # Scripted answers: the k-th generation produces replies[k] (then stops, as on an EOS) instead
+    # of the chain; once they are used up, the chain again.
+    replies: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +133,7 @@ class FakeServer:
         self.log.append(entry)
         last = input_ids[-1] if input_ids else 0
         finish = "length"
+        scripted = list(cfg.replies.pop(0)) if cfg.replies else None
         for _ in range(max_new):
             if abort.is_set():
                 finish = "abort"
@@ -140,13 +145,13 @@ class FakeServer:
                     break
                 except TimeoutError:
                     pass
-            last = next_token(last, cfg.vocab_size)
+            last = scripted.pop(0) if scripted else next_token(last, cfg.vocab_size)
             entry.output_ids.append(last)
             entry.version = self.version
             with self._progress:
                 self._tokens += 1
                 self._progress.notify_all()
-            if last == cfg.eos_token_id or last in stop_ids:
+            if last == cfg.eos_token_id or last in stop_ids or scripted == []:
                 finish = "stop"
                 break
         if cfg.abort_when_done and finish == "length":
