@@ -162,7 +162,8 @@ class LLMEngine:
                 seq.num_computed_tokens = len(seq) - 1
                 self.num_generated_tokens += 1
                 if seq.rid in self._streaming:
-                    self._deltas.append(TokenDelta(seq.rid, seq.index, [token], [logprob]))
+                    self._deltas.append(TokenDelta(seq.rid, seq.index, [token], [logprob],
+                                                   [top] if seq.top_logprobs_num else None))
                 if (reason := self._finish_reason(seq)) is not None:
                     self._finish(seq, reason)
         done, self._done = self._done, []

@@ -56,6 +56,8 @@ class TokenDelta:
     index: int
     token_ids: list[int]
     logprobs: list[float]
+    # With top_logprobs_num k > 0: per token, its step's k most likely `(logprob, token id)` pairs.
+    top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class Detokenizer:

@@ -167,10 +167,11 @@ def test_seeded_sampling_is_reproducible(engine):
     assert [o.output_ids for o in a] != [o.output_ids for o in c]
 
 
-def test_streaming_deltas_add_up_to_the_output(engine):
-    engine.add_request("s", [20, 21, 22], GREEDY, return_logprob=True, stream=True)
+@pytest.mark.parametrize("top", [0, 3])
+def test_streaming_deltas_add_up_to_the_output(engine, top):
+    engine.add_request("s", [20, 21, 22], GREEDY, return_logprob=True, stream=True, top_logprobs_num=top)
     engine.add_request("quiet", [20, 21], GREEDY)
-    tokens, logprobs, final = [], [], None
+    tokens, logprobs, tops, final = [], [], [], None
     while engine.has_unfinished():
         for o in engine.step():
             final = o if o.rid == "s" else final
@@ -178,7 +179,11 @@ def test_streaming_deltas_add_up_to_the_output(engine):
             assert d.rid == "s"
             tokens += d.token_ids
             logprobs += d.logprobs
+            assert (d.top_logprobs is None) == (top == 0)
+            tops += d.top_logprobs or []
     assert final is not None and tokens == final.output_ids and logprobs == final.output_logprobs
+    assert tops == (final.output_top_logprobs or [])
+    assert all(len(t) == top for t in tops) and len(tops) == (len(tokens) if top else 0)
 
 
 def test_request_checks(engine):
