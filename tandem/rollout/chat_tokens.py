@@ -22,16 +22,20 @@ class TemplateNotPrefixStable(ValueError):
 
 
 class ChatTokens:
-    """The chat template of `tokenizer` as token ids, for one set of `tools` (None: no tools)."""
+    """The chat template of `tokenizer` as token ids, for one set of `tools` (None: no tools) and
+    template keyword arguments (e.g. Qwen3's `enable_thinking`). Messages as `parse_chat_request`
+    normalises them (tool call arguments as JSON strings)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer, self.tools, self.template_kwargs = tokenizer, tools, template_kwargs
         # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
         base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}], False)
         self.closing_ids = self.encode(base[base.rindex(_SENTINEL) + len(_SENTINEL):])
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return render_chat(self.tokenizer, messages, self.tools, add_generation_prompt=add_generation_prompt)
+        return render_chat(self.tokenizer, messages, self.tools, add_generation_prompt=add_generation_prompt,
+                           template_kwargs=self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

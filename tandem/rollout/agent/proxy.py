@@ -30,8 +30,15 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.fleet.generation import GenerationParams
-from tandem.openai_compat.chat import SSE_DONE, ChatStream, ChoiceOutput, chat_completion, parse_tool_calls, sse
-from tandem.openai_compat.request import ChatRequest, OpenAIRequestError, parse_chat_request
+from tandem.openai_compat.chat import (
+    SSE_DONE,
+    ChatStream,
+    ChoiceOutput,
+    chat_completion,
+    parse_tool_calls,
+    sse,
+)
+from tandem.openai_compat.request import SAMPLING_FIELDS, ChatRequest, OpenAIRequestError, parse_chat_request
 from tandem.rollout.agent.session import AgentSession, Interaction, canonical_message, request_fingerprint
 from tandem.rollout.asgi_server import EventServer, listen_socket
 from tandem.rollout.chat_tokens import ChatTokens, TemplateNotPrefixStable
@@ -45,6 +52,7 @@ RETRY_HEADER = "x-stainless-retry-count"  # the openai client's attempt number (
 # The run decides these; an agent may repeat the run's value but not change it.
 _FIXED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 _ALLOWED = {"max_new_tokens", "stop_token_ids", "seed", "min_new_tokens", "ignore_eos", "n", *_FIXED}
+_OPENAI_NAME = {target: name for name, (target, _) in SAMPLING_FIELDS.items()}  # for messages
 
 
 class ProxyError(Exception):
@@ -160,7 +168,7 @@ class AgentProxy:
     def _params(self, req: ChatRequest, run: GenerationParams) -> GenerationParams:
         extra = set(req.sampling) - _ALLOWED
         if extra:
-            name = sorted(extra)[0]
+            name = _OPENAI_NAME.get(sorted(extra)[0], sorted(extra)[0])
             raise ProxyError(400, f"{name} is not supported by the agent proxy (the run's gen.* settings decide "
                              "sampling); drop it", name)
         for key, attr in _FIXED.items():
@@ -176,14 +184,13 @@ class AgentProxy:
             seed=req.sampling.get("seed", run.seed), min_new_tokens=int(req.sampling.get("min_new_tokens", 0)),
             ignore_eos=bool(req.sampling.get("ignore_eos", run.ignore_eos)))
 
-    def _template(self, tools: list[dict[str, Any]] | None) -> ChatTokens:
-        key = request_fingerprint([], tools, {})
+    def _template(self, req: ChatRequest, key: str) -> ChatTokens:
         if key not in self._templates:
-            self._templates[key] = ChatTokens(self.tokenizer, tools)
+            self._templates[key] = ChatTokens(self.tokenizer, req.template_tools, req.chat_template_kwargs)
         return self._templates[key]
 
     def _prompt(self, session: AgentSession, req: ChatRequest, tools_key: str) -> tuple[list[int], Interaction | None]:
-        template = self._template(req.tools)
+        template = self._template(req, tools_key)
         parent = session.parent_for(req.messages, tools_key)
         if parent is not None:
             history = req.messages[: len(parent.history)]
@@ -197,7 +204,7 @@ class AgentProxy:
 
     async def _generate(self, request: Request, session: AgentSession, req: ChatRequest, params: GenerationParams,
                         fingerprint: str) -> Interaction | None:
-        tools_key = request_fingerprint([], req.tools, {})
+        tools_key = request_fingerprint([], req.template_tools, req.chat_template_kwargs)  # how prompts render
         ids, parent = self._prompt(session, req, tools_key)
         sent_version = self.client.version.value
         rid = f"agent-{session.key[:8]}-{uuid.uuid4().hex[:12]}"
@@ -214,7 +221,7 @@ class AgentProxy:
             return None
         resp = work.result()
         text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text) if req.tool_choice != "none" and req.tools else (text, [])
+        content, calls = parse_tool_calls(text) if req.parse_tools else (text, [])
         answer: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             answer["tool_calls"] = calls
@@ -232,7 +239,7 @@ class AgentProxy:
         choice = ChoiceOutput(index=0, output_ids=call.output_ids, text=call.text,
                               logprobs=call.logprobs if req.logprobs else None, top_logprobs=None,
                               finish_reason=call.finish_reason, matched_stop=None)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        parse_tools = req.parse_tools
         token_text = self._token_text
         created = int(call.created)
         if not req.stream:
@@ -244,7 +251,7 @@ class AgentProxy:
                             req.include_usage, call.sent_version)
 
         async def events():
-            for chunk in stream.delta(0, call.output_ids, choice.logprobs or [], None, call.text):
+            for chunk in stream.delta(0, call.output_ids, choice.logprobs, None, call.text):
                 yield sse(chunk)
             for chunk in stream.finish(choice):
                 yield sse(chunk)
