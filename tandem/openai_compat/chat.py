@@ -18,11 +18,11 @@ from tandem.openai_compat.stream import (
     ChoiceOutput,
     NewTokens,
     StreamBase,
-    TokenText,
     envelope,
     sse,
     usage,
 )
+from tandem.openai_compat.tokens import TokenText, token_bytes
 
 __all__ = ["SSE_DONE", "ChatStream", "ChoiceOutput", "chat_completion", "parse_tool_calls", "render_chat", "sse"]
 
@@ -94,7 +94,7 @@ def _tool_call(body: str) -> dict[str, Any] | None:
 
 
 def _entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": logprob, "bytes": token_bytes(text)}
 
 
 def chat_logprobs(tokens: NewTokens, token_text: TokenText, top_logprobs: int) -> dict[str, Any] | None:

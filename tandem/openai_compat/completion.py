@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.openai_compat.stream import ChoiceOutput, NewTokens, StreamBase, TokenText, envelope, usage
+from tandem.openai_compat.stream import ChoiceOutput, NewTokens, StreamBase, envelope, usage
+from tandem.openai_compat.tokens import TokenText
 
 
 def completion_logprobs(tokens: NewTokens, token_text: TokenText, k: int | None,

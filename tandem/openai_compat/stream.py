@@ -11,12 +11,13 @@ strings trimmed, tool calls parsed out) only ever appends.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.openai_compat.tokens import TokenText
+
 SSE_DONE = "data: [DONE]\n\n"
-TokenText = Callable[[int], str]  # a token id's text in logprob entries
 
 
 @dataclass
