@@ -21,7 +21,7 @@ from tandem.openai_compat.request import (
     parse_completion_request,
 )
 from tandem.openai_compat.stream import SSE_DONE, ChoiceOutput, sse, usage
-from tandem.openai_compat.tokens import TokenText, token_bytes, token_text_of
+from tandem.openai_compat.tokens import IncrementalText, TokenText, token_bytes, token_text_of
 
 __all__ = [
     "DEFAULT_CHAT_MAX_TOKENS",
@@ -32,6 +32,7 @@ __all__ = [
     "ChoiceOutput",
     "CompletionRequest",
     "CompletionStream",
+    "IncrementalText",
     "OpenAIRequestError",
     "TokenText",
     "chat_completion",

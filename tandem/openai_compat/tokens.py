@@ -60,3 +60,27 @@ def token_bytes(text: str) -> list[int]:
             except ValueError:
                 pass
     return list(text.encode())
+
+
+class IncrementalText:
+    """The text of a growing output, for streaming, without decoding the whole output at every
+    token: each `add` decodes only the tokens since the last complete piece, after the piece before
+    it (context for tokenizers whose decode of a token depends on its left neighbour, such as a
+    leading space). A trailing piece of a character (U+FFFD) waits for the rest of its bytes."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._context = 0  # ids[_context:_done] were decoded already, and give the context
+        self._done = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; -> the text so far."""
+        self.ids += token_ids
+        known = self.decode(self.ids[self._context:self._done])
+        grown = self.decode(self.ids[self._context:])
+        if len(grown) > len(known) and not grown.endswith("\ufffd"):
+            self.text += grown[len(known):]
+            self._context, self._done = self._done, len(self.ids)
+        return self.text

@@ -91,7 +91,6 @@ def check_top_logprobs(entries, k, greedy):
 
 
 # ------------------------------------------------------------------------------ chat
-@pytest.mark.slow
 def test_streamed_chat_adds_up_to_the_answer(server, client, tokenizer):
     kw = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "logprobs": True, "top_logprobs": 3, **GREEDY}
     whole = uncached(server, lambda: client.chat.completions.create(**kw))
@@ -112,7 +111,6 @@ def test_streamed_chat_adds_up_to_the_answer(server, client, tokenizer):
     assert whole.model_extra["weight_version"] == "0" and all(c.model_extra["weight_version"] == "0" for c in chunks)
 
 
-@pytest.mark.slow
 def test_seeded_samples_stream_like_the_answer(server, client):
     kw = {"model": "tiny", "messages": MESSAGES, "max_tokens": 10, "n": 2, "seed": 7, "temperature": 1.0,
           "logprobs": True, "top_logprobs": 2, "extra_body": {"ignore_eos": True}}
@@ -127,7 +125,6 @@ def test_seeded_samples_stream_like_the_answer(server, client):
     assert whole.choices[0].message.content != whole.choices[1].message.content
 
 
-@pytest.mark.slow
 def test_tools_go_through_the_template_and_streams_parse_like_answers(client, tokenizer):
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **GREEDY)
     kw = {"model": "tiny", "messages": MESSAGES, "tools": [TOOL], "max_tokens": 16, **GREEDY}
@@ -185,7 +182,6 @@ def test_a_client_that_leaves_a_stream_aborts_it(server):
 
 
 # ------------------------------------------------------------------------------ completions
-@pytest.mark.slow
 def test_streamed_completions_add_up_to_the_answer(server, client):
     kw = {"model": "tiny", "prompt": [[11, 12, 13], [14, 15]], "max_tokens": 8, "n": 2, "seed": 3,
           "temperature": 1.0, "logprobs": 2, "extra_body": {"ignore_eos": True}}
@@ -209,7 +205,6 @@ def test_streamed_completions_add_up_to_the_answer(server, client):
     assert chunks[-1].usage == whole.usage and whole.model_extra["weight_version"] == "0"
 
 
-@pytest.mark.slow
 def test_streams_hold_back_stop_strings(client):
     kw = {"model": "tiny", "prompt": [20, 21, 22], "max_tokens": 24, **GREEDY}
     base = client.completions.create(**kw).choices[0].text

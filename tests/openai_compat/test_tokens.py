@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.openai_compat import token_bytes, token_text_of
+from tandem.openai_compat import IncrementalText, token_bytes, token_text_of
 
 
 def test_pieces_of_characters_show_their_bytes(tokenizer):
@@ -31,3 +31,29 @@ def test_text_of_a_tokenizer_that_is_not_byte_level():
 
     text = token_text_of(Pieces())
     assert text(1) == "\ufffd" and text(2) == "x"
+
+
+def test_incremental_text_follows_the_whole_decode(tokenizer):
+    text = "naïve 日本語 café — done. <think>ok</think> 🙂 end"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [0, 2, 300, 301]  # specials, then more
+    for skip in (True, False):
+        inc = IncrementalText(lambda x, skip=skip: tokenizer.decode(x, skip_special_tokens=skip))
+        for i, t in enumerate(ids):
+            got, whole = inc.add([t]), tokenizer.decode(ids[:i + 1], skip_special_tokens=skip)
+            assert got == whole.rstrip("\ufffd") and "\ufffd" not in got
+        inc2 = IncrementalText(lambda x, skip=skip: tokenizer.decode(x, skip_special_tokens=skip))
+        assert inc2.add(ids[:5]) == tokenizer.decode(ids[:5], skip_special_tokens=skip).rstrip("\ufffd")
+        assert inc2.add(ids[5:]) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_incremental_text_decodes_little_at_a_time():
+    seen = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    inc = IncrementalText(decode)
+    for t in range(1000):
+        inc.add([t])
+    assert len(inc.text) == 1000 and max(seen) <= 2

@@ -32,6 +32,7 @@ from tandem.openai_compat import (
     ChatStream,
     ChoiceOutput,
     CompletionStream,
+    IncrementalText,
     TokenText,
     chat_completion,
     parse_chat_request,
@@ -162,10 +163,16 @@ async def _events(state: ServerState, job: Job, stream: StreamBase,
     reason; usage (when asked) and [DONE] last. A sample whose final output comes with its last
     tokens is answered from the final output alone (its text has stop strings trimmed)."""
     detok, params = state.engine.detokenizer, job.params
+
+    def decode(ids: list[int]) -> str:
+        if detok.tokenizer is None:
+            return ""
+        return detok.decode(ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+
     for index in range(len(job.prompts) * params.n):  # role chunks in order: SDKs index choices by position
         for chunk in stream.delta(index, [], None, None, ""):
             yield sse(chunk)
-    so_far: dict[int, list[int]] = {}
+    so_far: dict[int, IncrementalText] = {}
     completion_tokens = 0
     async with contextlib.aclosing(_merged(state, submitted)) as batches:
         async for prompt, batch in batches:
@@ -181,12 +188,10 @@ async def _events(state: ServerState, job: Job, stream: StreamBase,
                     for chunk in stream.finish(job.choice(item, prompt)):
                         yield sse(chunk)
                 elif item.index not in ending:
-                    ids = so_far.setdefault(index, [])
-                    ids += item.token_ids
-                    text = "" if detok.tokenizer is None else detok.decode(
-                        ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+                    output = so_far.setdefault(index, IncrementalText(decode))
                     for chunk in stream.delta(index, item.token_ids, item.logprobs if job.logprobs else None,
-                                              item.top_logprobs if job.top_logprobs else None, text):
+                                              item.top_logprobs if job.top_logprobs else None,
+                                              output.add(item.token_ids)):
                         yield sse(chunk)
     if (usage := stream.usage_chunk(job.prompt_tokens, completion_tokens)) is not None:
         yield sse(usage)
