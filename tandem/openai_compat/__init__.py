@@ -21,6 +21,7 @@ from tandem.openai_compat.request import (
     parse_completion_request,
 )
 from tandem.openai_compat.stream import SSE_DONE, ChoiceOutput, sse, usage
+from tandem.openai_compat.tokens import IncrementalText, TokenText, token_bytes, token_text_of
 
 __all__ = [
     "DEFAULT_CHAT_MAX_TOKENS",
@@ -31,7 +32,9 @@ __all__ = [
     "ChoiceOutput",
     "CompletionRequest",
     "CompletionStream",
+    "IncrementalText",
     "OpenAIRequestError",
+    "TokenText",
     "chat_completion",
     "chat_logprobs",
     "completion_logprobs",
@@ -41,5 +44,7 @@ __all__ = [
     "render_chat",
     "sse",
     "text_completion",
+    "token_bytes",
+    "token_text_of",
     "usage",
 ]

@@ -18,11 +18,10 @@ from tandem.openai_compat.stream import (
     ChoiceOutput,
     NewTokens,
     StreamBase,
-    TokenText,
-    envelope,
+    answer,
     sse,
-    usage,
 )
+from tandem.openai_compat.tokens import TokenText, token_bytes
 
 __all__ = ["SSE_DONE", "ChatStream", "ChoiceOutput", "chat_completion", "parse_tool_calls", "render_chat", "sse"]
 
@@ -94,7 +93,7 @@ def _tool_call(body: str) -> dict[str, Any] | None:
 
 
 def _entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": logprob, "bytes": token_bytes(text)}
 
 
 def chat_logprobs(tokens: NewTokens, token_text: TokenText, top_logprobs: int) -> dict[str, Any] | None:
@@ -123,21 +122,15 @@ def chat_completion(*, id: str, model: str, created: int, choices: list[ChoiceOu
                     top_logprobs: int) -> dict[str, Any]:
     """The `chat.completion` answer. Extensions: `weight_version` (top level, and per choice when
     the choice knows it), `matched_stop` per choice."""
-    out = []
-    for c in sorted(choices, key=lambda c: c.index):
+    def fields(c: ChoiceOutput) -> dict[str, Any]:
         content, calls = _content_and_calls(c, parse_tools)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
         lp = chat_logprobs(NewTokens(c.output_ids, c.logprobs, c.top_logprobs), token_text, top_logprobs)
-        item = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": _finish_reason(c, calls),
-                "matched_stop": c.matched_stop}
-        if c.weight_version is not None:
-            item["weight_version"] = c.weight_version
-        out.append(item)
-    body = envelope("chat.completion", id, model, created, weight_version, out)
-    body["usage"] = usage(prompt_tokens, sum(len(c.output_ids) for c in choices))
-    return body
+        return {"message": message, "logprobs": lp, "finish_reason": _finish_reason(c, calls)}
+
+    return answer("chat.completion", id, model, created, weight_version, choices, prompt_tokens, fields)
 
 
 class ChatStream(StreamBase):

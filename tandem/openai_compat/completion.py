@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.openai_compat.stream import ChoiceOutput, NewTokens, StreamBase, TokenText, envelope, usage
+from tandem.openai_compat.stream import ChoiceOutput, NewTokens, StreamBase, answer
+from tandem.openai_compat.tokens import TokenText
 
 
 def completion_logprobs(tokens: NewTokens, token_text: TokenText, k: int | None,
@@ -36,17 +37,11 @@ def text_completion(*, id: str, model: str, created: int, choices: list[ChoiceOu
                     token_text: TokenText, weight_version: int | str | None, logprobs: int | None) -> dict[str, Any]:
     """The `text_completion` answer; `prompt_tokens` counts every prompt. Extensions as in chat:
     `weight_version`, `matched_stop`."""
-    out = []
-    for c in sorted(choices, key=lambda c: c.index):
+    def fields(c: ChoiceOutput) -> dict[str, Any]:
         lp, _ = completion_logprobs(NewTokens(c.output_ids, c.logprobs, c.top_logprobs), token_text, logprobs)
-        item = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "matched_stop": c.matched_stop}
-        if c.weight_version is not None:
-            item["weight_version"] = c.weight_version
-        out.append(item)
-    body = envelope("text_completion", id, model, created, weight_version, out)
-    body["usage"] = usage(prompt_tokens, sum(len(c.output_ids) for c in choices))
-    return body
+        return {"text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    return answer("text_completion", id, model, created, weight_version, choices, prompt_tokens, fields)
 
 
 class CompletionStream(StreamBase):

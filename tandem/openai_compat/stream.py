@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.openai_compat.tokens import TokenText
+
 SSE_DONE = "data: [DONE]\n\n"
-TokenText = Callable[[int], str]  # a token id's text in logprob entries
 
 
 @dataclass
@@ -50,6 +51,23 @@ def envelope(kind: str, id: str, model: str, created: int, weight_version: int |
     body: dict[str, Any] = {"id": id, "object": kind, "created": created, "model": model, "choices": choices}
     if weight_version is not None:
         body["weight_version"] = weight_version
+    return body
+
+
+def answer(kind: str, id: str, model: str, created: int, weight_version: int | str | None,
+           choices: list[ChoiceOutput], prompt_tokens: int,
+           fields: Callable[[ChoiceOutput], dict[str, Any]]) -> dict[str, Any]:
+    """A whole (not streamed) answer: per choice, in index order, `index`, the kind's own `fields`
+    (text or message, logprobs, finish_reason), `matched_stop` and, when known, the choice's
+    `weight_version` (extensions); then `usage`."""
+    items = []
+    for c in sorted(choices, key=lambda c: c.index):
+        item = {"index": c.index, **fields(c), "matched_stop": c.matched_stop}
+        if c.weight_version is not None:
+            item["weight_version"] = c.weight_version
+        items.append(item)
+    body = envelope(kind, id, model, created, weight_version, items)
+    body["usage"] = usage(prompt_tokens, sum(len(c.output_ids) for c in choices))
     return body
 
 

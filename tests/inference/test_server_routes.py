@@ -316,18 +316,19 @@ def test_release_and_resume_memory(server, pool, qwen3_dir):
 
 
 # ------------------------------------------------------------------------------ disconnects
-def _open_request(server, body: dict) -> socket.socket:
+def open_request(server, body: dict, path: str = "/generate") -> socket.socket:
+    """POST `body` on a raw socket (so the test can drop the connection mid-answer)."""
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_client_disconnect_aborts_and_frees_blocks(server, stream):
-    sock = _open_request(server, {**long_request(f"disc-{stream}"), "stream": stream})
+    sock = open_request(server, {**long_request(f"disc-{stream}"), "stream": stream})
     wait_running(server)
     if stream:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")

@@ -353,6 +353,9 @@ def test_non_finite_logits_fail_that_request_with_a_500(server, qwen3_dir, overf
         assert served(server) == (want, "5")
     events = sse_events(server.url, "/generate", {"input_ids": poison, "stream": True})
     assert events[-1] == "[DONE]" and events[-2]["code"] == 500 and needle in events[-2]["message"], events
+    events = sse_events(server.url, "/v1/completions", {"prompt": poison, "max_tokens": 4, "stream": True})
+    error = events[-2]["error"]  # where the openai client looks for it (it raises APIError)
+    assert events[-1] == "[DONE]" and error["code"] == 500 and needle in error["message"], events
     assert server.get("/health") == (200, {"status": "ok", "weight_version": "5"})
     server.ok("/update_weights_from_disk", {"model_path": str(qwen3_dir), "weight_version": "0"})
     assert served(server) == (expected(qwen3_dir), "0")

@@ -23,6 +23,7 @@ from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, registe
 from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
 from tandem.net import is_loopback
+from tandem.openai_compat import OpenAIRequestError
 
 log = logging.getLogger("tandem.serve")
 OPEN_PATHS = {"/health"}
@@ -69,6 +70,10 @@ def build_app(args: ServerArgs) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(OpenAIRequestError)
+    async def _openai_error(request: Request, exc: OpenAIRequestError) -> JSONResponse:
+        return error_response(exc.message, exc.status)
 
     @app.exception_handler(ControlError)
     async def _control_error(request: Request, exc: ControlError) -> JSONResponse:

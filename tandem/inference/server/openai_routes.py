@@ -1,160 +1,125 @@
 """OpenAI-compatible routes for agent code: /v1/completions, /v1/chat/completions, /v1/models.
 
-Non-streaming only. `prompt` may be a string, a list of token ids, or a list of either; each
-prompt yields `n` choices (index = prompt * n + sample). `logprobs: k` returns each sampled token's
-logprob; `top_logprobs` holds just that token (the engine keeps no alternatives).
-Extensions: `top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `seed`.
+The protocol (parsing, templates, tool calls, answer and chunk shapes) is `tandem.openai_compat`;
+this module runs requests on the engine. Each prompt of a request is one engine request (rid
+`<id>-<prompt>`) with `n` samples, choice index = prompt * n + sample. Streams are SSE ending with
+`data: [DONE]`; a client that disconnects aborts its requests (docs/inference.md, "OpenAI routes").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.inference.outputs import RequestOutput
-from tandem.inference.server.protocol import ApiError, check_fields, get_field, read_json
+from tandem.inference.sampling_params import SamplingParams
+from tandem.inference.server.engine_loop import PendingRequest
+from tandem.inference.server.protocol import error_body, read_json
 from tandem.inference.server.routes import sampling_params, state_of
-from tandem.inference.server.state import ClientGone, ServerState
+from tandem.inference.server.state import ClientGone, ServerState, failure
+from tandem.openai_compat import (
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    SSE_DONE,
+    ChatStream,
+    ChoiceOutput,
+    CompletionStream,
+    IncrementalText,
+    TokenText,
+    chat_completion,
+    parse_chat_request,
+    parse_completion_request,
+    render_chat,
+    sse,
+    text_completion,
+    token_text_of,
+)
+from tandem.openai_compat.stream import StreamBase
 
 router = APIRouter()
-
-SAMPLING_FIELDS = {  # OpenAI name -> SamplingParams name
-    "max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
-    "top_k": "top_k", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
-    "seed": "seed", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "skip_special_tokens": "skip_special_tokens",
-}
-COMMON_FIELDS = set(SAMPLING_FIELDS) | {"model", "stream", "user", "logprobs"}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def _params(body: dict[str, Any], default_max_tokens: int):
-    raw = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
-    raw.setdefault("max_new_tokens", default_max_tokens)
-    return sampling_params(raw, where="request")
+@dataclass
+class Job:
+    """One OpenAI request as engine requests."""
+
+    rid: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    logprobs: bool
+    top_logprobs: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def choice(self, out: RequestOutput, prompt: int) -> ChoiceOutput:
+        return ChoiceOutput(index=prompt * self.params.n + out.index, output_ids=out.output_ids, text=out.text or "",
+                            logprobs=out.output_logprobs if self.logprobs else None,
+                            top_logprobs=out.output_top_logprobs if self.top_logprobs else None,
+                            finish_reason=FINISH[out.finish_reason["type"]],
+                            matched_stop=out.finish_reason.get("matched"), weight_version=str(out.weight_version))
 
 
-def _check_common(body: dict[str, Any]) -> None:
-    get_field(body, "model", str)
-    if get_field(body, "stream", bool, False):
-        raise ApiError("stream is not supported on the /v1 routes; use /generate with stream: true")
+def _params(sampling: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+    return sampling_params({"max_new_tokens": default_max_tokens, **sampling}, where="request")
 
 
-async def _run_all(request: Request, state: ServerState, prompts: list[list[int]], params, want_logprob: bool):
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    tasks = [state.run_request(request, f"{rid}-{i}", ids, params, want_logprob) for i, ids in enumerate(prompts)]
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            state.engine_loop.abort(rid, abort_all=False)  # the others, by prefix
-            raise r
-    return rid, results
-
-
-def _usage(prompts: list[list[int]], outs: list[list[RequestOutput]]) -> dict[str, int]:
-    prompt = sum(len(p) for p in prompts)
-    completion = sum(o.completion_tokens for group in outs for o in group)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _logprobs(state: ServerState, out: RequestOutput) -> dict[str, Any]:
+def _token_text(state: ServerState) -> TokenText:
     tok = state.tokenizer
-    tokens = [tok.decode([t]) if tok is not None else f"token_id:{t}" for t in out.output_ids]
-    lps = out.output_logprobs or []
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
-            "text_offset": offsets}
-
-
-def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
-    def one(p: Any) -> list[int]:
-        if isinstance(p, str):
-            return state.encode(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        raise ApiError("prompt must be a string, a list of token ids, or a list of those")
-
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return [one(p) for p in prompt]
-    return [one(prompt)]
+    return (lambda t: f"token_id:{t}") if tok is None else token_text_of(tok)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix", "logit_bias"})
-    _check_common(body)
-    if body.get("echo") or body.get("suffix") or body.get("logit_bias") or get_field(body, "best_of", int, 1) > 1:
-        raise ApiError("echo, suffix, logit_bias and best_of are not supported")
-    if "prompt" not in body:
-        raise ApiError("field 'prompt' is required")
-    prompts = _prompts(state, body["prompt"])
-    logprobs = get_field(body, "logprobs", int)
-    params = _params(body, default_max_tokens=16)
-    try:
-        rid, outs = await _run_all(request, state, prompts, params, logprobs is not None)
-    except ClientGone:
+    req = parse_completion_request(await read_json(request, allow_empty=False))
+    prompts = [state.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    job = Job(f"cmpl-{uuid.uuid4().hex}", prompts, _params(req.sampling, DEFAULT_COMPLETION_MAX_TOKENS),
+              req.logprobs is not None, req.logprobs or 0)
+    created, model, token_text = int(time.time()), state.args.model_name, _token_text(state)
+    if req.stream:
+        stream = CompletionStream(job.rid, model, created, token_text, req.logprobs, req.include_usage,
+                                  str(state.engine.weight_version), stop=job.params.stop)
+        return await _stream(state, job, stream)
+    choices = await _run(request, state, job)
+    if choices is None:
         return Response(status_code=499)
-    choices = []
-    for i, group in enumerate(outs):
-        for out in group:
-            choices.append({"index": i * params.n + out.index, "text": out.text or "",
-                            "logprobs": _logprobs(state, out) if logprobs is not None else None,
-                            "finish_reason": FINISH[out.finish_reason["type"]],
-                            "matched_stop": out.finish_reason.get("matched")})
-    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                         "model": state.args.model_name, "choices": choices, "usage": _usage(prompts, outs)})
+    return JSONResponse(text_completion(id=job.rid, model=model, created=created, choices=choices,
+                                        prompt_tokens=job.prompt_tokens, token_text=token_text,
+                                        weight_version=choices[0].weight_version, logprobs=req.logprobs))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
-    body = await read_json(request, allow_empty=False)
-    check_fields(body, COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"})
-    _check_common(body)
-    messages = get_field(body, "messages", list, required=True)
-    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise ApiError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ApiError("this model's tokenizer has no chat template")
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:
-        raise ApiError(f"cannot apply the chat template: {exc}") from exc
-    ids = state.encode(text)
-    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
-    want_logprobs = get_field(body, "logprobs", bool, False)
-    params = _params({k: v for k, v in body.items() if k != "max_completion_tokens"}, default_max_tokens=128)
-    try:
-        rid, outs = await _run_all(request, state, [ids], params, want_logprobs)
-    except ClientGone:
+    req = parse_chat_request(await read_json(request, allow_empty=False))
+    text = render_chat(state.tokenizer, req.messages, req.template_tools, template_kwargs=req.chat_template_kwargs)
+    job = Job(f"chatcmpl-{uuid.uuid4().hex}", [state.encode(text)], _params(req.sampling, DEFAULT_CHAT_MAX_TOKENS),
+              req.logprobs, req.top_logprobs)
+    created, model, token_text = int(time.time()), state.args.model_name, _token_text(state)
+    if req.stream:
+        stream = ChatStream(job.rid, model, created, req.parse_tools, token_text, req.top_logprobs, req.include_usage,
+                            str(state.engine.weight_version), stop=job.params.stop)
+        return await _stream(state, job, stream)
+    choices = await _run(request, state, job)
+    if choices is None:
         return Response(status_code=499)
-    choices = []
-    for out in outs[0]:
-        lp = None
-        if want_logprobs:
-            d = _logprobs(state, out)
-            lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                              for t, v in zip(d["tokens"], d["token_logprobs"], strict=False)]}
-        choices.append({"index": out.index, "message": {"role": "assistant", "content": out.text or ""},
-                        "logprobs": lp, "finish_reason": FINISH[out.finish_reason["type"]],
-                        "matched_stop": out.finish_reason.get("matched")})
-    return JSONResponse({"id": rid.replace("cmpl", "chatcmpl", 1), "object": "chat.completion",
-                         "created": int(time.time()), "model": state.args.model_name, "choices": choices,
-                         "usage": _usage([ids], outs)})
+    return JSONResponse(chat_completion(id=job.rid, model=model, created=created, choices=choices,
+                                        prompt_tokens=job.prompt_tokens, token_text=token_text,
+                                        parse_tools=req.parse_tools, weight_version=choices[0].weight_version,
+                                        top_logprobs=req.top_logprobs))
 
 
 @router.get("/v1/models")
@@ -165,3 +130,102 @@ async def models(request: Request) -> Response:
         "id": state.args.model_name, "object": "model", "created": int(state.started), "owned_by": "tandem",
         "root": state.args.model_path, "max_model_len": state.engine.max_model_len,
     }]})
+
+
+async def _run(request: Request, state: ServerState, job: Job) -> list[ChoiceOutput] | None:
+    """Every prompt to completion -> the choices; None when the client went away (all aborted)."""
+    tasks = [state.run_request(request, f"{job.rid}-{i}", ids, job.params, job.logprobs,
+                               top_logprobs_num=job.top_logprobs) for i, ids in enumerate(job.prompts)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            state.engine_loop.abort(job.rid, abort_all=False)  # the others, by prefix
+            if isinstance(r, ClientGone):
+                return None
+            raise r
+    return [job.choice(out, i) for i, outs in enumerate(results) for out in outs]
+
+
+async def _stream(state: ServerState, job: Job, stream: StreamBase) -> Response:
+    results = await asyncio.gather(*[state.submit(f"{job.rid}-{i}", ids, job.params, job.logprobs, True,
+                                                  top_logprobs_num=job.top_logprobs)
+                                     for i, ids in enumerate(job.prompts)], return_exceptions=True)
+    if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
+        state.engine_loop.abort(job.rid, abort_all=False)  # those that got in, by prefix
+        raise error
+    submitted: list[PendingRequest | list[RequestOutput]] = list(results)
+    return StreamingResponse(_events(state, job, stream, submitted), media_type="text/event-stream")
+
+
+async def _events(state: ServerState, job: Job, stream: StreamBase,
+                  submitted: list[PendingRequest | list[RequestOutput]]) -> AsyncIterator[str]:
+    """The SSE events: per step each choice's new tokens, at its end the rest and its finish
+    reason; usage (when asked) and [DONE] last. A sample whose final output comes with its last
+    tokens is answered from the final output alone (its text has stop strings trimmed)."""
+    detok, params = state.engine.detokenizer, job.params
+
+    def decode(ids: list[int]) -> str:
+        if detok.tokenizer is None:
+            return ""
+        return detok.decode(ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+
+    for index in range(len(job.prompts) * params.n):  # role chunks in order: SDKs index choices by position
+        for chunk in stream.delta(index, [], None, None, ""):
+            yield sse(chunk)
+    so_far: dict[int, IncrementalText] = {}
+    completion_tokens = 0
+    async with contextlib.aclosing(_merged(state, submitted)) as batches:
+        async for prompt, batch in batches:
+            ending = {item.index for kind, item in batch if kind == "final"}
+            for kind, item in batch:
+                index = prompt * params.n + item.index
+                if kind == "final":
+                    if (failed := failure([item])) is not None:  # the status (200) went out with the first byte
+                        yield sse({"error": error_body(failed, 500)})
+                        yield SSE_DONE
+                        return
+                    completion_tokens += item.completion_tokens
+                    for chunk in stream.finish(job.choice(item, prompt)):
+                        yield sse(chunk)
+                elif item.index not in ending:
+                    output = so_far.setdefault(index, IncrementalText(decode))
+                    for chunk in stream.delta(index, item.token_ids, item.logprobs if job.logprobs else None,
+                                              item.top_logprobs if job.top_logprobs else None,
+                                              output.add(item.token_ids)):
+                        yield sse(chunk)
+    if (usage := stream.usage_chunk(job.prompt_tokens, completion_tokens)) is not None:
+        yield sse(usage)
+    yield SSE_DONE
+
+
+async def _merged(state: ServerState, submitted: list[PendingRequest | list[RequestOutput]]
+                  ) -> AsyncIterator[tuple[int, list[tuple[str, Any]]]]:
+    """(prompt index, events of one step) from every prompt's request as they come; requests
+    aborted at the gate give their final outputs at once. Closing it early aborts what is left."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt: int, sub: PendingRequest | list[RequestOutput]) -> None:
+        try:
+            if isinstance(sub, list):
+                queue.put_nowait((prompt, [("final", out) for out in sub]))
+            else:
+                async for batch in state.stream_batches(sub):
+                    queue.put_nowait((prompt, batch))
+            queue.put_nowait((prompt, None))
+        except Exception as exc:
+            queue.put_nowait((prompt, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, sub)) for i, sub in enumerate(submitted)]
+    try:
+        left = len(pumps)
+        while left:
+            prompt, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield prompt, item
+    finally:
+        for p in pumps:
+            p.cancel()  # a pump still streaming aborts its request (stream_batches)

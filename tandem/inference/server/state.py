@@ -5,6 +5,7 @@ waiting at the gate, the weight receiver, and `run_request`, the one path every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -151,14 +152,24 @@ class ServerState:
     async def stream_request(self, pending: PendingRequest) -> AsyncIterator[tuple[str, Any]]:
         """Events of a streaming request until each sample's final output; aborts it if the
         consumer stops early (the client disconnected)."""
+        async with contextlib.aclosing(self.stream_batches(pending)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def stream_batches(self, pending: PendingRequest) -> AsyncIterator[list[tuple[str, Any]]]:
+        """As `stream_request`, but the events that arrived together as one list: those of one
+        engine step, so a sample's last token and its final output always share a list."""
         finals = 0
         try:
             while finals < pending.n:
-                kind, item = await pending.queue.get()
-                if kind == "error":
-                    raise RuntimeError(item)
-                finals += kind == "final"
-                yield kind, item
+                batch = [await pending.queue.get()]
+                while not pending.queue.empty():
+                    batch.append(pending.queue.get_nowait())
+                if (error := next((item for kind, item in batch if kind == "error"), None)) is not None:
+                    raise RuntimeError(error)
+                finals += sum(kind == "final" for kind, _ in batch)
+                yield batch
         finally:
             if finals < pending.n:
                 self.engine_loop.abort(pending.rid, exact=True)
