@@ -240,8 +240,10 @@ def test_the_proxy_refuses_what_it_cannot_honour(server, tokenizer):
         await oai.chat.completions.create(model="policy", messages=msgs, temperature=1.0)  # the run's value is fine
         with pytest.raises(openai.RateLimitError, match="max_calls"):
             await oai.chat.completions.create(model="policy", messages=msgs)
+        stranger = _oai(proxy, "wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            await _oai(proxy, "wrong", max_retries=0).chat.completions.create(model="policy", messages=msgs)
+            await stranger.chat.completions.create(model="policy", messages=msgs)
+        await stranger.close()
         await oai.close()
         return errors
 
@@ -274,8 +276,10 @@ def test_the_agent_workflow_runs_groups_and_reports_agents_that_fail(server, tok
     trajs = _episode(server, _workflow(tokenizer, "tests.rollout.agents:three_turns"), ITEM)
     assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1 and {t.prompt_id for t in trajs} == {"q1"}
     assert all(t.num_turns == 3 and 0 <= t.reward <= 1 for t in trajs)
-    per_call = _episode(server, _workflow(tokenizer, "tests.rollout.agents:per_call", n=1, export="individual"), ITEM)
-    assert sorted(t.reward for t in per_call) == [0.25, 0.75]
+    per_call = _workflow(tokenizer, "tests.rollout.agents:per_call", n=1, export="individual", discount=0.0)
+    assert sorted(t.reward for t in _episode(server, per_call, ITEM)) == [0.25, 0.75]  # two chains, by call id
+    discounted = _workflow(tokenizer, "tests.rollout.agents:per_call", n=1, export="individual", discount=0.5)
+    assert sorted(t.reward for t in _episode(server, discounted, ITEM)) == [0.25 + 0.5 * 0.75, 0.75]
     for agent, message in {"broken": "raised ValueError: no answer for q1", "wordy": "returned str",
                            "sleepy": "ran past rollout.agent.timeout_s=1s"}.items():
         with pytest.raises(AgentError, match=message):
