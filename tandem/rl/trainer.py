@@ -122,7 +122,8 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
+                          timeout_key="task.reward_timeout_s")
     metrics: MetricsLogger | None = None
     try:
         logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,

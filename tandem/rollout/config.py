@@ -20,6 +20,7 @@ from tandem.launch.affinity import parse_cpus
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 from tandem.rollout.health import HealthConfig
+from tandem.user_code import absolute_spec
 
 
 @dataclass
@@ -76,6 +77,13 @@ class RolloutConfig:
     request_deadline_s: float = _f(600.0, "Deadline of one generation request (all calls, retries, waits).", gt=0.0)
     call_timeout_s: float | None = _f(None, "Timeout of one HTTP generation call (None: the deadline).", gt=0.0)
     dump_dir: str | None = _f(None, "Write accepted trajectories as JSONL per version here (debugging).")
+    reward: str | None = _f(
+        None, "The reward used instead of the task's, in training and evaluation: 'package.module:function' "
+              "(importable) or 'path/to/file.py:function'; a relative file path is relative to the config file "
+              "that sets it (on the command line: to the working directory). Called as fn(prompt_text, "
+              "completion_text, prompt_ids, completion_ids, **item_fields) -> float in the reward worker processes "
+              "(task.reward_workers, task.reward_timeout_s).",
+        resolve=absolute_spec)
     callback_host: str = _f("127.0.0.1", "Address the controller's callback server binds to.")
     callback_port: int = _f(0, "Port of the callback server (0: any free port).", min=0, max=65535)
     control_timeout_s: float = _f(30.0, "Timeout of one fleet control call (pause, continue, version) per server.",
