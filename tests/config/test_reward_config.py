@@ -1,4 +1,4 @@
-"""`rollout.reward` as the loader reads it: a relative reward file is found
+"""`rollout.reward` and `rollout.workflow` as the loader reads them: a relative reward file is found
 from the config file that names it (the working directory for overrides), the key that it replaced
 (`task.reward_fn`) is named when met, and each mistake in the reward is refused at load time."""
 
@@ -90,3 +90,15 @@ def test_rewards_may_declare_item_fields(tmp_path):
                                    "expression, **rest):\n    return float(completion_text == answer)\n")
     load_run_config(None, [f"rollout.reward={tmp_path / 'r.py'}:score"])
 
+
+def test_workflow_choices():
+    assert load_run_config(None).rollout.workflow == "rlvr"
+    cfg = load_run_config(None, ["rollout.workflow=multi_turn", "rollout.multi_turn.max_turns=3"])
+    assert (cfg.rollout.workflow, cfg.rollout.multi_turn.max_turns) == ("multi_turn", 3)
+    assert cfg.rollout.multi_turn.success_reward == 1.0
+    with pytest.raises(ConfigError, match=r"rollout.workflow: 'chat' is not one of 'rlvr', 'multi_turn', 'agent'"):
+        load_run_config(None, ["rollout.workflow=chat"])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_turns: 0 is below the minimum 1"):
+        load_run_config(None, ["rollout.workflow=multi_turn", "rollout.multi_turn.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"rollout.seed_sampling=true seeds the samples of the rlvr workflow"):
+        load_run_config(None, ["rollout.workflow=multi_turn", "rollout.seed_sampling=true"])
