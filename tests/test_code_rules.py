@@ -1,5 +1,5 @@
 """Rules the code keeps (issue 18): small modules, and no code named by a 'package.module:function'
-string (the trainer is driven by typed methods; only a user's own `task.reward_fn` is a path)."""
+string (the trainer is driven by typed methods; only a user's own `rollout.reward` is a path)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,10 @@ _BOUNDS = ("min", "gt", "max", "lt")
 def config_field(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with a default and metadata: `help` text, and optionally `choices` (the
     allowed values) and bounds, `min` / `max` (inclusive) and `gt` / `lt` (exclusive), which
-    `validate` enforces and the keys table documents."""
-    unknown = set(meta) - {"choices", *_BOUNDS}
+    `validate` enforces and the keys table documents; `resolve`, a function `(value, base_dir) ->
+    value` the loader applies to a value as it reads it, with the directory of the config file
+    that holds it (the working directory for overrides): for values that hold a relative path."""
+    unknown = set(meta) - {"choices", "resolve", *_BOUNDS}
     if unknown:
         raise TypeError(f"config_field: unknown metadata {sorted(unknown)}")
     return field(default=default, metadata={"help": help, **meta})

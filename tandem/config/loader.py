@@ -9,9 +9,13 @@ with its full dotted path and the closest valid keys anywhere in the schema (a u
 (`tandem.config.fields.validate`). Every failure is a `ConfigError` naming the field.
 
 Optional hooks on the schema class: `defaults_for(user_data)` builds the defaults from what the
-user wrote (e.g. an algorithm recipe), and `DERIVED`, a mapping of dotted keys that the schema's
+user wrote (e.g. an algorithm recipe); `DERIVED`, a mapping of dotted keys that the schema's
 `check` fills from other keys to what to set instead: the loader refuses those keys in files and
-overrides, and `to_yaml` leaves them out so that a written config loads again.
+overrides, and `to_yaml` leaves them out so that a written config loads again; `MOVED`, a mapping
+of dotted keys that no longer exist to what replaced them, which the loader names when it meets
+one. A field whose metadata has `resolve` (`tandem.config.fields.config_field`) holds relative
+paths: each value is passed through it as it is read, with the directory of the file it came from
+(the working directory for overrides), so the loaded config holds paths that work from anywhere.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
 
     for source, data in layers:
         _check_keys(schema, data, prefix="", source=source, root=schema)
+    bases = ([Path(path).absolute().parent] if path is not None else []) + ([Path.cwd()] if overrides else [])
+    layers = [(source, _resolve_paths(schema, data, base)) for (source, data), base in zip(layers, bases, strict=True)]
 
     merged = OmegaConf.structured(_defaults(schema, [data for _, data in layers]))
     for source, data in layers:
@@ -83,6 +89,11 @@ def _deep_merge(base: dict, update: Mapping) -> dict:
 def derived_keys(schema: type) -> Mapping[str, str]:
     """The schema's `DERIVED` keys (dotted key -> what to set instead); empty without."""
     return getattr(schema, "DERIVED", {})
+
+
+def moved_keys(schema: type) -> Mapping[str, str]:
+    """The schema's `MOVED` keys (dotted key that no longer exists -> what replaced it); empty without."""
+    return getattr(schema, "MOVED", {})
 
 
 def to_yaml(cfg: Any) -> str:
@@ -144,8 +155,11 @@ def _check_keys(schema: type, data: Mapping, prefix: str, source: str, root: typ
     hints = typing.get_type_hints(schema)
     fields = [f.name for f in dataclasses.fields(schema)]
     derived = derived_keys(root)
+    moved = moved_keys(root)
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in moved and key not in fields:
+            raise ConfigError(f"{full} is no longer a config key: use {moved[full]} instead (found {full} in {source})")
         if key not in fields:
             raise ConfigError(_unknown_key_message(str(key), prefix, fields, source, root))
         if full in derived:
@@ -160,6 +174,21 @@ def _check_keys(schema: type, data: Mapping, prefix: str, source: str, root: typ
                     f"{full}: expected a section (a mapping of keys such as {', '.join(keys)}), got {value!r} "
                     f"in {source}"
                 )
+
+
+def _resolve_paths(schema: type, data: Mapping, base: Path) -> dict:
+    """`data` with each value of a field that has a `resolve` hook passed through it (against
+    `base`); interpolations (`${...}`) are left for OmegaConf."""
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    out = dict(data)
+    for key, value in data.items():
+        ftype, f = hints[key], fields[key]
+        if dataclasses.is_dataclass(ftype) and isinstance(value, Mapping):
+            out[key] = _resolve_paths(ftype, value, base)
+        elif "resolve" in f.metadata and not (isinstance(value, str) and "${" in value):
+            out[key] = f.metadata["resolve"](value, base)
+    return out
 
 
 def _unknown_key_message(key: str, prefix: str, siblings: list[str], source: str, root: type) -> str:

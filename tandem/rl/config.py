@@ -27,7 +27,7 @@ from tandem.rl.config_checks import (
     check_model_dir,
     check_model_split,
     check_moe_options,
-    check_reward_fn,
+    check_reward,
     check_route_source,
     check_runnable_algo,
     check_weight_sync,
@@ -113,18 +113,12 @@ class TaskConfig:
     train_size: int = _f(20000, "Training items generated (cycled in order).", min=1)
     eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
     system_prompt: str | None = _f(None, "System message prepended to every prompt.")
-    reward_fn: str | None = _f(
-        None, "Import path 'package.module:function' of a reward used instead of the task's, in training and "
-              "evaluation: fn(prompt_text, completion_text, prompt_ids, completion_ids, **item_fields) -> float.")
-    reward_timeout_s: float = _f(15.0, "Seconds one reward call may take before it fails (training and evaluation).",
-                                 gt=0.0)
+    reward_timeout_s: float = _f(15.0, "Seconds one reward call may take before it fails (training and evaluation; "
+                                       "the task's reward or rollout.reward).", gt=0.0)
     reward_workers: int = _f(2, "Processes that compute rewards, off the controller's event loop.", min=1)
 
     def check(self, prefix: str) -> None:
         from tandem.data.tasks import TaskError, available_tasks, get_task
-
-        if self.reward_fn:
-            check_reward_fn(self.reward_fn, f"{prefix}reward_fn")
 
         if self.name not in available_tasks():
             raise ConfigError(f"{prefix}name: unknown task {self.name!r}; available: {', '.join(available_tasks())}")
@@ -213,6 +207,10 @@ class TandemConfig:
         "algo.ppo.max_head_offpolicyness": "rollout.max_head_offpolicyness",
         "algo.reward.max_new_tokens": "gen.max_new_tokens",
     }
+    # Keys that no longer exist -> what replaced them (the loader names it).
+    MOVED: ClassVar[dict[str, str]] = {
+        "task.reward_fn": "rollout.reward (the same 'package.module:function', or 'path/to/file.py:function')",
+    }
 
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -259,6 +257,8 @@ class TandemConfig:
             raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
                               f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "
                               f"{prefix}rollout.backend=tandem:dN")
+        if self.rollout.reward:
+            check_reward(self.rollout.reward, f"{prefix}rollout.reward")
         if self.command == "train":
             check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)

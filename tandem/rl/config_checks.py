@@ -1,5 +1,5 @@
-"""Checks of run-config values that need more than field metadata: a model directory, a reward
-function's import path, core lists, and algorithm settings `tandem train` cannot run yet. Each
+"""Checks of run-config values that need more than field metadata: a model directory, the user's
+reward function, core lists, and algorithm settings `tandem train` cannot run yet. Each
 raises `ConfigError` naming the key."""
 
 from __future__ import annotations
@@ -27,18 +27,22 @@ def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
                           f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
 
 
-def check_reward_fn(path: str, key: str) -> None:
-    """`path` ('package.module:function') imports and names a callable."""
-    from tandem.user_code import import_user_object as import_object
+# The item fields every task's items carry to the reward as keywords (`Task.make_item`; the
+# reserved `id`, `prompt`, `messages`, `input_ids` are not passed). Task-specific ones (`expression`,
+# `numbers`, ...) are not required by the check.
+REWARD_ITEM_FIELDS = ("answer", "task", "split")
 
-    if ":" not in path:
-        raise ConfigError(f"{key}: {path!r} must look like 'package.module:function'")
-    try:
-        fn = import_object(path)
-    except Exception as exc:  # ImportError, or whatever importing the user's module raised
-        raise ConfigError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
+
+def check_reward(spec: str, key: str) -> None:
+    """`spec` ('package.module:function' or 'path/to/file.py:function', a file path already made
+    absolute by the loader) imports and names a callable that takes the rollout reward's arguments:
+    (prompt_text, completion_text, prompt_ids, completion_ids, **item_fields)."""
+    from tandem.user_code import check_user_function
+
+    check_user_function(spec, key, args=("", "", [], []), kwargs=dict.fromkeys(REWARD_ITEM_FIELDS, ""),
+                        signature="(prompt_text, completion_text, prompt_ids, completion_ids, **item_fields) -> float",
+                        relative_to="the directory of the config file that sets it, or the working directory for a "
+                                    "command-line override")
 
 
 def check_model_dir(path: str, key: str) -> None:

@@ -62,12 +62,13 @@ async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], reward
 
 
 def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:
-    """The run's reward: `task.reward_fn` when set (an import path, checked to name a callable
-    when the config was loaded), else the task's own."""
-    if cfg.task.reward_fn:
-        from tandem.user_code import import_user_object
+    """The run's reward, for training and evaluation alike: `rollout.reward` when set (checked
+    when the config was loaded), as a `UserFunction` that pickles by its spec into the reward
+    workers (a function from a file could not be pickled by reference), else the task's own."""
+    if cfg.rollout.reward:
+        from tandem.user_code import UserFunction
 
-        return cast(RewardFn, import_user_object(cfg.task.reward_fn))
+        return cast(RewardFn, UserFunction(cfg.rollout.reward))
     return task.reward_fn()
 
 

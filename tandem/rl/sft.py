@@ -36,7 +36,8 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
     metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
                             tensorboard_dir="sft-tensorboard")
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
+                          timeout_key="task.reward_timeout_s")
     try:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
             trainer = start_workers(cfg, scheduler)

@@ -29,7 +29,6 @@ from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.fleet import ops
-from tandem.fleet.generation import GenerationParams
 from tandem.fleet.protocol import call
 from tandem.fleet.routes import RouteLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
@@ -50,9 +49,10 @@ from tandem.rl.metrics import MetricsLogger
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
+from tandem.rl.workflows import build_workflow
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.workflows.rlvr import RLVRWorkflow
+from tandem.rollout.workflow import RolloutWorkflow
 from tandem.train.controller import TrainController
 from tandem.weights.meta import WeightUpdateMeta
 
@@ -122,20 +122,22 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
     totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
+                          timeout_key="task.reward_timeout_s")
     metrics: MetricsLogger | None = None
     try:
         logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
                     cfg.task.train_size, cfg.task.eval_size)
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
         data = load_task_data(cfg, tokenizer)
+        reward_fn = reward_function(cfg, data.task)
+        workflow = build_workflow(cfg, tokenizer, reward_fn, runner)  # before anything starts
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                                 run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
             try:
-                _run(cfg, plan, scheduler, data, tokenizer, reward_function(cfg, data.task), runner, metrics,
-                     summary, totals)
+                _run(cfg, plan, scheduler, data, tokenizer, reward_fn, workflow, runner, metrics, summary, totals)
             except Exception:
                 scheduler.log_exits()  # a role that died says so, with its log
                 raise
@@ -154,8 +156,8 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
 
 
 def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: Any, tokenizer: Any,
-         reward_fn: RewardFn, runner: RewardRunner, metrics: MetricsLogger, summary: RunSummary,
-         totals: dict[str, float]) -> None:
+         reward_fn: RewardFn, workflow: RolloutWorkflow, runner: RewardRunner, metrics: MetricsLogger,
+         summary: RunSummary, totals: dict[str, float]) -> None:
     start_step = plan.start_step
     meta = weight_update_meta(cfg, plan.run_dir)
     Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
@@ -169,13 +171,6 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     callback_host = cfg.cluster.host_ip if cfg.scheduler.remote else cfg.rollout.callback_host
     rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key,
                                       callback_host=callback_host)
-    workflow = RLVRWorkflow(
-        reward_fn=reward_fn,
-        params=GenerationParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
-                                top_p=cfg.gen.top_p, top_k=cfg.gen.top_k),
-        n_samples=cfg.gen.n_samples, tokenizer=tokenizer, reward_runner=runner,
-        seed=cfg.experiment.seed if cfg.rollout.seed_sampling else None,
-    )
     frontier = plan.loop.frontier
     loader = CursorLoader(data.train, cursor=frontier.next_index, skip=frontier.resolved)
 
@@ -244,7 +239,7 @@ def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: Ro
                         replace_dead=cfg.rollout.replace_dead)
 
 
-def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainController, workflow: RLVRWorkflow,
+def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainController, workflow: RolloutWorkflow,
              loader: CursorLoader, step: int, totals: dict[str, float]) -> dict[str, float]:
     """One step; returns its stats. `step` is the weight version the trainer holds before it."""
     dp = trainer.dp_size

@@ -20,6 +20,21 @@ from tandem.launch.affinity import parse_cpus
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 from tandem.rollout.health import HealthConfig
+from tandem.user_code import absolute_spec
+
+WORKFLOWS = ("rlvr", "multi_turn", "agent")
+
+
+@dataclass
+class MultiTurnConfig:
+    """`rollout.workflow=multi_turn`: the model answers, the reward scores the answer; a wrong one
+    (reward below `success_reward`) gets `retry_message` as the next user turn, until a right
+    answer or `max_turns` answers."""
+
+    max_turns: int = _f(2, "Model turns per episode at most (multi_turn workflow).", min=1)
+    success_reward: float = _f(1.0, "A turn whose reward is at least this ends the episode (multi_turn workflow).")
+    retry_message: str = _f("That is not right. Try again.",
+                            "The user turn sent after an answer that scored below success_reward (multi_turn workflow).")
 
 
 @dataclass
@@ -76,6 +91,18 @@ class RolloutConfig:
     request_deadline_s: float = _f(600.0, "Deadline of one generation request (all calls, retries, waits).", gt=0.0)
     call_timeout_s: float | None = _f(None, "Timeout of one HTTP generation call (None: the deadline).", gt=0.0)
     dump_dir: str | None = _f(None, "Write accepted trajectories as JSONL per version here (debugging).")
+    workflow: str = _f("rlvr", "What one episode is: rlvr (gen.n_samples answers to a prompt, each scored by the "
+                               "reward; one group), multi_turn (gen.n_samples conversations per prompt in which a "
+                               "wrong answer is told so and answered again, see rollout.multi_turn) or agent.",
+                       choices=WORKFLOWS)
+    reward: str | None = _f(
+        None, "The reward used instead of the task's, in training and evaluation: 'package.module:function' "
+              "(importable) or 'path/to/file.py:function'; a relative file path is relative to the config file "
+              "that sets it (on the command line: to the working directory). Called as fn(prompt_text, "
+              "completion_text, prompt_ids, completion_ids, **item_fields) -> float in the reward worker processes "
+              "(task.reward_workers, task.reward_timeout_s).",
+        resolve=absolute_spec)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     callback_host: str = _f("127.0.0.1", "Address the controller's callback server binds to.")
     callback_port: int = _f(0, "Port of the callback server (0: any free port).", min=0, max=65535)
     control_timeout_s: float = _f(30.0, "Timeout of one fleet control call (pause, continue, version) per server.",
@@ -115,6 +142,11 @@ class RolloutConfig:
                 raise ConfigError(f"{prefix}cpus: {exc}") from None
         mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
         check_field_metadata(self.vllm, f"{prefix}vllm.")
+        check_field_metadata(self.multi_turn, f"{prefix}multi_turn.")
+        if self.workflow == "multi_turn" and self.seed_sampling:
+            raise ConfigError(f"{prefix}seed_sampling=true seeds the samples of the rlvr workflow; "
+                              f"{prefix}workflow=multi_turn does not seed its turns: set {prefix}seed_sampling=false "
+                              f"or {prefix}workflow=rlvr")
         if len(mode.components) != 1:
             raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")
         comp = mode.components[0]

@@ -69,14 +69,14 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _AlarmTimeout()
 
 
-def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any]) -> float:
+def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any], label: str = "") -> float:
     """Worker side: call `fn` with a soft timeout (the worker runs it on its main thread)."""
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         return fn(*args, **kwargs)
     except _AlarmTimeout:
-        raise TimeoutError(f"reward {getattr(fn, '__name__', fn)!r} ran past {timeout_s:g}s") from None
+        raise TimeoutError(f"reward {getattr(fn, '__name__', fn)!r} ran past {timeout_s:g}s{label}") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -96,9 +96,13 @@ def _default_context() -> str:
 
 
 class RewardRunner:
-    def __init__(self, max_workers: int = 2, timeout_s: float = 15.0, grace_s: float = 1.0, mp_context: str | None = None):
+    def __init__(self, max_workers: int = 2, timeout_s: float = 15.0, grace_s: float = 1.0, mp_context: str | None = None,
+                 timeout_key: str | None = None):
+        """`timeout_key`: the setting `timeout_s` came from, named in timeout errors (e.g. task.reward_timeout_s)."""
         self.max_workers = max_workers
         self.timeout_s = timeout_s
+        self.timeout_key = timeout_key
+        self._label = f" (the timeout, {timeout_key})" if timeout_key else ""
         self.grace_s = grace_s
         self._ctx = multiprocessing.get_context(mp_context or _default_context())
         self._lock = threading.Lock()
@@ -112,7 +116,7 @@ class RewardRunner:
     def __getstate__(self) -> dict[str, Any]:
         """Pickles as its settings (a workflow sent to a rollout worker): the copy starts its own pool."""
         return {"max_workers": self.max_workers, "timeout_s": self.timeout_s, "grace_s": self.grace_s,
-                "mp_context": self._ctx.get_start_method()}
+                "mp_context": self._ctx.get_start_method(), "timeout_key": self.timeout_key}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -164,7 +168,7 @@ class RewardRunner:
         for attempt in range(2):
             pool = self._get_pool()
             try:
-                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields)
+                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields, self._label)
             except RuntimeError:  # the pool was shut down (recycled or closed) between get and submit
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner is closed") from None
@@ -178,7 +182,7 @@ class RewardRunner:
                 if cfut.done() and not cfut.cancelled() and isinstance(cfut.exception(), TimeoutError):
                     return RewardResult(None, f"{name}: {cfut.exception()}")
                 self._recycle(pool)
-                return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s (worker killed)")
+                return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s{self._label} (worker killed)")
             except BrokenProcessPool:
                 # The pool was retired because of another call. A victim that had not yet used its
                 # time is retried once; one that ran past its timeout was stuck too: no retry.

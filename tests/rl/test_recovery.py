@@ -37,11 +37,12 @@ def config(root: Path, model: Path, staleness: int, **train) -> Path:
         # bit-identical logprobs need the server to batch the same way in both runs (measured in CI with
         # default batching: step 4's loss differed by 7e-8 after a resume).
         rollout={"backend": "tandem:d1", "max_head_offpolicyness": staleness, "seed_sampling": True,
-                 "server_args": ["--num-threads", "1", "--max-num-seqs", "1"]},
+                 "server_args": ["--num-threads", "1", "--max-num-seqs", "1"],
+                 # A reward the tiny random model earns half the time (the last token's parity): groups
+                 # differ, so every step has advantages, a loss and a gradient to reproduce (arithmetic
+                 # would give 0).
+                 "reward": "tests.rollout.rewards:parity_reward"},
         train={"total_steps": STEPS, "save_every": 1, "weight_sync": "distributed", **train},
-        # A reward the tiny random model earns half the time (the last token's parity): groups differ,
-        # so every step has advantages, a loss and a gradient to reproduce (arithmetic would give 0).
-        task={"reward_fn": "tests.rollout.rewards:parity_reward"},
     )
 
 

@@ -200,8 +200,8 @@ def test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c(tmp_path, model_dir
 def test_error_storm_ends_the_run(tmp_path, model_dir):
     """A reward that always raises: the evaluation counts every item wrong (logged once with a
     count) and training stops after max_consecutive_failures episodes, with the first error."""
-    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:raising_reward"},
-                       rollout={"max_consecutive_failures": 8})
+    cfg = write_config(tmp_path, model_dir, rollout={"reward": "tests.rollout.rewards:raising_reward",
+                                                     "max_consecutive_failures": 8})
     start = time.monotonic()
     proc = train(cfg, timeout=180)
     took = time.monotonic() - start
@@ -218,23 +218,25 @@ def test_error_storm_ends_the_run(tmp_path, model_dir):
 def test_failing_evaluation_rewards_count_as_wrong(tmp_path, model_dir):
     """Evaluation rewards run in the reward pool under task.reward_timeout_s: a reward that hangs
     (ignoring its soft timer) on every eval item makes them count as wrong, and training goes on."""
-    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:eval_hang_reward",
-                                                  "reward_timeout_s": 1.0})
+    cfg = write_config(tmp_path, model_dir, rollout={"reward": "tests.rollout.rewards:eval_hang_reward"},
+                       task={"reward_timeout_s": 1.0})
     proc = train(cfg, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = all_rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["eval/failed"] == 8 and rows[0]["eval/accuracy"] == 0.0
     assert rows[-1]["eval/failed"] == 8
-    wrong = [line for line in proc.stderr.splitlines() if "counts as wrong: eval_hang_reward: timed out" in line]
+    wrong = [line for line in proc.stderr.splitlines()
+             if "counts as wrong: tests.rollout.rewards:eval_hang_reward: timed out after 1s (the timeout, "
+                "task.reward_timeout_s)" in line]
     assert len([line for line in wrong if "in total]" not in line]) == 2  # once per evaluation, then counted
     assert proc.stderr.count("eval: 8 of 8 items failed and count as wrong") == 2
 
 
 def test_ctrl_c_during_a_hanging_evaluation(tmp_path, model_dir):
     """A reward that hangs in the first evaluation no longer blocks Ctrl-C."""
-    cfg = write_config(tmp_path, model_dir, task={"reward_fn": "tests.rollout.rewards:eval_hang_reward",
-                                                  "reward_timeout_s": 120.0})
+    cfg = write_config(tmp_path, model_dir, rollout={"reward": "tests.rollout.rewards:eval_hang_reward"},
+                       task={"reward_timeout_s": 120.0})
     run = Watched(cfg)
     try:
         run.wait_for(r"actor: engine ready")

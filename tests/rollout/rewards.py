@@ -53,3 +53,8 @@ def eval_hang_reward(prompt_text, completion_text, prompt_ids, completion_ids, s
     if split == "eval":
         stubborn_reward()
     return parity_reward(prompt_text, completion_text, prompt_ids, completion_ids)
+
+
+def first_token_reward(prompt_text, completion_text, prompt_ids, completion_ids, good=(), **fields) -> float:
+    """1.0 when the answer starts with one of the item's `good` tokens (multi-turn tests)."""
+    return float(bool(completion_ids) and completion_ids[0] in good)

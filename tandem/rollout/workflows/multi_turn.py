@@ -20,9 +20,11 @@ from tandem.data.trajectory import PROMPT_VERSION, Trajectory
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.routes import Routes, splice_routes
 from tandem.rollout.client import InferenceClient
+from tandem.rollout.errors import RewardError
+from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
-from tandem.rollout.workflows.rlvr import prompt_ids_of
+from tandem.rollout.workflows.rlvr import prompt_ids_of, reward_fields
 
 _SENTINEL = "\u2063tandem-assistant-turn\u2063"
 
@@ -33,14 +35,20 @@ class Feedback:
     reward: float = 0.0
 
 
-FeedbackFn = Callable[[list[dict[str, str]], dict[str, Any]], Feedback | Awaitable[Feedback]]
+FeedbackFn = Callable[..., Feedback | Awaitable[Feedback]]
+# Keyword parameters a feedback function may declare to get the turn's token ids as well.
+_ID_KEYWORDS = ("prompt_ids", "completion_ids")
 
 
 class MultiTurnWorkflow(RolloutWorkflow):
     """`feedback_fn(messages, item)` sees the conversation so far (last message: the model's turn).
+    A feedback function that declares `prompt_ids` and/or `completion_ids` parameters also gets
+    them as keywords: the item's prompt ids and the ids this turn generated, as the server returned
+    them (what a reward function takes, see `RewardFeedback`).
 
     The trajectory's reward is the reward of the last feedback; every turn's reward is kept in
-    `info["turn_rewards"]`. A synchronous `feedback_fn` runs in a thread, off the event loop.
+    `info["turn_rewards"]`. A synchronous `feedback_fn` runs in a thread, off the event loop; a
+    coroutine function (or an object with an `async def __call__`) is awaited on it.
     """
 
     def __init__(
@@ -58,6 +66,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.feedback_role = feedback_role
+        try:
+            params_of = inspect.signature(feedback_fn).parameters
+        except (TypeError, ValueError):
+            params_of = {}  # type: ignore[assignment]
+        self._id_keywords = tuple(k for k in _ID_KEYWORDS if k in params_of)
         # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
         self._base = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
         closing = self._base[self._base.rindex(_SENTINEL) + len(_SENTINEL) :]
@@ -86,16 +99,21 @@ class MultiTurnWorkflow(RolloutWorkflow):
         done = next(k for k in range(len(closing), -1, -1) if k == 0 or generated[-k:] == closing[:k])
         return closing[done:] + self._encode(full[len(self._base) :])
 
-    async def _feedback(self, messages: list[dict[str, str]], item: dict[str, Any]) -> Feedback:
-        if inspect.iscoroutinefunction(self.feedback_fn):
-            return await self.feedback_fn(messages, item)
-        result = await asyncio.to_thread(self.feedback_fn, messages, item)
+    async def _feedback(self, messages: list[dict[str, str]], item: dict[str, Any], prompt_ids: list[int],
+                        completion_ids: list[int]) -> Feedback:
+        given = {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+        kwargs = {k: list(given[k]) for k in self._id_keywords}
+        fn = self.feedback_fn
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # async __call__
+            return await fn(messages, item, **kwargs)
+        result = await asyncio.to_thread(fn, messages, item, **kwargs)
         return await result if inspect.isawaitable(result) else result
 
     async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> Trajectory | None:
         start = time.time()
         messages = list(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
         ids = prompt_ids_of(item, self.tokenizer)
+        prompt_ids = list(ids)
         mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         rid = uuid.uuid4().hex  # one rid for all turns: same server while it lives
         finishes: list[str] = []
@@ -112,7 +130,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             finishes.append(resp.finish_reason)
             text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": text})
-            fb = await self._feedback(messages, item)
+            fb = await self._feedback(messages, item, prompt_ids, resp.output_ids)
             turn_rewards.append(float(fb.reward))
             if fb.message is None or turn == self.max_turns - 1:
                 break
@@ -142,3 +160,29 @@ class MultiTurnWorkflow(RolloutWorkflow):
             info={"turn_rewards": turn_rewards},
             routed_experts=routes,
         )
+
+
+class RewardFeedback:
+    """Feedback from a reward function, for `MultiTurnWorkflow`: each model turn is scored on its
+    own against the item (prompt: the item's prompt, completion: that turn's text and ids) by
+    `reward_fn` in `runner`'s worker processes, under its timeout. A reward of at least
+    `success_reward` ends the episode; a lower one sends `retry_message`. A reward that fails
+    (raises, hangs, returns a non-number) fails the episode with `RewardError`. Picklable (rollout
+    worker processes): the runner pickles as its settings."""
+
+    def __init__(self, reward_fn: RewardFn, runner: RewardRunner, success_reward: float = 1.0,
+                 retry_message: str = "That is not right. Try again."):
+        self.reward_fn = reward_fn
+        self.runner = runner
+        self.success_reward = success_reward
+        self.retry_message = retry_message
+
+    async def __call__(self, messages: list[dict[str, str]], item: dict[str, Any], prompt_ids: list[int],
+                       completion_ids: list[int]) -> Feedback:
+        turn = sum(m["role"] == "assistant" for m in messages)
+        result = await self.runner.ascore(self.reward_fn, item.get("prompt") or "", messages[-1]["content"],
+                                          prompt_ids, completion_ids, **reward_fields(item))
+        if result.value is None:
+            raise RewardError(f"the reward of turn {turn} failed: {result.error}")
+        done = result.value >= self.success_reward
+        return Feedback(None if done else self.retry_message, result.value)
