@@ -23,6 +23,7 @@ from tandem.config.loader import load_config
 from tandem.errors import ConfigError
 from tandem.launch.config import SchedulerConfig
 from tandem.rl.config_checks import (
+    check_agent,
     check_cpus,
     check_model_dir,
     check_model_split,
@@ -259,6 +260,8 @@ class TandemConfig:
                               f"{prefix}rollout.backend=tandem:dN")
         if self.rollout.reward:
             check_reward(self.rollout.reward, f"{prefix}rollout.reward")
+        if self.rollout.workflow == "agent" and self.rollout.agent.entry:
+            check_agent(self.rollout.agent.entry, f"{prefix}rollout.agent.entry")
         if self.command == "train":
             check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)

@@ -45,6 +45,20 @@ def check_reward(spec: str, key: str) -> None:
                                     "command-line override")
 
 
+def check_agent(spec: str, key: str) -> None:
+    """`spec` names an `async def run(client, item)` (the agent workflow's entry)."""
+    import inspect
+
+    from tandem.user_code import check_user_function
+
+    fn = check_user_function(spec, key, args=(None, {}), signature="(client, item) -> float",
+                             relative_to="the directory of the config file that sets it, or the working directory "
+                                         "for a command-line override")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"{key}: {spec!r} is not an async function; define it as `async def run(client, item)`: "
+                          "the client is an openai.AsyncOpenAI (docs/agents.md)")
+
+
 def check_model_dir(path: str, key: str) -> None:
     """`path` looks like an HF model directory: config.json naming a model_type, and safetensors
     weights. Reads only config.json (whether that model_type is supported is known once the model

@@ -43,6 +43,7 @@ from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate_agent import evaluate_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
@@ -50,6 +51,7 @@ from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
 from tandem.rl.workflows import build_workflow
+from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.workflow import RolloutWorkflow
@@ -176,8 +178,11 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
 
     def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
         began = time.monotonic()
-        stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
-                         max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
+        if isinstance(workflow, AgentWorkflow):  # the agent's own reward, greedy, through its proxy
+            stats = evaluate_agent(controller.pool, data.eval, workflow, client_config=rollout_cfg.client_config())
+        else:
+            stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
+                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)
@@ -187,7 +192,8 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     # cancelled and awaited first, so the run ends without stray tasks.
     with RolloutController(rollout_cfg, route_layout=route_layout(cfg)) as controller, _keep_servers(cfg, scheduler, controller, servers), \
             controller_file(plan.run_dir, ControllerFile(controller.callback_address(), controller.join_token,
-                                                         servers.api_key, os.getpid())):
+                                                         servers.api_key, os.getpid())), \
+            contextlib.closing(workflow):  # an agent workflow's proxies stop while their loops still run
         trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
             began = time.monotonic()

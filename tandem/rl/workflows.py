@@ -6,7 +6,9 @@
   reward of at least `rollout.multi_turn.success_reward` ends the conversation, a lower one gets
   `rollout.multi_turn.retry_message` as the next user turn, up to `rollout.multi_turn.max_turns`
   answers. A conversation's reward is its last answer's.
-- `agent`: not in this build.
+- `agent`: `AgentWorkflow`, the user's agent function (`rollout.agent.entry`) run `gen.n_samples`
+  times per item, each run with an OpenAI client on the agent proxy (docs/agents.md); the reward
+  is what the agent returns, so `rollout.reward` does not apply.
 
 Every workflow built here pickles (rollout worker processes, `rollout.workers > 0`).
 """
@@ -18,6 +20,7 @@ from typing import Any
 from tandem.errors import ConfigError
 from tandem.fleet.generation import GenerationParams
 from tandem.rl.config import TandemConfig
+from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.workflow import RolloutWorkflow
 from tandem.rollout.workflows import GroupWorkflow, MultiTurnWorkflow, RewardFeedback, RLVRWorkflow
@@ -38,6 +41,7 @@ def build_workflow(cfg: TandemConfig, tokenizer: Any, reward_fn: RewardFn, runne
         episode = MultiTurnWorkflow(tokenizer, feedback, params, max_turns=mt.max_turns)
         return GroupWorkflow(episode, cfg.gen.n_samples)
     if kind == "agent":
-        raise ConfigError("rollout.workflow=agent is not available in this build yet; use rollout.workflow=rlvr "
-                          "or multi_turn")
+        assert cfg.rollout.agent.entry is not None  # checked with the config
+        return AgentWorkflow(cfg.rollout.agent.entry, tokenizer, params, n_samples=cfg.gen.n_samples,
+                             config=cfg.rollout.agent)
     raise ConfigError(f"rollout.workflow: {kind!r} is not one of 'rlvr', 'multi_turn', 'agent'")

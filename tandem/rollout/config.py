@@ -17,6 +17,7 @@ from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
 from tandem.fleet.routes import RouteLayout
 from tandem.launch.affinity import parse_cpus
+from tandem.rollout.agent.config import AgentConfig
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 from tandem.rollout.health import HealthConfig
@@ -103,6 +104,7 @@ class RolloutConfig:
               "(task.reward_workers, task.reward_timeout_s).",
         resolve=absolute_spec)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     callback_host: str = _f("127.0.0.1", "Address the controller's callback server binds to.")
     callback_port: int = _f(0, "Port of the callback server (0: any free port).", min=0, max=65535)
     control_timeout_s: float = _f(30.0, "Timeout of one fleet control call (pause, continue, version) per server.",
@@ -143,6 +145,10 @@ class RolloutConfig:
         mode = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=True)
         check_field_metadata(self.vllm, f"{prefix}vllm.")
         check_field_metadata(self.multi_turn, f"{prefix}multi_turn.")
+        check_field_metadata(self.agent, f"{prefix}agent.")
+        if self.workflow == "agent" and not self.agent.entry:
+            raise ConfigError(f"{prefix}workflow=agent needs {prefix}agent.entry: the agent function, e.g. "
+                              f"{prefix}agent.entry=tandem.agents.calculator:run or path/to/agent.py:run (docs/agents.md)")
         if self.workflow == "multi_turn" and self.seed_sampling:
             raise ConfigError(f"{prefix}seed_sampling=true seeds the samples of the rlvr workflow; "
                               f"{prefix}workflow=multi_turn does not seed its turns: set {prefix}seed_sampling=false "

@@ -9,9 +9,10 @@ import pytest
 from tandem.errors import ConfigError
 from tandem.rl.config import load_run_config
 from tandem.rl.workflows import build_workflow
+from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.reward import RewardRunner
 from tandem.rollout.workflows import GroupWorkflow, MultiTurnWorkflow, RewardFeedback, RLVRWorkflow
-from tests.rollout import rewards
+from tests.rollout import agents, rewards
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,23 @@ def test_multi_turn_is_a_group_of_conversations_fed_back_by_the_reward(tokenizer
     pickle.loads(pickle.dumps(wf)).workflow.feedback_fn.runner.close()  # rollout.workers > 0 pickle it
 
 
-def test_agent_is_not_in_this_build(tokenizer, runner):
-    cfg = load_run_config(None, ["rollout.workflow=agent"])
-    with pytest.raises(ConfigError, match=r"rollout\.workflow=agent is not available in this build yet"):
-        build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+def test_agent_runs_the_configured_agent_function(tokenizer, runner, tmp_path):
+    cfg = load_run_config(None, ["rollout.workflow=agent", "rollout.agent.entry=tests.rollout.agents:three_turns",
+                                 "gen.n_samples=3", "gen.temperature=0.7", "rollout.agent.export=individual"])
+    wf = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+    assert isinstance(wf, AgentWorkflow)
+    assert (wf.n_samples, wf.params.temperature, wf.config.export) == (3, 0.7, "individual")
+    assert pickle.loads(pickle.dumps(wf)).agent() is agents.three_turns  # rollout.workers > 0 pickle it
+
+
+def test_agent_entry_is_checked_when_the_config_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.workflow=agent needs rollout\.agent\.entry"):
+        load_run_config(None, ["rollout.workflow=agent"])
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.entry: .* is not an async function"):
+        load_run_config(None, ["rollout.workflow=agent", "rollout.agent.entry=tests.rollout.agents:not_async"])
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.entry: .*has no 'missing'"):
+        load_run_config(None, ["rollout.workflow=agent", "rollout.agent.entry=tests.rollout.agents:missing"])
+    (tmp_path / "my_agent.py").write_text("async def run(client, item):\n    return 1.0\n")
+    (tmp_path / "run.yaml").write_text("rollout:\n  workflow: agent\n  agent:\n    entry: my_agent.py:run\n")
+    cfg = load_run_config(str(tmp_path / "run.yaml"))  # relative to the config file
+    assert cfg.rollout.agent.entry == f"{tmp_path / 'my_agent.py'}:run"

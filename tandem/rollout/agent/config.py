@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.config.fields import config_field as _f
+from tandem.user_code import absolute_spec
 
 
 @dataclass
@@ -12,7 +13,7 @@ class AgentConfig:
     entry: str | None = _f(
         None, "The agent: 'package.module:function' or 'path/to/file.py:function', an `async def run(client, item)` "
         "returning a reward (float) or {completion id: reward}; `client` is an openai.AsyncOpenAI on the proxy "
-        "(docs/agents.md).")
+        "(docs/agents.md); a relative file path is relative to the config file that sets it.", resolve=absolute_spec)
     export: str = _f("concat", "Trajectories of an episode: one per chain of calls that extend each other "
                      "(concat) or one per call (individual).", choices=("concat", "individual"))
     discount: float = _f(1.0, "Rewards flow back to earlier calls: r[i] += discount * r[i+1].", min=0.0, max=1.0)
