@@ -19,6 +19,7 @@ from typing import Any
 from tandem.data.trajectory import PROMPT_VERSION, Trajectory
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.routes import Routes, splice_routes
+from tandem.rollout.chat_tokens import ChatTokens
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.errors import RewardError
 from tandem.rollout.reward import RewardFn, RewardRunner
@@ -26,7 +27,7 @@ from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflow import RolloutWorkflow
 from tandem.rollout.workflows.rlvr import prompt_ids_of, reward_fields
 
-_SENTINEL = "\u2063tandem-assistant-turn\u2063"
+_PLACEHOLDER = "\u2063tandem-assistant-turn\u2063"
 
 
 @dataclass
@@ -71,33 +72,13 @@ class MultiTurnWorkflow(RolloutWorkflow):
         except (TypeError, ValueError):
             params_of = {}  # type: ignore[assignment]
         self._id_keywords = tuple(k for k in _ID_KEYWORDS if k in params_of)
-        # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
-        self._base = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
-        closing = self._base[self._base.rindex(_SENTINEL) + len(_SENTINEL) :]
-        self._closing_ids = self._encode(closing)
-
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        self._turns = ChatTokens(tokenizer)
 
     def feedback_ids(self, generated: list[int], message: str) -> list[int]:
-        """Tokens that close the model's turn (unless it already did), add `message`, open the next turn."""
-        full = self._render(
-            [
-                {"role": "user", "content": "x"},
-                {"role": "assistant", "content": _SENTINEL},
-                {"role": self.feedback_role, "content": message},
-            ],
-            add_generation_prompt=True,
-        )
-        if not full.startswith(self._base):
-            raise ValueError("the chat template renders earlier turns differently once a turn is added")
-        closing = self._closing_ids
-        # The model may have produced part of the closing itself (it stops on <|im_end|>).
-        done = next(k for k in range(len(closing), -1, -1) if k == 0 or generated[-k:] == closing[:k])
-        return closing[done:] + self._encode(full[len(self._base) :])
+        """Tokens that close the model's turn (unless it already did), add `message`, open the next turn.
+        The history is a placeholder: only what the template writes after a turn matters."""
+        history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        return self._turns.continuation_ids(generated, history, [{"role": self.feedback_role, "content": message}])
 
     async def _feedback(self, messages: list[dict[str, str]], item: dict[str, Any], prompt_ids: list[int],
                         completion_ids: list[int]) -> Feedback:
