@@ -39,6 +39,7 @@ from tandem.openai_compat.chat import (
     sse,
 )
 from tandem.openai_compat.request import SAMPLING_FIELDS, ChatRequest, OpenAIRequestError, parse_chat_request
+from tandem.openai_compat.tokens import token_text_of
 from tandem.rollout.agent.session import AgentSession, Interaction, canonical_message, request_fingerprint
 from tandem.rollout.asgi_server import EventServer, listen_socket
 from tandem.rollout.chat_tokens import ChatTokens, TemplateNotPrefixStable
@@ -73,6 +74,7 @@ class AgentProxy:
         self.client, self.tokenizer, self.max_tokens = client, tokenizer, max_tokens
         self.sessions: dict[str, tuple[AgentSession, GenerationParams]] = {}
         self._templates: dict[str, ChatTokens] = {}
+        self._token_text = token_text_of(tokenizer)  # logprob entries' token texts
         self._sock, self.address = listen_socket(host, 0)
         self._server = EventServer(self._app())
         self._task: asyncio.Task | None = None
@@ -261,8 +263,6 @@ class AgentProxy:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
 
 def _retry_count(request: Request) -> int:
