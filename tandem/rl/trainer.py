@@ -43,7 +43,7 @@ from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate import evaluate, reward_function, tool_loop_of
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
@@ -182,7 +182,8 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
         began = time.monotonic()
         stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
-                         max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
+                         max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config(),
+                         tools=tool_loop_of(data.task, cfg.task.system_prompt))
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)
