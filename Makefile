@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo moe vllm-venv slurm-deps
+.PHONY: test lint install clean demo moe agent vllm-venv slurm-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,17 @@ moe: $(STAMP)
 		actor.router_replay=off actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine \
 		actor.optimizer.warmup_steps_proportion=0.05
 	$(VENV)/bin/tandem train examples/moe.yaml actor.path=$(MOE_DIR)/sft train.overwrite=true
+
+# The agentic job: the same recipe on the calculator task, where the policy answers through the
+# built-in calculator agent (tool calls, tool results) over the controller's OpenAI-compatible
+# proxy (examples/agent.yaml, docs/tasks.md). The SFT warm start trains on whole reference
+# conversations and is evaluated by the tool loop offline.
+AGENT_DIR ?= runs/agent
+agent: $(STAMP)
+	$(VENV)/bin/tandem init-model $(AGENT_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
+	$(VENV)/bin/tandem sft examples/agent.yaml actor.path=$(AGENT_DIR)/base sft.output=$(AGENT_DIR)/sft \
+		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
+	$(VENV)/bin/tandem train examples/agent.yaml actor.path=$(AGENT_DIR)/sft train.overwrite=true
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis

@@ -1,7 +1,9 @@
 """`tandem sft`: supervised warm start on a task's reference completions, with the same engine.
 
-Loss on the completion tokens only; the batch is split across the trainer ranks like RL batches;
-the result is an HF directory, evaluated greedily by one inference server at the end.
+Loss on the assistant turns of each reference conversation only (for a single-turn task: the
+completion); the batch is split across the trainer ranks like RL batches; the result is an HF
+directory, evaluated greedily by one inference server at the end (a tool-using task such as
+`calculator` by the reference tool loop: `tandem.rl.tool_eval`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tandem.rl.cluster import start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate import evaluate, reward_function, tool_loop_of
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.trial import run_dir_of
 from tandem.rollout.reward import RewardRunner
@@ -33,7 +35,8 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
-    examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in data.train])
+    used = data.train[: cfg.sft.steps * cfg.sft.batch_size]  # the stream never reaches further items
+    examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in used])
     metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
                             tensorboard_dir="sft-tensorboard")
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
@@ -52,7 +55,8 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
             trainer.shutdown()
             server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
             result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
-                              max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())
+                              max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config(),
+                              tools=tool_loop_of(data.task, cfg.task.system_prompt))
             metrics.log(cfg.sft.steps, result, phase="sft")
     finally:
         runner.close()

@@ -42,7 +42,7 @@ from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate import evaluate, reward_function, tool_loop_of
 from tandem.rl.evaluate_agent import evaluate_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
@@ -180,9 +180,10 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
         began = time.monotonic()
         if isinstance(workflow, AgentWorkflow):  # the agent's own reward, greedy, through its proxy
             stats = evaluate_agent(controller.pool, data.eval, workflow, client_config=rollout_cfg.client_config())
-        else:
+        else:  # a task with a tool is evaluated by its reference tool loop
             stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
-                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
+                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config(),
+                             tools=tool_loop_of(data.task, cfg.task.system_prompt))
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)

@@ -171,7 +171,8 @@ def test_console_script_exit_code(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
 def test_example_configs_load(path, tmp_path):
     # actor.path must name a model directory, of the architecture the example is for.
     model = init_model(tmp_path / "model", arch="qwen3_moe" if path.stem == "moe" else "qwen3", preset="tiny", seed=0)

@@ -1,4 +1,5 @@
-"""Verifiable tasks for RL and SFT: generators, exact rewards, a GSM8K-format loader, chat encoding.
+"""Verifiable tasks for RL and SFT: generators, exact rewards, a GSM8K-format loader, an agentic
+task with a calculator tool, chat encoding.
 
     from tandem.data.tasks import get_task
     task = get_task("arithmetic", difficulty="add2")
@@ -18,8 +19,11 @@ from tandem.data.tasks.base import (
     register_task,
     split_of,
 )
+from tandem.data.tasks.calculator import CALCULATOR_TOOL, CalculatorTask, evaluate_expression
 from tandem.data.tasks.chat import (
+    TemplateError,
     encode_completion,
+    encode_conversation,
     encode_prompt,
     encode_sft_pair,
     sft_example,
@@ -31,25 +35,32 @@ from tandem.data.tasks.gsm8k import GSM8KTask, load_gsm8k_file
 from tandem.data.tasks.rewards import (
     TaskReward,
     arithmetic_reward,
+    calculator_reward,
     countdown_reward,
     gsm8k_reward,
     task_reward,
 )
 
 __all__ = [
+    "CALCULATOR_TOOL",
     "ArithmeticTask",
+    "CalculatorTask",
     "CountdownTask",
     "GSM8KTask",
     "Task",
     "TaskDataError",
     "TaskError",
     "TaskReward",
+    "TemplateError",
     "arithmetic_reward",
     "available_tasks",
+    "calculator_reward",
     "countdown_reward",
     "encode_completion",
+    "encode_conversation",
     "encode_prompt",
     "encode_sft_pair",
+    "evaluate_expression",
     "extract_integer",
     "get_task",
     "gsm8k_reward",

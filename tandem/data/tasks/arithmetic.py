@@ -106,15 +106,21 @@ class ArithmeticTask(Task):
         items = []
         for i, (nums, ops) in enumerate(problems):
             expression = _render(nums, ops)
-            prompt = f"What is {expression}?" + (f" {INSTRUCTION}" if self.instruction else "")
             answer = evaluate_steps(nums, ops)[-1]
-            items.append(self.make_item(i, seed, split, prompt, answer, expression=expression))
+            items.append(self.make_item(i, seed, split, self.prompt_text(expression), answer, expression=expression))
         return items
+
+    def prompt_text(self, expression: str) -> str:
+        return f"What is {expression}?" + (f" {INSTRUCTION}" if self.instruction else "")
+
+    def slips(self, item: dict[str, Any]) -> bool:
+        """Whether the item's reference is the teacher's slip (`teacher_slip`; drawn per item, reproducibly)."""
+        return bool(self.teacher_slip) and random.Random(f"slip:{item['id']}").random() < self.teacher_slip
 
     def sft_target(self, item: dict[str, Any]) -> str:
         tokens = item["expression"].split()
         numbers, ops = [int(t) for t in tokens[::2]], tokens[1::2]
-        if self.teacher_slip and random.Random(f"slip:{item['id']}").random() < self.teacher_slip:
+        if self.slips(item):
             numbers, ops = numbers[:-1], ops[:-1]  # the teacher forgets the last term
         steps = evaluate_steps(numbers, ops)
         boxed = f"\\boxed{{{steps[-1]}}}"

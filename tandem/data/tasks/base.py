@@ -7,7 +7,9 @@ A task makes dataset items and scores completions:
   (the reference answer, a string), `task` (the task name) and `split`;
 - `reward(completion_text, item)` scores a completion against its item (1.0 or 0.0, plus an
   optional documented format component), never raising on whatever text a model writes;
-- `sft_target(item)` is a reference completion, used by the warm-start SFT phase;
+- `sft_target(item)` is a reference completion, used by the warm-start SFT phase; `sft_messages(item)`
+  the whole reference conversation (by default the item's messages and `sft_target`; a multi-turn
+  task such as `calculator` gives its tool calls and results too);
 - `reward_fn()` gives a picklable function with the rollout reward signature bound to this task.
 
 Items carry only plain values (str, int, list, dict) so they pickle into reward workers, where every
@@ -68,6 +70,15 @@ def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict[st
     return [*messages, {"role": "user", "content": prompt}]
 
 
+def item_messages(item: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """The item's chat messages (`messages`, else `prompt` as one user turn), with an optional
+    system prompt put first unless the item already starts with a system message."""
+    messages = list(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+    if system_prompt and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 class Task(ABC):
     """Base class of the built-in tasks; subclass it (and `register_task`) to add one."""
 
@@ -90,6 +101,12 @@ class Task(ABC):
     @abstractmethod
     def sft_target(self, item: dict[str, Any]) -> str:
         """A reference completion (without the end-of-turn token) that gets reward 1.0."""
+
+    def sft_messages(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """The reference conversation SFT trains on (loss on its assistant turns), rendered with the
+        item's `tools`: by default the item's messages and one assistant turn, `sft_target(item)`.
+        A multi-turn task (tool calls, tool results) gives the whole conversation instead."""
+        return [*item_messages(item), {"role": "assistant", "content": self.sft_target(item)}]
 
     def reward_fn(self) -> Callable[..., float]:
         """This task's reward with the rollout signature; picklable (for the reward worker pool)."""
@@ -143,6 +160,7 @@ class Task(ABC):
 # name -> factory; built-ins as "module:attribute" strings, resolved on first use (no import cycles).
 _REGISTRY: dict[str, Callable[..., Task] | str] = {
     "arithmetic": "tandem.data.tasks.arithmetic:ArithmeticTask",
+    "calculator": "tandem.data.tasks.calculator:CalculatorTask",
     "countdown": "tandem.data.tasks.countdown:CountdownTask",
     "gsm8k": "tandem.data.tasks.gsm8k:GSM8KTask",
 }

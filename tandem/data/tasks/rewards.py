@@ -7,7 +7,7 @@ Every function here has the runner's signature,
 and is picklable, so it runs in the reward worker pool. Item fields other than `id`, `prompt`,
 `messages` and `input_ids` arrive as keywords (`answer`, `task`, `numbers`, `target`, ...).
 
-- `arithmetic_reward`, `countdown_reward`, `gsm8k_reward`: a task's exact reward with its default
+- `arithmetic_reward`, `calculator_reward`, `countdown_reward`, `gsm8k_reward`: a task's exact reward with its default
   options (reference one in a config as `tandem.data.tasks.rewards:arithmetic_reward`);
 - `task_reward`: dispatches on the item's `task` field to the same defaults;
 - `TaskReward(task)` (also `task.reward_fn()`): the reward of a configured task object, for options
@@ -53,6 +53,12 @@ def task_reward(prompt_text: str, completion_text: str, prompt_ids: list[int], c
 def arithmetic_reward(prompt_text: str, completion_text: str, prompt_ids: list[int], completion_ids: list[int],
                       **fields: Any) -> float:
     return _default("arithmetic").reward(completion_text, fields)
+
+
+def calculator_reward(prompt_text: str, completion_text: str, prompt_ids: list[int], completion_ids: list[int],
+                      **fields: Any) -> float:
+    """The calculator task's reward of the final answer text (the agent's last assistant message)."""
+    return _default("calculator").reward(completion_text, fields)
 
 
 def countdown_reward(prompt_text: str, completion_text: str, prompt_ids: list[int], completion_ids: list[int],

@@ -31,9 +31,48 @@ MAX_VOCAB_SIZE = 16384
 # runs, then whitespace (trailing runs keep their last space for the next word).
 _SPLIT_PATTERN = r"'(?i:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
+# ChatML turns. With `tools=[...]` the template adds Qwen's tool-call format (what Qwen2.5/Qwen3
+# templates render, so one parser serves both): the tools as one JSON line each in the system turn
+# (a compact header of our own, made or extended there), an assistant's tool calls after its content
+# as '\n<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>' (arguments: a dict through
+# `tojson`, whose spacing is json.dumps's default, or a JSON string as is), and tool results as
+# '<tool_response>' blocks inside one user turn per run of consecutive tool messages. Conversations
+# without tools, tool calls or tool messages render exactly as plain ChatML did before.
 CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content is not none and content is iterable and content is not mapping -%}"
+    "{%- for part in content -%}{%- if part is mapping and part.text is defined -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- text(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
+    "{{- 'Tools:\\n<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\\n' + ((tool.function if tool.function is defined else tool) | tojson) -}}"
+    "{%- endfor -%}"
+    "{{- '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- if message['role'] == 'system' and loop.first and tools -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{%- set content = text(message['content']) -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content -}}"
+    "{%- for call in (message['tool_calls'] or []) -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -27,13 +27,15 @@ def reward_fields(item: dict[str, Any]) -> dict[str, Any]:
 
 
 def prompt_ids_of(item: dict[str, Any], tokenizer: Any) -> list[int]:
-    """Prompt token ids: given (`input_ids`), or rendered from `messages` / `prompt` with the chat template."""
+    """Prompt token ids: given (`input_ids`), or rendered from `messages` / `prompt` (and `tools`) with the
+    chat template."""
     if "input_ids" in item:
         return list(item["input_ids"])
     if tokenizer is None:
         raise ValueError("an item without input_ids needs a tokenizer to render its messages")
     messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=item.get("tools") or None, add_generation_prompt=True,
+                                        tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
 
 

@@ -1,0 +1,55 @@
+"""The calculator agent: the built-in agent of the `calculator` task (`tandem.data.tasks.calculator`).
+
+    rollout:
+      workflow: agent
+      agent: {entry: tandem.agents.calculator:run}
+    task: {name: calculator}
+
+It is ordinary agent code: it sees the policy only through the OpenAI client it is given, whose
+server (the rollout controller's proxy) renders the conversation with the chat template, samples
+with the run's settings and records the tokens for training. So it sends only `model`, `messages`
+and `tools`. Each turn: ask the model; run every tool call it makes with the task's calculator and
+send the results back as `tool` messages; stop when it answers without a tool call, or after
+`MAX_TURNS` requests. The reward is the task's, of the answer: the text of the assistant message
+without tool calls (computed here: it is cheap and safe); a model still calling tools after
+`MAX_TURNS` requests has not answered, and is scored on an empty answer. A call of an unknown
+tool or with malformed arguments gets an error text as its result, for the model to read; it
+never raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tandem.data.tasks.calculator import CalculatorTask, call_tool
+
+if TYPE_CHECKING:
+    import openai
+
+MAX_TURNS = 4
+MODEL = "policy"  # the proxy serves the current policy under any name
+_TASK = CalculatorTask()  # the reward with the task's default options
+
+
+def tool_result(call: Any) -> str:
+    """The text result of one tool call of a chat completion (a function call, else an error)."""
+    function = getattr(call, "function", None)
+    if function is None:
+        return "error: only function tool calls are supported"
+    return call_tool(function.name, function.arguments)
+
+
+async def run(client: openai.AsyncOpenAI, item: dict[str, Any]) -> float:
+    """Solve `item` with the calculator; the reward of the final answer (1.0 when it is right)."""
+    messages: list[dict[str, Any]] = [dict(m) for m in item["messages"]]
+    final = ""
+    for _ in range(MAX_TURNS):
+        completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=item["tools"])
+        message = completion.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            final = message.content or ""
+            break
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": tool_result(call)})
+    return _TASK.reward(final, item)
