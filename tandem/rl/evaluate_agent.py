@@ -1,4 +1,4 @@
-"""Evaluation of an agent workflow: each eval item once, greedy, through the agent proxy; the
+"""Evaluation of an agent workflow (`rollout.workflow=agent`, or a tool-using task's own agent): each eval item once, greedy, through the agent proxy; the
 accuracy is the mean of the rewards the agent returned (a failed or timed-out run counts as 0 and
 in `eval/failed`, each distinct error logged once)."""
 
@@ -10,6 +10,8 @@ import logging
 from typing import Any
 
 from tandem import aio
+from tandem.data.tasks import Task
+from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
 from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.client import ClientConfig, InferenceClient
@@ -48,6 +50,13 @@ async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], workfl
     n = max(1, len(results))
     return {"eval/accuracy": sum(r[0] for r in results) / n, "eval/response_len": sum(r[1] for r in results) / n,
             "eval/calls": sum(r[2] for r in results) / n, "eval/n": float(len(results)), "eval/failed": float(failed)}
+
+
+def task_agent(task: Task, tokenizer: Any, max_new_tokens: int) -> AgentWorkflow | None:
+    """The workflow that evaluates a tool-using task by its own agent (`Task.agent`), else None."""
+    if task.agent is None:
+        return None
+    return AgentWorkflow(task.agent, tokenizer, GenerationParams(max_new_tokens=max_new_tokens), n_samples=1)
 
 
 def evaluate_agent(servers: list[str] | ServerPool, items: list[dict[str, Any]], workflow: AgentWorkflow, *,

@@ -3,7 +3,7 @@
 Loss on the assistant turns of each reference conversation only (for a single-turn task: the
 completion); the batch is split across the trainer ranks like RL batches; the result is an HF
 directory, evaluated greedily by one inference server at the end (a tool-using task such as
-`calculator` by the reference tool loop: `tandem.rl.tool_eval`).
+`calculator` by its own agent through the agent proxy: `tandem.rl.evaluate_agent`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from tandem.rl.cluster import start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function, tool_loop_of
+from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.trial import run_dir_of
 from tandem.rollout.reward import RewardRunner
@@ -54,9 +55,12 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
             trainer.save_hf(str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
             trainer.shutdown()
             server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
-            result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
-                              max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config(),
-                              tools=tool_loop_of(data.task, cfg.task.system_prompt))
+            agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)  # a tool task: its agent
+            if agent is not None:
+                result = evaluate_agent([server.url], data.eval, agent, client_config=cfg.rollout.client_config())
+            else:
+                result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
+                                  max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())
             metrics.log(cfg.sft.steps, result, phase="sft")
     finally:
         runner.close()

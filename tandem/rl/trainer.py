@@ -42,8 +42,8 @@ from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
 from tandem.rl.dispatch import split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function, tool_loop_of
-from tandem.rl.evaluate_agent import evaluate_agent
+from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
@@ -176,14 +176,17 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     frontier = plan.loop.frontier
     loader = CursorLoader(data.train, cursor=frontier.next_index, skip=frontier.resolved)
 
+    eval_agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)
+
     def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
         began = time.monotonic()
-        if isinstance(workflow, AgentWorkflow):  # the agent's own reward, greedy, through its proxy
-            stats = evaluate_agent(controller.pool, data.eval, workflow, client_config=rollout_cfg.client_config())
-        else:  # a task with a tool is evaluated by its reference tool loop
+        # An agent (the run's, or a tool task's own) is evaluated greedily through its proxy, on its reward.
+        agent = workflow if isinstance(workflow, AgentWorkflow) else eval_agent
+        if agent is not None:
+            stats = evaluate_agent(controller.pool, data.eval, agent, client_config=rollout_cfg.client_config())
+        else:
             stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
-                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config(),
-                             tools=tool_loop_of(data.task, cfg.task.system_prompt))
+                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)

@@ -131,6 +131,7 @@ class CalculatorTask(ArithmeticTask):
     """Options as arithmetic's (without `reasoning`); `instruction` adds `INSTRUCTION` to the prompt."""
 
     name = "calculator"
+    agent = "tandem.agents.calculator:run"
 
     def __init__(
         self,
@@ -154,9 +155,6 @@ class CalculatorTask(ArithmeticTask):
 
     def generate(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
         return [{**item, "tools": [calculator_tool()]} for item in super().generate(n, seed, split)]
-
-    def call_tool(self, name: str, arguments: Any) -> str:
-        return call_tool(name, arguments)
 
     def reference_expression(self, item: dict[str, Any]) -> str:
         """The expression the reference conversation sends to the tool (the last term left out on a slip)."""
