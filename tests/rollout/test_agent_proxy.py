@@ -256,9 +256,11 @@ def _workflow(tokenizer, agent: str, n: int = 2, **cfg) -> AgentWorkflow:
     return AgentWorkflow(agent, tokenizer, GenerationParams(max_new_tokens=6), n_samples=n, config=AgentConfig(**cfg))
 
 
-def _episode(server, workflow, item):
+def _episode(url: str, workflow, item):
+    """One episode of `workflow` over the server at `url`, on a fresh loop."""
+
     async def main():
-        client = InferenceClient([server.url], ClientConfig(deadline_s=60))
+        client = InferenceClient([url], ClientConfig(deadline_s=60))
         try:
             return await workflow.arun_episode(client, item)
         finally:
@@ -273,17 +275,17 @@ ITEM = {"id": "q1", "prompt": "2 + 3", "messages": [{"role": "user", "content": 
 
 
 def test_the_agent_workflow_runs_groups_and_reports_agents_that_fail(server, tokenizer):
-    trajs = _episode(server, _workflow(tokenizer, "tests.rollout.agents:three_turns"), ITEM)
+    trajs = _episode(server.url, _workflow(tokenizer, "tests.rollout.agents:three_turns"), ITEM)
     assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1 and {t.prompt_id for t in trajs} == {"q1"}
     assert all(t.num_turns == 3 and 0 <= t.reward <= 1 for t in trajs)
     per_call = _workflow(tokenizer, "tests.rollout.agents:per_call", n=1, export="individual", discount=0.0)
-    assert sorted(t.reward for t in _episode(server, per_call, ITEM)) == [0.25, 0.75]  # two chains, by call id
+    assert sorted(t.reward for t in _episode(server.url, per_call, ITEM)) == [0.25, 0.75]  # two chains, by call id
     discounted = _workflow(tokenizer, "tests.rollout.agents:per_call", n=1, export="individual", discount=0.5)
-    assert sorted(t.reward for t in _episode(server, discounted, ITEM)) == [0.25 + 0.5 * 0.75, 0.75]
+    assert sorted(t.reward for t in _episode(server.url, discounted, ITEM)) == [0.25 + 0.5 * 0.75, 0.75]
     for agent, message in {"broken": "raised ValueError: no answer for q1", "wordy": "returned str",
                            "sleepy": "ran past rollout.agent.timeout_s=1s"}.items():
         with pytest.raises(AgentError, match=message):
-            _episode(server, _workflow(tokenizer, f"tests.rollout.agents:{agent}", timeout_s=1.0), ITEM)
+            _episode(server.url, _workflow(tokenizer, f"tests.rollout.agents:{agent}", timeout_s=1.0), ITEM)
     with pytest.raises(AgentError, match="not an async function"):
         load_agent("tests.rollout.agents:not_async")
     with pytest.raises(AgentError, match="cannot be loaded"):
@@ -298,17 +300,8 @@ def test_an_agents_sdk_agent_trains_through_the_proxy(tokenizer):
                                                           [*tokenizer.encode("\\boxed{5}"), eos]]).start()
     workflow = AgentWorkflow("tests.rollout.agents:sdk_calculator", tokenizer, GenerationParams(max_new_tokens=256),
                              n_samples=1)
-
-    async def main():
-        client = InferenceClient([fake.address], ClientConfig(deadline_s=60))
-        try:
-            return await workflow.arun_episode(client, ITEM)
-        finally:
-            await workflow.aclose_proxy()
-            await client.aclose()
-
     try:
-        [traj] = asyncio.run(asyncio.wait_for(main(), 60))
+        [traj] = _episode(fake.address, workflow, ITEM)
     finally:
         fake.stop()
     assert traj.reward == 1.0 and traj.num_turns == 2  # the tool ran (2 + 3) and the answer was right
