@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from tandem import aio
+from tandem.agents import agent_for_task
 from tandem.data.tasks import Task
 from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
@@ -53,10 +54,11 @@ async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], workfl
 
 
 def task_agent(task: Task, tokenizer: Any, max_new_tokens: int) -> AgentWorkflow | None:
-    """The workflow that evaluates a tool-using task by its own agent (`Task.agent`), else None."""
-    if task.agent is None:
+    """The workflow that evaluates a tool-using task by its own agent (`agent_for_task`), else None."""
+    agent = agent_for_task(task.name)
+    if agent is None:
         return None
-    return AgentWorkflow(task.agent, tokenizer, GenerationParams(max_new_tokens=max_new_tokens), n_samples=1)
+    return AgentWorkflow(agent, tokenizer, GenerationParams(max_new_tokens=max_new_tokens), n_samples=1)
 
 
 def evaluate_agent(servers: list[str] | ServerPool, items: list[dict[str, Any]], workflow: AgentWorkflow, *,

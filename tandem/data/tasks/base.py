@@ -83,9 +83,6 @@ class Task(ABC):
     """Base class of the built-in tasks; subclass it (and `register_task`) to add one."""
 
     name: ClassVar[str] = ""
-    # A tool-using task's agent ('module:function', docs/agents.md): evaluation runs it through the
-    # agent proxy, since one generation cannot use a tool. None: single-turn.
-    agent: ClassVar[str | None] = None
 
     def __init__(self, system_prompt: str | None = None, format_weight: float = 0.0):
         if not 0.0 <= format_weight < 1.0:

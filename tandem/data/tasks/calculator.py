@@ -131,7 +131,6 @@ class CalculatorTask(ArithmeticTask):
     """Options as arithmetic's (without `reasoning`); `instruction` adds `INSTRUCTION` to the prompt."""
 
     name = "calculator"
-    agent = "tandem.agents.calculator:run"
 
     def __init__(
         self,
