@@ -34,6 +34,7 @@ class EventServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=5, timeout_keep_alive=60))
         self.started_event = threading.Event()
+        self.ready: asyncio.Future[None] | None = None  # set by a caller on the serving loop: resolved once serving
         self._stop: asyncio.Event | None = None
 
     def capture_signals(self):  # a server in a thread or on a shared loop leaves the process's signals alone
@@ -43,6 +44,8 @@ class EventServer(uvicorn.Server):
         self._stop = asyncio.Event()
         await super().startup(sockets=sockets)
         self.started_event.set()
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_result(None)
 
     async def main_loop(self) -> None:
         await self.on_tick(0)  # sets the default headers once

@@ -84,12 +84,13 @@ class AgentProxy:
         return f"{self.address}/v1"
 
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises why it could not serve
-                raise RuntimeError("the agent proxy stopped while starting")
-            await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        self._server.ready = ready = loop.create_future()
+        self._task = loop.create_task(self._server.serve(sockets=[self._sock]))
+        await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            self._task.result()  # raises why it could not serve
+            raise RuntimeError("the agent proxy stopped while starting")
         logger.info("agent proxy on %s", self.address)
 
     async def aclose(self) -> None:
@@ -278,4 +279,3 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-        await asyncio.sleep(0)  # pragma: no cover - only disconnects follow a read body
