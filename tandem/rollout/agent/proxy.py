@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import secrets
 import uuid
@@ -138,9 +137,9 @@ class AgentProxy:
     def _session_of(self, request: Request) -> tuple[AgentSession, GenerationParams]:
         given = request.headers.get("authorization", "")
         key = given[7:] if given.lower().startswith("bearer ") else ""
-        for known, found in self.sessions.items():
-            if hmac.compare_digest(known, key):
-                return found
+        found = self.sessions.get(key)  # 128-bit random keys: a lookup, not a scan of every session
+        if found is not None:
+            return found
         raise ProxyError(401, "unknown or ended session: use the client the episode was given (its api_key is "
                          "the session key)", kind="authentication_error")
 

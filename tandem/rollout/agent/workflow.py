@@ -25,7 +25,7 @@ from typing import Any
 from tandem.data.trajectory import Trajectory
 from tandem.fleet.generation import GenerationParams
 from tandem.rollout.agent.config import AgentConfig
-from tandem.rollout.agent.proxy import MODEL_NAME, AgentProxy
+from tandem.rollout.agent.proxy import AgentProxy
 from tandem.rollout.agent.session import AgentSession, SessionError
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.frontier import STREAM_INDEX
@@ -159,5 +159,3 @@ def load_agent(path: str) -> AgentFn:
 def _name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
-
-__all__ = ["MODEL_NAME", "AgentError", "AgentWorkflow", "agent_item", "load_agent"]
