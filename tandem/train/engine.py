@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,15 @@ from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
+from tandem.models.value_head import is_value_config, value_config
 from tandem.parallel import ParallelDims, fsdp_units
 from tandem.parallel.tensor_parallel import sum_partial_grads
 from tandem.train import checkpoint as ckpt
 from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
 from tandem.train.config import TrainEngineConfig, parse_dtype
 from tandem.train.dist import all_reduce_sum, init_distributed, resolve_device, seed_everything
-from tandem.train.logprobs import LogprobModel
-from tandem.train.losses import LossFn, LossWeightFn, count_loss_tokens
+from tandem.train.logprobs import LogprobModel, ValueModel
+from tandem.train.losses import LossFn, LossWeightFn, ValueLossFn, count_loss_tokens
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
@@ -48,6 +49,9 @@ from tandem.train.weight_export import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Native names of a value model's head: what a critic made from a causal LM starts at zero.
+VALUE_HEAD_PARAMS = ("output.weight", "output.bias")
 
 
 @dataclass
@@ -66,9 +70,17 @@ class TokenOutputs:
     route_pairs: int = 0
 
 
+EngineHead = Literal["lm", "value"]
+
+
 class TrainEngine:
-    def __init__(self, config: TrainEngineConfig):
-        """Raises `ConfigError` naming the field for a value outside its choices or range."""
+    def __init__(self, config: TrainEngineConfig, head: EngineHead = "lm"):
+        """Raises `ConfigError` naming the field for a value outside its choices or range.
+
+        `head="value"` builds a value model (a critic, `tandem.models.value_head`): from a value
+        model's checkpoint, or from a causal LM's decoder with the value head at zero. Its forward
+        gives values (`forward_values`) and `train_batch` takes a `ValueLossFn`. Data and context
+        parallel layouts only (the head is neither tensor- nor pipeline-parallel)."""
         validate(config)
         config.parallelize.check_device(torch.device(config.device).type, "parallelize.")
         self.config = config
@@ -86,12 +98,23 @@ class TrainEngine:
         self.param_dtype = parse_dtype(config.dtype)
 
         hf_config = read_hf_config(config.path)
+        fresh_head = head == "value" and not is_value_config(hf_config)
+        if head == "value":
+            if config.tp > 1 or config.pp > 1:
+                raise ConfigError(f"a critic (value model) runs data or context parallel; tp={config.tp}, "
+                                  f"pp={config.pp} are not supported for it: give it a layout like archon:d2")
+            hf_config = value_config(hf_config)
+        elif is_value_config(hf_config):
+            raise ConfigError(f"{config.path!r} is a value model ({hf_config['architectures'][0]}), not a causal LM: "
+                              "an actor or reference model needs a ...ForCausalLM checkpoint")
+        self.head: EngineHead = head
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
         # Context parallelism lives in the forward: each CP rank runs its slice of every micro-batch.
         cp_mesh = self.parallel_dims.cp_mesh(self.mesh)
-        self.module = LogprobModel(self.model, chunk_size=config.logprob_chunk_size,
-                                   cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
+        wrapper = ValueModel if head == "value" else LogprobModel
+        self.module = wrapper(self.model, chunk_size=config.logprob_chunk_size,
+                              cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
         # Pipeline parallelism: this rank's stages of the model (tandem.train.pipeline_step).
         self.pipeline: PipelineRunner | None = None
         if self.parallel_dims.sizes.pp > 1:
@@ -114,7 +137,13 @@ class TrainEngine:
         if len(list(self.model.parameters())) != n_params:
             raise AssertionError("shared parameters came apart during parallelize / to_empty")
         if self.pipeline is None:
-            load_hf_weights_sharded(self.model, config.path)
+            # A critic made from a causal LM: its decoder's weights, the value head at zero.
+            fresh = VALUE_HEAD_PARAMS if fresh_head else ()
+            load_hf_weights_sharded(self.model, config.path, initialise=fresh)
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    if name in fresh:
+                        param.zero_()
         else:
             load_hf_weights_sharded(self.model, config.path, partial=True, aliases=self.pipeline.load_aliases())
         self._mb_config = config.mb if self.pipeline is None else self.pipeline.mb_config(config.mb)
@@ -142,8 +171,30 @@ class TrainEngine:
         `record_routes` returns the experts every token went through in `TokenOutputs.routes`;
         `route_live` routes every token live whatever `router_replay` says (the live-routed
         mismatch of `router_replay_live_mismatch`)."""
+        if self.head != "lm":
+            raise TypeError("forward_logprobs needs a language model; this engine holds a value model "
+                            "(forward_values)")
         if record_routes and not self.moe_layers:
             raise ValueError("record_routes needs a mixture-of-experts model; this one has no MoE layers")
+        columns, matches, pairs = self._forward_columns(batch, temperature, loss_tokens_only, record_routes,
+                                                        route_live)
+        routes = [c[2] for c in columns] if record_routes else None
+        return TokenOutputs([c[0] for c in columns], [c[1] for c in columns], routes, matches, pairs)
+
+    @torch.no_grad()
+    def forward_values(self, batch: SequenceBatch, loss_tokens_only: bool = False) -> list[torch.Tensor]:
+        """A value model's values of every sequence, batch order, float32 on CPU: `values[i][t]`
+        is the value of the state after token t (the one token t+1 is generated from; prediction
+        alignment, 0 at the last token and, with `loss_tokens_only`, where the loss mask is not
+        set). Collective."""
+        if self.head != "value":
+            raise TypeError("forward_values needs a value model; this engine holds a language model")
+        return [c[0] for c in self._forward_columns(batch, 1.0, loss_tokens_only)[0]]
+
+    def _forward_columns(self, batch: SequenceBatch, temperature: float, loss_tokens_only: bool,
+                         record_routes: bool = False, route_live: bool = False) -> tuple[list[tuple[torch.Tensor, ...]], int, int]:
+        """No-grad forward of `batch`: per sequence (batch order) the module's outputs on CPU, then
+        its routes when `record_routes`; and the route matches and pairs of the forward."""
         mbs = self._micro_batches(batch)
         wanted = [self._loss_positions(mb.next_token_view()) if loss_tokens_only else None for mb in mbs]
         routings = [self._routing(mb, record=record_routes, live=route_live) for mb in mbs]
@@ -156,19 +207,17 @@ class TrainEngine:
             self.module.reshard()  # the root stays gathered after a forward; free it
         per_mb: list[list[tuple[torch.Tensor, ...]]] = []
         matches = pairs = 0
-        for mb, (logprobs, entropy), routing in zip(mbs, outputs, routings, strict=True):
+        for mb, output, routing in zip(mbs, outputs, routings, strict=True):
             if mb.is_padding:  # a rank with fewer sequences than micro-batches: nothing to return
                 per_mb.append([])
             else:
-                columns = [logprobs.cpu().split(mb.lengths), entropy.cpu().split(mb.lengths)]
+                columns = [x.cpu().split(mb.lengths) for x in output]
                 if record_routes:
                     columns.append(stack_layers(routing.recorded, self.moe_layers).cpu().split(mb.lengths))
                 per_mb.append(list(zip(*columns, strict=True)))
             m, n = agreement_of(routing, mb.tokens, self.moe_layers)
             matches, pairs = matches + m, pairs + n
-        ordered = restore_order(mbs, per_mb, len(batch))
-        routes = [r[2] for r in ordered] if record_routes else None
-        return TokenOutputs([r[0] for r in ordered], [r[1] for r in ordered], routes, matches, pairs)
+        return restore_order(mbs, per_mb, len(batch)), matches, pairs
 
     def _check_moe_options(self, config: TrainEngineConfig) -> None:
         """router_replay and moe_aux_loss_coef need MoE layers and a model that is not pipelined;
@@ -209,7 +258,7 @@ class TrainEngine:
     def train_batch(
         self,
         batch: SequenceBatch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | ValueLossFn,
         loss_weight_fn: LossWeightFn | None = None,
         temperature: float = 1.0,
     ) -> dict[str, float]:
@@ -228,7 +277,7 @@ class TrainEngine:
     def forward_backward(
         self,
         batch: SequenceBatch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | ValueLossFn,
         loss_weight_fn: LossWeightFn | None = None,
         temperature: float = 1.0,
     ) -> dict[str, float]:
@@ -261,7 +310,7 @@ class TrainEngine:
             stats.update({"route_matches": matches, "route_pairs": pairs})
         return stats
 
-    def _forward_backward_local(self, mbs: list[MicroBatch], views: list[MicroBatch], loss_fn: LossFn,
+    def _forward_backward_local(self, mbs: list[MicroBatch], views: list[MicroBatch], loss_fn: LossFn | ValueLossFn,
                                 weight_fn: LossWeightFn, denominator: float, temperature: float,
                                 moe: list[float]) -> float:
         """Forward and backward of every micro-batch; returns the loss sum. MoE: adds
@@ -274,13 +323,13 @@ class TrainEngine:
         for mb, view in zip(mbs, views, strict=True):
             routing = self._routing(mb, keep_logits=coef > 0)
             # Only loss tokens need the output head (see the loss contract in tandem.train.losses).
-            logprobs, entropy = self.module(view.input_ids, view.cu_seqlens, temperature,
-                                            self._loss_positions(view), routing)
+            # (log-probs, entropy) of a language model, (values,) of a value model.
+            outputs = self.module(view.input_ids, view.cu_seqlens, temperature, self._loss_positions(view), routing)
             if view.is_padding:
                 # Runs forward and backward so that FSDP's collectives match the other ranks.
-                loss = (logprobs.sum() + entropy.sum()) * 0.0
+                loss = sum(x.sum() for x in outputs) * 0.0
             else:
-                loss = loss_fn(logprobs, entropy, view)
+                loss = loss_fn(*outputs, view)
             objective = loss
             if coef > 0:
                 aux = load_balancing_loss([routing.logits[layer] for layer in self.moe_layers],

@@ -96,7 +96,7 @@ class LogprobModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
         wanted: torch.Tensor | None = None, routing: Routing | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """`wanted` (`[T]` bool, prediction alignment): compute the output head only at these
         positions (e.g. the loss tokens; 0 elsewhere). In RL most tokens are prompt tokens, and the
         head (a `[T, vocab]` matmul, softmax and its backward) is then most of a small model's step.
@@ -110,11 +110,10 @@ class LogprobModel(nn.Module):
         if wanted is not None:
             valid = valid & wanted
         tp = getattr(self.model, "tensor_parallel", None)
-        head = self.model.logits_from_hidden
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
             hidden = self.model.hidden_states(input_ids, cu_seqlens, routing=routing)
             _trim_records(routing, input_ids.shape[0])
-            return head_outputs(head, hidden, labels, valid, temperature, sparse, self.chunk_size, tp)
+            return self.head(hidden, labels, valid, temperature, sparse, tp)
         split = ContextSplit.of(input_ids.shape[0], self.cp_group)
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         local_routing = None if routing is None else _local_routing(routing, split)
@@ -125,9 +124,30 @@ class LogprobModel(nn.Module):
                                 (local_routing.logits, routing.logits)):
                 whole.update({layer: split.gather(x[:split.local_tokens]) for layer, x in mine.items()})
             _trim_records(routing, input_ids.shape[0])
-        logprobs, entropy = head_outputs(head, hidden, split.local(labels), split.local(valid, False), temperature,
-                                         sparse, self.chunk_size, tp)
-        return split.gather(logprobs), split.gather(entropy)
+        outputs = self.head(hidden, split.local(labels), split.local(valid, False), temperature, sparse, tp)
+        return tuple(split.gather(x) for x in outputs)
+
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, temperature: float,
+             sparse: bool, tp: TensorParallelInfo | None) -> tuple[torch.Tensor, ...]:
+        """The per-token outputs at the `valid` rows of final hidden states `[T, dim]` (0
+        elsewhere): (log-probs, entropy) of the next token."""
+        return head_outputs(self.model.logits_from_hidden, hidden, labels, valid, temperature, sparse,
+                            self.chunk_size, tp)
+
+
+class ValueModel(LogprobModel):
+    """The same wrapper around a value model (`tandem.models.value_head`): its forward returns
+    `(values,)`, `values[t]` (float32) the value of the state after token t, the state token t+1
+    is generated from (prediction alignment, like the log-probs), 0 at each sequence's last token
+    and outside `wanted`. `temperature` is not used."""
+
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, temperature: float,
+             sparse: bool, tp: TensorParallelInfo | None) -> tuple[torch.Tensor, ...]:
+        del labels, temperature, sparse  # the head is [dim] -> 1: every row costs next to nothing
+        if tp is not None:
+            raise NotImplementedError("a value head under tensor parallelism")
+        values = self.model.logits_from_hidden(hidden).squeeze(-1).float()
+        return (torch.where(valid, values, values.new_zeros(())),)
 
 
 def _trim_records(routing: Routing | None, num_tokens: int) -> None:

@@ -22,6 +22,9 @@ import torch
 from tandem.train.batch import LOSS_MASK, MicroBatch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], torch.Tensor]
+# A value model's loss: the micro-batch's values (`[T]`, float32, with grad; prediction alignment,
+# computed at the loss tokens) and the micro-batch; the same sum-and-normalise contract.
+ValueLossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 LossWeightFn = Callable[[MicroBatch], float | torch.Tensor]
 
 

@@ -14,6 +14,7 @@ parallelism, only its rows of them).
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -53,13 +54,15 @@ def _load_piece(param: torch.Tensor, index: int, piece: torch.Tensor) -> None:
 
 @torch.no_grad()
 def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False,
-                            aliases: dict[str, str] | None = None) -> None:
+                            aliases: dict[str, str] | None = None, initialise: Collection[str] = ()) -> None:
     """Strict: every parameter filled (every piece of a stacked one), every tensor used (bar ones
     the adapter skips, such as a tied `lm_head`), shapes equal to the parameters' global shapes.
 
     `partial` (a pipeline stage's model): tensors of parameters the model does not hold are
     skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
-    stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`)."""
+    stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`). `initialise`:
+    native names of parameters the checkpoint does not hold (the caller fills them; a critic's
+    value head when it starts from a causal LM)."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())  # tied weights once, under the embedding's name
     sources = {n: n for n in params} | {n: src for n, src in (aliases or {}).items() if n in params}
@@ -88,7 +91,8 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
             problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
             plan[hf_name] = (wanted[native], index)
-    needed = {(hf, index): n for n in params for hf, index in adapter.pieces(sources[n], params[n].shape)}
+    needed = {(hf, index): n for n in params if n not in initialise
+              for hf, index in adapter.pieces(sources[n], params[n].shape)}
     found = {(hf, index) for hf, (_, index) in plan.items()}
     problems += [f"missing tensor {hf}" for hf, _ in sorted(needed.keys() - found)]
     if problems:

@@ -6,10 +6,12 @@ from tandem.models.qwen.parallelize import parallelize_qwen
 from tandem.models.qwen.pipeline import split_qwen
 from tandem.models.qwen.state_dict_adapter import QwenStateDictAdapter
 from tandem.models.registry import ModelSpec, register_model_spec
+from tandem.models.value_head import CAUSAL_LM, VALUE_MODEL
 
 
 def _hf_architecture(args: QwenArgs) -> str:
-    return {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[args.model_type]
+    family = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[args.model_type]
+    return family + (VALUE_MODEL if args.value_head else CAUSAL_LM)
 
 
 QWEN_SPEC = ModelSpec(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import ModelConfigError
+from tandem.models.value_head import is_value_config
 
 MODEL_TYPES = ("qwen2", "qwen3")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -31,6 +32,9 @@ class QwenArgs:
     qk_norm: bool = False
     max_seq_len: int = 32768
     initializer_range: float = 0.02
+    # A value model (`tandem.models.value_head`): the output head is `[dim] -> 1` (with a bias)
+    # instead of the vocabulary logits, and it is never tied to the embedding.
+    value_head: bool = False
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -103,6 +107,7 @@ def qwen_fields(cfg: dict[str, Any], default_head_dim: int | None = None) -> dic
         qk_norm=not is_qwen2,
         max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
+        value_head=is_value_config(cfg),
     )
 
 

@@ -121,7 +121,8 @@ class QwenModel(nn.Module):
         # A ModuleDict keyed by str(i), so pipeline stages can delete layers and keep the others' names.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # A value model's head gives one number per token (`tandem.models.value_head`).
+        self.output = nn.Linear(args.dim, 1) if args.value_head else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # Set by a tensor-parallel plan: the token stream is padded to a multiple of this (the
         # sequence-parallel shards must be equal), and what the plan did (`TensorParallelInfo`).
@@ -143,7 +144,8 @@ class QwenModel(nn.Module):
         materialise each module's parameters separately and so break the sharing."""
         if getattr(self, "untied_copies", False):
             return  # a pipeline rank holding the first and last stage keeps one copy per stage
-        if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
+        if (self.args.tie_word_embeddings and not self.args.value_head and self.output is not None
+                and self.tok_embeddings is not None):
             self.output.weight = self.tok_embeddings.weight
 
     def hidden_states(
@@ -178,7 +180,8 @@ class QwenModel(nn.Module):
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Apply the output head; callers may pass token chunks to bound logits memory. Under
-        tensor parallelism: this rank's vocabulary slice of the logits (`tensor_parallel.vocab_range`)."""
+        tensor parallelism: this rank's vocabulary slice of the logits (`tensor_parallel.vocab_range`).
+        A value model: `[T, 1]` values."""
         return self.output(h)
 
     def forward(
@@ -195,7 +198,8 @@ class QwenModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Random init in place: normal(0, initializer_range) for linear and embedding weights,
-        zeros for biases, ones for norms. Deterministic for a given seed and device."""
+        zeros for biases, ones for norms, zeros for a value head (every value 0 at the start).
+        Deterministic for a given seed and device."""
         generator = None
         if seed is not None:
             device = next(self.parameters()).device
@@ -205,6 +209,10 @@ class QwenModel(nn.Module):
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
             elif isinstance(module, nn.Linear | nn.Embedding):
+                if module is self.output and self.args.value_head:
+                    module.weight.zero_()
+                    module.bias.zero_()
+                    continue
                 if module is self.output and self.args.tie_word_embeddings:
                     continue  # shares the embedding, already initialised
                 module.weight.normal_(0.0, std, generator=generator)

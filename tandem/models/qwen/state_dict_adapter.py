@@ -13,6 +13,7 @@ import torch
 from tandem.errors import CheckpointError
 from tandem.models.qwen.args import QwenArgs
 from tandem.models.state_dict_adapter import StateDictAdapter
+from tandem.models.value_head import SCORE_BIAS, SCORE_WEIGHT
 
 # HF suffix inside `model.layers.{i}.` -> native suffix inside `layers.{i}.`
 _LAYER_NAMES = {
@@ -35,6 +36,8 @@ _LAYER_NAMES = {
 _NATIVE_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
 _NATIVE_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+_VALUE_HEAD = {SCORE_WEIGHT: "output.weight", SCORE_BIAS: "output.bias"}
+_NATIVE_VALUE_HEAD = {v: k for k, v in _VALUE_HEAD.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 # Tensors older checkpoints carry that hold nothing a model needs (recomputed RoPE frequencies).
@@ -52,6 +55,11 @@ class QwenStateDictAdapter(StateDictAdapter):
         """
         if name in _TOP_NAMES:
             return _TOP_NAMES[name]
+        if self.args.value_head:  # `score.*` is the head; an LM head (a critic made from an LM) is not used
+            if name in _VALUE_HEAD:
+                return _VALUE_HEAD[name]
+            if name == "lm_head.weight":
+                return None
         if name == "lm_head.weight":
             # Tied checkpoints usually omit it; when present it duplicates the embedding.
             return None if self.args.tie_word_embeddings else "output.weight"
@@ -66,6 +74,8 @@ class QwenStateDictAdapter(StateDictAdapter):
     def native_to_hf(self, name: str) -> str:
         if name in _NATIVE_TOP_NAMES:
             return _NATIVE_TOP_NAMES[name]
+        if self.args.value_head and name in _NATIVE_VALUE_HEAD:
+            return _NATIVE_VALUE_HEAD[name]
         if name == "output.weight":
             return "lm_head.weight"
         if (match := _NATIVE_LAYER.fullmatch(name)) and match.group(2) in _NATIVE_LAYER_NAMES:
@@ -74,6 +84,6 @@ class QwenStateDictAdapter(StateDictAdapter):
 
     def pieces(self, native_name: str, shape: torch.Size | tuple[int, ...]) -> list[tuple[str, int | None]]:
         """Tied models have no `lm_head.weight` piece: HF files store the shared tensor once."""
-        if native_name == "output.weight" and self.args.tie_word_embeddings:
+        if native_name == "output.weight" and self.args.tie_word_embeddings and not self.args.value_head:
             return []
         return super().pieces(native_name, shape)

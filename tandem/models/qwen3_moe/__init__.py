@@ -6,6 +6,7 @@ from tandem.models.qwen.pipeline import split_qwen
 from tandem.models.qwen3_moe.args import MODEL_TYPES, Qwen3MoeArgs
 from tandem.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from tandem.models.registry import ModelSpec, register_model_spec
+from tandem.models.value_head import CAUSAL_LM, VALUE_MODEL
 
 QWEN3_MOE_SPEC = ModelSpec(
     name="qwen3_moe",
@@ -13,7 +14,7 @@ QWEN3_MOE_SPEC = ModelSpec(
     args_from_hf_config=Qwen3MoeArgs.from_hf_config,
     model_cls=QwenModel,
     state_dict_adapter_cls=Qwen3MoeStateDictAdapter,
-    hf_architecture=lambda args: "Qwen3MoeForCausalLM",
+    hf_architecture=lambda args: "Qwen3Moe" + (VALUE_MODEL if args.value_head else CAUSAL_LM),
     parallelize=parallelize_qwen,
     pipeline_split=split_qwen,
 )
