@@ -20,6 +20,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMP_WEIGHT_MODES = ("mask", "clamp", "off")
 IMPORTANCE_LEVELS = ("token", "sequence")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo")
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], key: str) -> None:
@@ -100,10 +101,15 @@ class PPOConfig:
         "Proximal logprobs: recompute (a forward pass, exact) or loglinear (interpolated from versions).",
         choices=PROX_LOGP_METHODS,
     )
-    kl_ctl: float = _f(0.0, "Weight of the KL-to-reference reward term (0 = no reference model).", min=0.0)
-    kl_estimator: str = _f("k1", "KL estimator of the reward term.", choices=KL_ESTIMATORS)
-    use_critic: bool = _f(False, "PPO with a value model and GAE.")
-    value_eps_clip: float = _f(0.2, "Value clip around the old value estimate.", min=0.0)
+    kl_ctl: float = _f(0.0, "Weight of the KL to a frozen reference model (ref.path; 0 = no reference model).",
+                       min=0.0)
+    kl_estimator: str = _f("k1", "KL estimator: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d = logp - logp_ref.",
+                           choices=KL_ESTIMATORS)
+    kl_in_loss: bool = _f(False, "The KL term goes into the loss (kl_ctl * KL(logp_theta, logp_ref) per token, "
+                                 "with gradient) instead of the reward (-kl_ctl * KL(logp_behave, logp_ref) per token, "
+                                 "before advantages).")
+    use_critic: bool = _f(False, "PPO with a value model (the critic section) and GAE (algo.advantage.gamma, lam).")
+    value_eps_clip: float = _f(0.2, "Value clip around the old value estimate (critic only).", min=0.0)
     dynamic_filtering: bool = _f(False, "DAPO: drop groups whose rewards are all equal.")
     max_head_offpolicyness: int = _f(
         0, "Staleness bound of the rollouts (copied from the rollout config, for validation).", min=0
@@ -143,7 +149,9 @@ class PPOConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = _f("grpo", "Recipe the settings came from (informational).")
+    name: str = _f("grpo", "Recipe: sets the defaults of the keys it implies (the table in docs/algorithms.md); keys "
+                           "set explicitly override them, except the ones that define the recipe (refused).",
+                   choices=RECIPES)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -152,16 +160,36 @@ class AlgoConfig:
         self.reward.check(f"{prefix}reward.")
         self.advantage.check(f"{prefix}advantage.")
         self.ppo.check(f"{prefix}ppo.")
-        if self.ppo.importance_level == "sequence" and self.ppo.use_critic:
-            raise ConfigError(
-                f"{prefix}ppo.importance_level='sequence' (GSPO) takes one advantage per sequence; "
-                "it does not combine with use_critic (per-token GAE advantages)"
-            )
+        _check_choice(self.name, RECIPES, f"{prefix}name")
+        for key, value in RECIPE_DEFINES[self.name].items():
+            section, field_name = key.split(".")
+            actual = getattr(getattr(self, section), field_name)
+            if actual != value:
+                raise ConfigError(f"{prefix}{key}={actual!r} contradicts {prefix}name={self.name!r}, which means "
+                                  f"{prefix}{key}={value!r}: {RECIPE_HINTS[self.name]}")
 
 
 # ----------------------------------------------------------------------------------- recipes
 
-RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo")
+_CRITIC_FREE = {"ppo.use_critic": False}
+# The keys that define each recipe: another value is a different algorithm, so it is refused
+# (every other key a recipe sets is a default that explicit keys override).
+RECIPE_DEFINES: dict[str, dict[str, Any]] = {
+    "grpo": {**_CRITIC_FREE, "ppo.importance_level": "token"},
+    "dr_grpo": {**_CRITIC_FREE, "ppo.importance_level": "token", "advantage.std_level": "none"},
+    "rloo": {**_CRITIC_FREE, "ppo.importance_level": "token", "advantage.leave_one_out": True},
+    "dapo": {**_CRITIC_FREE, "ppo.importance_level": "token"},
+    "gspo": {**_CRITIC_FREE, "ppo.importance_level": "sequence"},
+    "ppo": {"ppo.use_critic": True, "ppo.importance_level": "token"},
+}
+RECIPE_HINTS = {
+    "grpo": "a critic means algo.name=ppo; sequence-level ratios mean algo.name=gspo",
+    "dr_grpo": "Dr. GRPO does not divide by the std (that is algo.name=grpo); a critic means algo.name=ppo",
+    "rloo": "RLOO's baseline leaves the sample out (without it, use algo.name=dr_grpo); a critic means algo.name=ppo",
+    "dapo": "a critic means algo.name=ppo; sequence-level ratios mean algo.name=gspo",
+    "gspo": "GSPO's ratio is per sequence (per token, use algo.name=grpo); a critic means algo.name=ppo",
+    "ppo": "PPO here trains a critic (critic-free: algo.name=grpo, dr_grpo, rloo, dapo or gspo)",
+}
 
 
 def _recipe_parts(name: str) -> tuple[RewardConfig, AdvantageConfig, PPOConfig]:

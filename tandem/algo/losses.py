@@ -9,7 +9,8 @@ token t+1, the token `logprobs[t]` is about):
 - `prox_logprobs`: proximal logprobs, recomputed by the trainer at the start of the step
   (`prox_logp="recompute"`; store them with `set_prox_logprobs`), or
   `versions` (`prox_logp="loglinear"`): the weight version that generated each token;
-- `advantages`.
+- `advantages`;
+- `ref_logprobs` (with `kl_ctl > 0` and `kl_in_loss`): the reference model's logprobs.
 
 Per token, with `A` the advantage:
 
@@ -18,6 +19,7 @@ Per token, with `A` the advantage:
     pg = min(pg, c |A|)                    where A < 0, with dual clip c
     w  = exp(logp_prox - logp_behave)                        (detached; per sequence optionally)
     loss = pg * w   with w -> 0 above the cap (mask) or w -> cap (clamp)
+    loss += kl_ctl * KL(logp_theta, logp_ref)     with kl_in_loss (every loss token, not weighted by w)
 
 It returns the SUM over loss tokens; `policy_loss_weight` (the loss-token count) makes the engine
 divide by the global number of loss tokens: a token mean over the whole batch.
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from tandem.algo.config import PPOConfig
+from tandem.algo.rewards import kl_estimate
 from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
 from tandem.train.losses import count_loss_tokens
 
@@ -38,6 +41,7 @@ BEHAVE_LOGPROBS = "logprobs"
 PROX_LOGPROBS = "prox_logprobs"
 ADVANTAGES = "advantages"
 VERSIONS = "versions"
+REF_LOGPROBS = "ref_logprobs"
 RETURNS = "returns"
 OLD_VALUES = "values"
 
@@ -235,11 +239,19 @@ class PolicyLoss:
                 w_eff = torch.ones_like(w)
                 capped = torch.zeros_like(on)
         per_token = pg * w_eff * mask
+        kl_ref = None
+        if cfg.kl_ctl > 0 and cfg.kl_in_loss:
+            if REF_LOGPROBS not in tokens:
+                raise KeyError("algo.ppo.kl_in_loss needs the reference model's 'ref_logprobs' in the batch")
+            kl_ref = kl_estimate(logprobs, tokens[REF_LOGPROBS].to(logprobs.dtype), cfg.kl_estimator)
+            per_token = per_token + cfg.kl_ctl * kl_ref * mask
         loss = per_token.sum()
 
         if self.stats is not None:
             self._record(self.stats, logprobs, entropy, mask, on, behave, adv, log_ratio_tok, ratio, w,
                          clip_hit, dual_hit, capped, loss, tokens.get(VERSIONS))
+            if kl_ref is not None:
+                _add(self.stats, "sum/kl_ref", (kl_ref.detach() * mask).sum())
         return loss
 
     def _record(self, stats: Stats, logprobs, entropy, mask, on, behave, adv, log_ratio_tok, ratio, w,

@@ -1,25 +1,49 @@
-"""From accepted trajectories to the training batch: shaped rewards, dynamic filtering, advantages."""
+"""From accepted trajectories to the training batch: shaped rewards, dynamic filtering, then
+(once the trainer ranks have added what their models say about it) advantages.
+
+A step in two halves, because PPO's advantages need model outputs the controller does not have:
+
+    tb, stats = build_training_batch(trajs, algo, version)     # shaped, filtered
+    ... the reference's `ref_logprobs` and the critic's `values` are added to tb.batch's sequences
+    stats |= add_training_advantages(tb, algo)                 # KL reward term, GAE, normalisation
+
+Advantages are computed here, on the controller, over the whole batch: group normalisation needs
+every sample of a group, and data-parallel ranks only ever see a shard.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tandem.algo.advantages import add_advantages, dynamic_filter
 from tandem.algo.config import AlgoConfig
-from tandem.algo.rewards import shape_rewards
+from tandem.algo.losses import BEHAVE_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
+from tandem.algo.rewards import kl_estimate, shape_rewards
 from tandem.data.trajectory import Trajectory
-from tandem.train.batch import SequenceBatch
+from tandem.train.batch import LOSS_MASK, SequenceBatch
 from tandem.train.routes import fill_missing_routes
 
+KL_REWARDS = "kl_rewards"  # the per-token reward term `add_advantages` adds before GAE
 
-def build_training_batch(
-    trajs: list[Trajectory], algo: AlgoConfig, version: int
-) -> tuple[SequenceBatch | None, dict[str, float]]:
-    """A `SequenceBatch` with per-token `advantages`, or None when filtering dropped everything.
 
-    Advantages are computed here, on the controller, over the whole batch: group normalisation
-    needs every sample of a group, and data-parallel ranks only ever see a shard.
-    """
+@dataclass
+class TrainingBatch:
+    """The sequences to train on (input alignment) with their shaped outcome rewards and groups."""
+
+    batch: SequenceBatch
+    rewards: torch.Tensor  # [B] shaped
+    group_ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+
+def build_training_batch(trajs: list[Trajectory], algo: AlgoConfig,
+                         version: int) -> tuple[TrainingBatch | None, dict[str, float]]:
+    """The kept sequences and their shaped rewards (None when filtering dropped everything), and
+    the batch's reward, length and staleness stats. No advantages yet: `add_training_advantages`."""
     raw = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     lengths = [sum(t.loss_mask) for t in trajs]
     shaped = shape_rewards(raw, algo.reward, lengths)
@@ -41,10 +65,51 @@ def build_training_batch(
             return None, stats
     seqs = [trajs[i].to_tensors() for i in kept]
     fill_missing_routes(seqs)  # a trajectory the server returned no routes for routes live
-    batch = SequenceBatch(seqs)
-    adv = add_advantages(batch, algo.advantage, group_ids=[group_ids[i] for i in kept], rewards=shaped[kept])
+    return TrainingBatch(SequenceBatch(seqs), shaped[kept], [group_ids[i] for i in kept]), stats
+
+
+def add_training_advantages(tb: TrainingBatch, algo: AlgoConfig) -> dict[str, float]:
+    """Per-token `advantages` and `returns` in every sequence, in place; the stats.
+
+    - With `ref_logprobs` in the sequences (a reference model, `algo.ppo.kl_ctl > 0`): the KL of the
+      behaviour policy to the reference on the sampled tokens, `ppo/kl_ref` (token mean), and,
+      unless `kl_in_loss`, the reward term `-kl_ctl * KL` on every generated token.
+    - With `values` (a critic's, input alignment: V of the state before each token): GAE on them,
+      and `critic/values_mean`, `critic/returns_mean`, `critic/explained_variance`
+      (1 - Var(R - V) / Var(R) over generated tokens: how much of the returns the critic predicts).
+    """
+    seqs = tb.batch.seqs
+    stats: dict[str, float] = {}
+    ppo = algo.ppo
+    if seqs and REF_LOGPROBS in seqs[0]:
+        total, count = 0.0, 0.0
+        for seq in seqs:
+            mask = seq[LOSS_MASK].float()
+            kl = kl_estimate(seq[BEHAVE_LOGPROBS], seq[REF_LOGPROBS], ppo.kl_estimator) * mask
+            total, count = total + float(kl.sum()), count + float(mask.sum())
+            if not ppo.kl_in_loss:
+                seq[KL_REWARDS] = -ppo.kl_ctl * kl
+        stats["ppo/kl_ref"] = total / count if count else 0.0
+    adv = add_advantages(tb.batch, algo.advantage, group_ids=tb.group_ids, rewards=tb.rewards,
+                         values_key=OLD_VALUES, token_reward_key=KL_REWARDS)
     stats.update({f"adv/{k}": float(v) for k, v in adv.items()})
-    return batch, stats
+    if seqs and OLD_VALUES in seqs[0]:
+        stats.update(critic_stats(tb.batch))
+    return stats
+
+
+def critic_stats(batch: SequenceBatch) -> dict[str, float]:
+    """`critic/values_mean`, `critic/returns_mean` and `critic/explained_variance` over the
+    generated tokens of sequences carrying `values` and `returns`."""
+    masks = [s[LOSS_MASK].bool() for s in batch.seqs]
+    values = torch.cat([s[OLD_VALUES].double()[m] for s, m in zip(batch.seqs, masks, strict=True)])
+    returns = torch.cat([s[RETURNS].double()[m] for s, m in zip(batch.seqs, masks, strict=True)])
+    if not values.numel():
+        return {}
+    var = float(returns.var(unbiased=False))
+    explained = 1.0 - float((returns - values).var(unbiased=False)) / var if var > 0 else 0.0
+    return {"critic/values_mean": float(values.mean()), "critic/returns_mean": float(returns.mean()),
+            "critic/explained_variance": explained}
 
 
 def staleness_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:

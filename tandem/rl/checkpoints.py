@@ -2,6 +2,7 @@
 
     checkpoints/
       step00000004/          trainer/ (weights, optimizer, LR schedule, per-rank RNG: DCP)
+                             critic/ (the same for PPO's critic, when the run has one)
                              loop_state.json (step, the stream's frontier, the run seed)
       step00000006/
       LATEST                 "step00000006"
@@ -32,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 LOOP_STATE = "loop_state.json"
 TRAINER = "trainer"
+CRITIC = "critic"  # PPO's critic, next to the actor's state
 FORMAT = 2  # loop_state.json's layout
 
 

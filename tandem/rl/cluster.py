@@ -14,20 +14,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.config.alloc import parse_allocation_of_kind
+from tandem.config.alloc import Component, parse_allocation_of_kind
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
 from tandem.rl.config import TandemConfig
 from tandem.train.config import DETERMINISTIC_ENV
 from tandem.train.controller import TrainController
+from tandem.train.worker import EngineRole
 
 logger = logging.getLogger("tandem.run")
 
 
-def start_workers(cfg: TandemConfig, scheduler: ProcessScheduler) -> TrainController:
-    """The trainer group for `actor.backend`, with the engine initialised on every rank."""
-    comp = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
+def start_workers(cfg: TandemConfig, scheduler: ProcessScheduler, alloc: Component | None = None, *,
+                  role: EngineRole = "actor") -> TrainController:
+    """A trainer group: `actor.backend`'s ranks with the actor's engine initialised on every rank,
+    or `alloc`'s ranks for `role` (named after it, no engine yet: `initialize`). The actor's
+    thread, core-pinning and determinism settings apply to every group."""
+    comp = alloc or parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0]
     env = {}
     if cfg.actor.num_threads:
         env["OMP_NUM_THREADS"] = str(cfg.actor.num_threads)
@@ -35,8 +39,10 @@ def start_workers(cfg: TandemConfig, scheduler: ProcessScheduler) -> TrainContro
         env[ENV_CPUS] = cfg.actor.cpus
     if cfg.actor.deterministic:  # before the ranks' process group exists (NCCL reads them then)
         env.update({k: os.environ.get(k, v) for k, v in DETERMINISTIC_ENV.items()})
-    trainer = TrainController.start(scheduler, comp, name="actor", device=cfg.experiment.device, env=env,
-                                    timeout_s=cfg.scheduler.start_timeout_s)
+    trainer = TrainController.start(scheduler, comp, name=role, device=cfg.experiment.device, env=env,
+                                    timeout_s=cfg.scheduler.start_timeout_s, role=role)
+    if alloc is not None:
+        return trainer
     began = time.monotonic()
     ranks = trainer.initialize(cfg.actor)
     logger.info("actor: engine ready on %d rank(s) (%s, %s parameters on rank 0) after %.1f s", len(ranks),

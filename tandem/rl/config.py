@@ -26,15 +26,15 @@ from tandem.rl.config_checks import (
     check_agent,
     check_cpus,
     check_model_dir,
+    check_model_sections,
     check_model_split,
     check_moe_options,
     check_reward,
     check_route_source,
-    check_runnable_algo,
     check_weight_sync,
 )
 from tandem.rollout.config import RolloutConfig
-from tandem.train.config import TrainEngineConfig
+from tandem.train.config import OptimizerConfig, TrainEngineConfig
 
 COMMANDS = ("train", "sft")
 
@@ -90,6 +90,47 @@ class ActorConfig(TrainEngineConfig):
                 check_model_split(self.path, s.tp, s.cp, f"{prefix}backend={self.backend!r}", s.ep, s.etp)
         check_moe_options(self.router_replay, self.moe_aux_loss_coef, self.path, comp.sizes.pp, prefix,
                           comp.sizes.tp, self.router_replay_live_mismatch)
+
+
+def _critic_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-5)
+
+
+@dataclass
+class CriticConfig:
+    """The `critic` section: PPO's value model (`algo.ppo.use_critic`, implied by `algo.name=ppo`).
+    It has the actor's architecture with a scalar head, its own engine and optimizer, and is saved
+    and resumed with the actor; the actor's dtype, micro-batching and parallelize options apply."""
+
+    path: str = _f("", "HF directory the critic starts from: a value model (...ForTokenClassification, e.g. a critic "
+                       "saved by an earlier run) or a causal LM, whose decoder it takes with the value head at zero. "
+                       "Empty: actor.path.")
+    backend: str = _f("", "Where the critic runs. Empty: on the actor's ranks, as a second engine, data parallel over "
+                          "all of them. Or its own ranks, e.g. 'archon:d2' (data parallel layouts only).")
+    optimizer: OptimizerConfig = field(default_factory=_critic_optimizer)
+
+    def check(self, prefix: str = "") -> None:
+        if self.backend:
+            comp = parse_allocation_of_kind(self.backend, f"{prefix}backend", inference=False).components[0]
+            s = comp.sizes
+            if s.tp > 1 or s.pp > 1 or s.cp > 1 or s.ep > 1 or s.etp > 1:
+                raise ConfigError(f"{prefix}backend={self.backend!r}: the critic runs data parallel only (its value head "
+                                  "is neither tensor- nor pipeline-parallel); give it e.g. 'archon:d2'")
+        if self.path:
+            check_model_dir(self.path, f"{prefix}path")
+
+
+@dataclass
+class ReferenceConfig:
+    """The `ref` section: the frozen reference model the KL term measures to (`algo.ppo.kl_ctl > 0`).
+    It runs on the actor's ranks in the actor's layout and is never trained or saved."""
+
+    path: str = _f("", "HF directory of the reference model (a causal LM of the actor's architecture). Empty: "
+                       "actor.path, the actor's initial weights.")
+
+    def check(self, prefix: str = "") -> None:
+        if self.path:
+            check_model_dir(self.path, f"{prefix}path")
 
 
 @dataclass
@@ -215,6 +256,8 @@ class TandemConfig:
 
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -253,7 +296,7 @@ class TandemConfig:
         self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
         self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
-        check_runnable_algo(self.algo, f"{prefix}algo.")
+        check_model_sections(self.algo, self.critic, self.ref, prefix)
         if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":
             raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
                               f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "

@@ -1,30 +1,43 @@
 """Checks of run-config values that need more than field metadata: a model directory, the user's
-reward function, core lists, and algorithm settings `tandem train` cannot run yet. Each
-raises `ConfigError` naming the key."""
+reward function, core lists, and settings of models the run does not have. Each raises
+`ConfigError` naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
-from tandem.algo.config import AlgoConfig
+from tandem.algo.config import AlgoConfig, PPOConfig
 from tandem.errors import ConfigError
 from tandem.launch.affinity import parse_cpus
 
 if TYPE_CHECKING:
+    from tandem.rl.config import CriticConfig, ReferenceConfig
     from tandem.rollout.config import RolloutConfig
 
 
-def check_runnable_algo(algo: AlgoConfig, prefix: str) -> None:
-    """Refuse settings whose model does not exist in `tandem train` yet, instead of training
-    without it: a critic (PPO's value model) and a reference model (the KL term)."""
-    if algo.name == "ppo" or algo.ppo.use_critic:
-        key = f"{prefix}name: 'ppo'" if algo.name == "ppo" else f"{prefix}ppo.use_critic=true"
-        raise ConfigError(f"{key} trains a critic (value model), which `tandem train` does not have yet: its "
-                          "values would be 0 and the advantages meaningless. Use a critic-free recipe "
-                          "(algo.name=grpo, dr_grpo, rloo, dapo or gspo)")
-    if algo.ppo.kl_ctl > 0:
-        raise ConfigError(f"{prefix}ppo.kl_ctl={algo.ppo.kl_ctl:g} needs a reference model, which `tandem train` "
-                          f"does not have yet: the KL term would be silently dropped. Set {prefix}ppo.kl_ctl=0")
+def check_model_sections(algo: AlgoConfig, critic: CriticConfig, ref: ReferenceConfig, prefix: str) -> None:
+    """No setting of a model the run does not have: the critic's keys need a critic
+    (`algo.ppo.use_critic`), the reference's and the KL options need `algo.ppo.kl_ctl > 0`."""
+    unused: list[tuple[str, str]] = []
+    if not algo.ppo.use_critic:
+        unused += [(f"{prefix}critic.{k}", f"{prefix}algo.ppo.use_critic=true (or {prefix}algo.name=ppo)")
+                   for k in _changed(critic)]
+        if algo.ppo.value_eps_clip != PPOConfig.value_eps_clip:
+            unused.append((f"{prefix}algo.ppo.value_eps_clip", f"{prefix}algo.ppo.use_critic=true"))
+    if algo.ppo.kl_ctl == 0:
+        unused += [(f"{prefix}ref.{k}", f"{prefix}algo.ppo.kl_ctl > 0, e.g. 0.05") for k in _changed(ref)]
+        unused += [(f"{prefix}algo.ppo.{k}", f"{prefix}algo.ppo.kl_ctl > 0, e.g. 0.05")
+                   for k in ("kl_estimator", "kl_in_loss") if getattr(algo.ppo, k) != getattr(PPOConfig, k)]
+    if unused:
+        key, needs = unused[0]
+        raise ConfigError(f"{key} is set but does nothing in this run: it needs {needs}. Set that, or remove {key}")
+
+
+def _changed(section: CriticConfig | ReferenceConfig) -> list[str]:
+    """The fields of a config section that differ from its defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
 # The item fields every task's items carry to the reward as keywords (`Task.make_item`; the

@@ -3,10 +3,12 @@
 One step, as data (see docs/architecture.md):
   1. the rollout controller hands over the oldest `batch_size` accepted episodes while the fleet
      keeps generating ahead, up to the staleness bound;
-  2. rewards are shaped, groups filtered, advantages computed (on the controller: group
-     normalisation needs whole groups);
-  3. the batch is split across data-parallel ranks by Karmarkar–Karp, each rank recomputes the
-     proximal logprobs and runs the decoupled PPO update on its shard;
+  2. rewards are shaped and groups filtered; the batch is split across data-parallel ranks by
+     Karmarkar–Karp; with PPO's models, the reference's logprobs and the critic's values come
+     back from the ranks; advantages are computed on the controller (group normalisation needs
+     whole groups; `tandem.rl.models`);
+  3. each rank runs the decoupled PPO update on its shard (the proximal logprobs recomputed),
+     and the critic its value update;
   4. the trainer pushes the new weights to every server (pause -> transfer -> commit -> version ->
      continue), which bumps the version the staleness bound counts from;
   5. stats, evaluation and checkpoints on their timers.
@@ -37,16 +39,16 @@ from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.checkpoints import TRAINER, LoopState, latest_checkpoint, save_checkpoint
-from tandem.rl.cluster import InferenceServers, start_servers, start_workers
+from tandem.rl.cluster import InferenceServers, start_servers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, load_task_data
-from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
+from tandem.rl.models import TrainerModels, start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
@@ -55,7 +57,6 @@ from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.workflow import RolloutWorkflow
-from tandem.train.controller import TrainController
 from tandem.weights.meta import WeightUpdateMeta
 
 logger = logging.getLogger("tandem.run")
@@ -164,7 +165,8 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
     meta = weight_update_meta(cfg, plan.run_dir)
     Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
     servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
-    trainer = start_workers(cfg, scheduler)
+    models = start_models(cfg, scheduler)
+    trainer = models.actor
     if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed
         meta = dataclasses.replace(meta, master_address=trainer.group.hosts[0])
     for role, where in scheduler.placement():
@@ -201,7 +203,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
         trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
             began = time.monotonic()
-            trainer.load(str(plan.resume_from / TRAINER))
+            models.load(plan.resume_from / TRAINER)
             trainer.update_weights(start_step)  # the fleet serves the resumed weights, before any rollout
             controller.recover_version(start_step, frontier)
             logger.info("resumed at step %d from %s in %.1f s (the stream continues at item %d)", start_step,
@@ -215,7 +217,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
         last_eval = first
         with Progress(cfg.train.total_steps, start_step, enabled=cfg.stats.progress) as progress:
             for step in range(start_step, cfg.train.total_steps):
-                stats = _rl_step(cfg, controller, trainer, workflow, loader, step, totals)
+                stats = _rl_step(cfg, controller, models, workflow, loader, step, totals)
                 done = summary.end_step = step + 1
                 if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
                     last_eval = run_eval(done, controller)
@@ -223,7 +225,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
                 metrics.log(done, stats)
                 progress.update(stats, last_eval.get("eval/accuracy"))
                 if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == cfg.train.total_steps):
-                    _save_checkpoint(cfg, plan.run_dir, trainer, controller, done)
+                    _save_checkpoint(cfg, plan.run_dir, models, controller, done)
         summary.eval_after = last_eval.get("eval/accuracy")
         trainer.close_weight_update()
 
@@ -249,10 +251,11 @@ def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: Ro
                         replace_dead=cfg.rollout.replace_dead)
 
 
-def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainController, workflow: RolloutWorkflow,
+def _rl_step(cfg: TandemConfig, controller: RolloutController, models: TrainerModels, workflow: RolloutWorkflow,
              loader: CursorLoader, step: int, totals: dict[str, float]) -> dict[str, float]:
     """One step; returns its stats. `step` is the weight version the trainer holds before it."""
-    dp = trainer.dp_size
+    trainer = models.actor
+    dp = max(trainer.dp_size, models.critic.dp_size if models.critic is not None else 1)
     t0 = time.monotonic()
     kill_point("rollout", step + 1, delay_s=0.05)
     trajs = controller.prepare_batch(loader, workflow)
@@ -266,10 +269,8 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
                            f"(fewer than the {dp} trainer rank(s)); skipping the update")
         stats["train/skipped"] = 1.0
     else:
-        shards, dispatch_stats = split_for_ranks(batch, dp)
-        stats.update(dispatch_stats)
         kill_point("train", step + 1, delay_s=0.05)
-        stats.update(trainer.ppo_update(shards, cfg.algo, step, cfg.gen.temperature, cfg.train.n_minibatches))
+        stats.update(models.update(batch, cfg, step))
     t2 = time.monotonic()
     kill_point("sync", step + 1, delay_s=0.02)
     report = trainer.update_weights(step + 1)
@@ -285,15 +286,15 @@ def _rl_step(cfg: TandemConfig, controller: RolloutController, trainer: TrainCon
     return stats
 
 
-def _save_checkpoint(cfg: TandemConfig, run_dir: Path, trainer: TrainController, controller: RolloutController,
+def _save_checkpoint(cfg: TandemConfig, run_dir: Path, models: TrainerModels, controller: RolloutController,
                      step: int) -> None:
-    """The trainer's state (DCP) and the loop's (step = weight version, the stream's frontier),
-    written whole, then made LATEST (`tandem.rl.checkpoints`)."""
+    """The trained models' state (DCP: the actor's, the critic's) and the loop's (step = weight
+    version, the stream's frontier), written whole, then made LATEST (`tandem.rl.checkpoints`)."""
     began = time.monotonic()
     state = LoopState(step, controller.frontier(), cfg.experiment.seed)
 
     def save_trainer(directory: Path) -> None:
-        trainer.save(str(directory))
+        models.save(directory)
         kill_point("checkpoint", step)  # fault injection: a save cut short after the trainer's part
 
     path = save_checkpoint(run_dir, state, save_trainer, keep=cfg.train.keep_checkpoints)

@@ -3,6 +3,8 @@
     trainer = TrainController.start(scheduler, "archon:d2", device="cpu")
     trainer.initialize(engine_config)
     stats = trainer.ppo_update(shards, algo, version=3, temperature=1.0, n_minibatches=1)
+    critic = trainer.colocated("critic")        # a second engine on the same ranks
+    critic.initialize(critic_config)            # pure data parallel over all of them
 
 Control plane only: it names `TrainWorker` methods (never strings) over a `WorkerGroup` and
 imports neither the engine nor model code. Methods that take `shards` give rank r `shards[r]`
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from tandem.config.parallel_sizes import ParallelSizes
 from tandem.launch.rpc import WorkerGroup
-from tandem.train.worker import EngineInfo, RankInfo, TrainWorker
+from tandem.train.worker import ROLES, EngineInfo, EngineRole, RankInfo, TrainWorker
 
 if TYPE_CHECKING:
     import torch
@@ -37,22 +39,30 @@ WORKER_MODULE = "tandem.train.worker"
 
 
 class TrainController:
-    """Drives the ranks of `group`, which serve `TrainWorker` (or a subclass)."""
+    """Drives the `role` engine of the ranks of `group`, which serve `TrainWorker` (or a subclass)."""
 
-    def __init__(self, group: WorkerGroup):
+    def __init__(self, group: WorkerGroup, role: EngineRole = "actor"):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
         self.group = group
+        self.role: EngineRole = role
         self.sizes = ParallelSizes(dp=group.world_size)  # the engine's layout, set by `initialize`
 
     @classmethod
     def start(cls, scheduler: Scheduler, alloc: Component | str | int, *, name: str = "actor",
               device: str = "cpu", backend: str | None = None, env: Mapping[str, str] | None = None,
-              timeout_s: float = 180.0, module: str = WORKER_MODULE) -> TrainController:
+              timeout_s: float = 180.0, module: str = WORKER_MODULE, role: EngineRole = "actor") -> TrainController:
         """Start the group's processes (`python -m module`, default `tandem.train.worker`) and
-        return once every rank has joined the process group and is connected. The engine is not
-        built yet: call `initialize`."""
+        return the controller of their `role` engine once every rank has joined the process group
+        and is connected. The engine is not built yet: call `initialize`."""
         args = ["--device", device, *(["--backend", backend] if backend else [])]
         return cls(scheduler.start_workers(alloc, module, args=args, name=name, device=device,
-                                           timeout_s=timeout_s, env=env))
+                                           timeout_s=timeout_s, env=env), role)
+
+    def colocated(self, role: EngineRole) -> TrainController:
+        """A controller of another engine on the same ranks (it shares the processes: shutting
+        either down ends both)."""
+        return type(self)(self.group, role)
 
     @property
     def world_size(self) -> int:
@@ -80,20 +90,34 @@ class TrainController:
         return self.group.call(TrainWorker.ping)
 
     def initialize(self, config: TrainEngineConfig) -> list[EngineInfo]:
-        """Build the engine on every rank, laid out as `config`'s tp, pp and cp say."""
+        """Build this role's engine on every rank, laid out as `config`'s tp, pp and cp say."""
         model_parallel = config.tp * config.pp * config.cp
         if self.world_size % model_parallel:
             raise ValueError(f"tp * pp * cp = {model_parallel} does not divide the {self.world_size} trainer ranks")
         self.sizes = ParallelSizes(dp=self.world_size // model_parallel, tp=config.tp, pp=config.pp, cp=config.cp)
-        return self.group.call(TrainWorker.initialize, config)
+        return self.group.call(TrainWorker.initialize, config, role=self.role)
 
     # ---------------------------------------------------------------------------- training
 
-    def compute_logprobs(self, shards: Sequence[SequenceBatch], temperature: float = 1.0) -> list[TokenOutputs]:
-        """Each data-parallel rank's `TokenOutputs` of its shard, in data-parallel order."""
+    def compute_logprobs(self, shards: Sequence[SequenceBatch], temperature: float = 1.0,
+                         loss_tokens_only: bool = False) -> list[TokenOutputs]:
+        """Each data-parallel rank's `TokenOutputs` of its shard, in data-parallel order (an actor's
+        or a reference's)."""
         results = self.group.call_per_rank(TrainWorker.compute_logprobs, self._per_rank(shards),
-                                           {"temperature": temperature})
+                                           {"temperature": temperature, "role": self.role,
+                                            "loss_tokens_only": loss_tokens_only})
         return [results[r] for r in self._dp_leaders()]
+
+    def compute_values(self, shards: Sequence[SequenceBatch]) -> list[list[torch.Tensor]]:
+        """A critic's values of each data-parallel rank's shard at its loss tokens (prediction
+        alignment, per sequence), in data-parallel order."""
+        results = self.group.call_per_rank(TrainWorker.compute_values, self._per_rank(shards))
+        return [results[r] for r in self._dp_leaders()]
+
+    def value_update(self, shards: Sequence[SequenceBatch], algo: AlgoConfig, n_minibatches: int) -> dict[str, float]:
+        """A critic's update on shards carrying `values` and `returns`; the `critic/*` stats."""
+        return self.group.call_per_rank(TrainWorker.value_update, self._per_rank(shards),
+                                        {"algo": algo, "n_minibatches": n_minibatches})[0]
 
     def ppo_update(self, shards: Sequence[SequenceBatch], algo: AlgoConfig, version: int, temperature: float,
                    n_minibatches: int) -> dict[str, float]:
@@ -114,12 +138,12 @@ class TrainController:
                                overwrite=overwrite)[0]
 
     def save(self, path: str) -> str:
-        """Trainer state (weights, optimizer, step, LR schedule) under `path`."""
-        return self.group.call(TrainWorker.save, path)[0]
+        """This role's state (weights, optimizer, step, LR schedule) under `path`."""
+        return self.group.call(TrainWorker.save, path, role=self.role)[0]
 
     def load(self, path: str) -> int:
-        """Resume from `save`; the step it was saved at."""
-        return self.group.call(TrainWorker.load, path)[0]
+        """Resume this role's engine from `save`; the step it was saved at."""
+        return self.group.call(TrainWorker.load, path, role=self.role)[0]
 
     # ---------------------------------------------------------------------------- weight sync
 
@@ -140,4 +164,4 @@ class TrainController:
         return self.group.shutdown(timeout_s)
 
     def __repr__(self) -> str:
-        return f"TrainController({self.group!r})"
+        return f"TrainController({self.group!r}, role={self.role!r})"

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tandem.algo.config import AlgoConfig
 from tandem.algo.losses import (
+    ValueLoss,
     make_policy_loss,
     policy_loss_weight,
     reduce_stats,
@@ -96,6 +97,24 @@ def ppo_update(
         "train/n_loss_tokens": sum(s["n_loss_tokens"] for s in train_stats),
     })
     return stats
+
+
+def value_update(engine: TrainEngine, shard: SequenceBatch, algo: AlgoConfig, n_minibatches: int = 1) -> dict[str, float]:
+    """The critic's update on this rank's shard, which carries the old `values` and the `returns`
+    (input alignment): one optimizer step per minibatch (the same split as the actor's) on the
+    clipped value loss (`algo.ppo.value_eps_clip`). Returns `critic/*` stats reduced over ranks."""
+    loss_stats: dict[str, Any] = {}
+    loss = ValueLoss(algo.ppo, stats=loss_stats)
+    train_stats = [engine.train_batch(part, loss, policy_loss_weight) for part in _minibatches(shard, n_minibatches)]
+    reduce_stats(loss_stats, engine.dp_group)
+    summary = summarize_stats(loss_stats)
+    last = train_stats[-1]
+    return {
+        "critic/value_loss": summary.get("value_loss", 0.0),
+        "critic/value_clip_frac": summary.get("value_clip_frac", 0.0),
+        "critic/grad_norm": last["grad_norm"],
+        "critic/lr": last["lr"],
+    }
 
 
 def _minibatches(shard: SequenceBatch, n: int) -> list[SequenceBatch]:

@@ -11,6 +11,10 @@ Every public method of `TrainWorker` is an RPC; the controller calls each on eve
 most are collectives. Each step of a training loop is a method here, with typed arguments: nothing
 crosses the process boundary as a function path.
 
+A rank holds one engine per role: the `actor` (the policy every run trains), and for PPO its
+`critic` (a value model, trained) and `reference` (the frozen policy the KL term is measured to).
+Roles share the rank's process group; each engine has its own device mesh.
+
 Importing this module is cheap (no engine, no model code): the controller imports it to name the
 methods it calls.
 """
@@ -23,7 +27,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from tandem.launch.rpc_server import ExitAfterReply, serve_from_environment
 
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
     from tandem.weights.updater import WeightUpdater
 
 
+EngineRole = Literal["actor", "critic", "reference"]
+ROLES: tuple[EngineRole, ...] = ("actor", "critic", "reference")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """What `ping` says about a rank."""
@@ -49,7 +57,7 @@ class RankInfo:
     pid: int
     device: str
     backend: str
-    initialized: bool  # the engine is built
+    initialized: bool  # the actor's engine is built
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class EngineInfo:
 
     rank: int
     step: int
-    local_params: int  # elements of this rank's parameter shards
+    local_params: int  # elements of the model's parameters (every stage's under pipeline parallelism)
 
 
 class TrainWorker:
@@ -67,7 +75,7 @@ class TrainWorker:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str):
         self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
-        self.engine: TrainEngine | None = None
+        self.engines: dict[EngineRole, TrainEngine] = {}
         self.updater: WeightUpdater | None = None
 
     def __str__(self) -> str:
@@ -77,31 +85,40 @@ class TrainWorker:
 
     def ping(self) -> RankInfo:
         return RankInfo(self.rank, self.world_size, os.getpid(), str(self.device), self.backend,
-                        self.engine is not None)
+                        "actor" in self.engines)
 
-    def initialize(self, config: TrainEngineConfig) -> EngineInfo:
-        """Build the `TrainEngine`. Collective."""
+    def initialize(self, config: TrainEngineConfig, role: EngineRole = "actor") -> EngineInfo:
+        """Build the `TrainEngine` of `role` (a critic's holds a value model). Collective."""
         from tandem.train.engine import TrainEngine
 
-        if self.engine is not None:
-            raise RuntimeError("the engine is initialised already")
-        self.engine = TrainEngine(config)
-        return EngineInfo(self.rank, self.engine.step, self.engine.num_parameters())
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
+        if role in self.engines:
+            raise RuntimeError(f"the {role}'s engine is initialised already")
+        engine = self.engines[role] = TrainEngine(config, head="value" if role == "critic" else "lm")
+        return EngineInfo(self.rank, engine.step, engine.num_parameters())
 
-    def _engine(self) -> TrainEngine:
-        if self.engine is None:
-            raise RuntimeError("no engine on this worker yet: call initialize(config) first")
-        return self.engine
+    def _engine(self, role: EngineRole = "actor") -> TrainEngine:
+        if role not in self.engines:
+            raise RuntimeError(f"no {role} engine on this worker: call initialize(config, role={role!r}) first")
+        return self.engines[role]
 
-    def step(self) -> int:
+    def step(self, role: EngineRole = "actor") -> int:
         """Optimizer steps taken so far."""
-        return int(self._engine().step)
+        return int(self._engine(role).step)
 
     # ---------------------------------------------------------------------------- training
 
-    def compute_logprobs(self, shard: SequenceBatch, temperature: float = 1.0) -> TokenOutputs:
-        """Logprobs and entropies of this rank's shard under the current weights. Collective."""
-        return self._engine().forward_logprobs(shard, temperature=temperature)
+    def compute_logprobs(self, shard: SequenceBatch, temperature: float = 1.0, role: EngineRole = "actor",
+                         loss_tokens_only: bool = False) -> TokenOutputs:
+        """Logprobs and entropies of this rank's shard under the current weights of `role` (the
+        actor or the reference). Collective."""
+        return self._engine(role).forward_logprobs(shard, temperature=temperature, loss_tokens_only=loss_tokens_only)
+
+    def compute_values(self, shard: SequenceBatch) -> list[torch.Tensor]:
+        """The critic's values of this rank's shard at its loss tokens (`TrainEngine.forward_values`,
+        prediction alignment). Collective."""
+        return self._engine("critic").forward_values(shard, loss_tokens_only=True)
 
     def ppo_update(self, shard: SequenceBatch, algo: AlgoConfig, version: int, temperature: float,
                    n_minibatches: int) -> dict[str, float]:
@@ -111,6 +128,13 @@ class TrainWorker:
         from tandem.train.rl_step import ppo_update
 
         return ppo_update(self._engine(), shard, algo, version, temperature, n_minibatches)
+
+    def value_update(self, shard: SequenceBatch, algo: AlgoConfig, n_minibatches: int) -> dict[str, float]:
+        """The critic's clipped-value-loss update on this rank's shard (`tandem.train.rl_step.value_update`);
+        stats reduced over the critic's ranks. Collective."""
+        from tandem.train.rl_step import value_update
+
+        return value_update(self._engine("critic"), shard, algo, n_minibatches)
 
     def sft_step(self, shard: SequenceBatch) -> dict[str, float]:
         """One supervised optimizer step, loss on the shard's loss-mask tokens (the completion).
@@ -126,13 +150,13 @@ class TrainWorker:
         """HF directory of the current weights (`TrainEngine.save_hf`). Collective."""
         return str(self._engine().save_hf(path, tokenizer_dir=tokenizer_dir, dtype=dtype, overwrite=overwrite))
 
-    def save(self, path: str) -> str:
-        """Weights, optimizer, step, LR schedule (DCP). Collective."""
-        return str(self._engine().save_state(path))
+    def save(self, path: str, role: EngineRole = "actor") -> str:
+        """The weights, optimizer, step and LR schedule of `role`'s engine (DCP). Collective."""
+        return str(self._engine(role).save_state(path))
 
-    def load(self, path: str) -> int:
-        """Resume from `save`; returns the step. Collective."""
-        engine = self._engine()
+    def load(self, path: str, role: EngineRole = "actor") -> int:
+        """Resume `role`'s engine from `save`; returns the step. Collective."""
+        engine = self._engine(role)
         engine.load_state(path)
         return int(engine.step)
 
@@ -161,7 +185,7 @@ class TrainWorker:
         """Reply (rank, pid, step), then the process leaves (`os._exit(0)`)."""
         with contextlib.suppress(Exception):
             self.close_weight_update()
-        step = None if self.engine is None else int(self.engine.step)
+        step = int(self.engines["actor"].step) if "actor" in self.engines else None
         return ExitAfterReply({"rank": self.rank, "pid": os.getpid(), "step": step})
 
 

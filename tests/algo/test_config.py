@@ -69,8 +69,8 @@ def test_other_checks():
         PPOConfig(dual_clip=0.5).check()
     with pytest.raises(ConfigError, match="behave_imp_weight_cap"):
         PPOConfig(behave_imp_weight_cap=1.0).check()
-    with pytest.raises(ConfigError, match="use_critic"):
-        AlgoConfig(ppo=PPOConfig(importance_level="sequence", use_critic=True)).check()
+    with pytest.raises(ConfigError, match=r"importance_level='sequence' contradicts algo.name='ppo'"):
+        AlgoConfig(name="ppo", ppo=PPOConfig(importance_level="sequence", use_critic=True)).check("algo.")
 
 
 def test_loads_through_the_config_loader(tmp_path):

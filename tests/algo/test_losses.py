@@ -255,3 +255,24 @@ def test_value_loss_clipping():
     out = ValueLoss(PPOConfig(value_eps_clip=0.2), stats)(torch.tensor([1.0, 0.0, 3.0]), mb)
     assert out.item() == pytest.approx(0.94625, abs=1e-6)
     assert summarize_stats(stats)["value_clip_frac"] == pytest.approx(0.5)
+
+
+def test_kl_to_the_reference_in_the_loss():
+    # On-policy (r = w = 1) with kl_in_loss, kl_ctl 0.1, k3: per token
+    # loss_t = -A_t + 0.1 * (exp(lr - lp) - 1 - (lr - lp)), and d/d lp = -A_t + 0.1 * (1 - exp(lr - lp)).
+    # tok0: lp -1, lr -1.5, A 1: d = 0.5; k3 = e^-0.5 - 0.5 = 0.10653066; grad = -1 + 0.1 * (1 - e^-0.5)
+    # tok1: lp -2, lr -1, A 0: d = -1; k3 = e - 2 = 0.71828183;          grad = 0.1 * (1 - e)
+    # tok2: masked (no loss, no KL).
+    lp = [-1.0, -2.0, -0.3]
+    mb = mb_of([3], logprobs=lp, prox_logprobs=lp, advantages=[1.0, 0.0, 5.0], ref_logprobs=[-1.5, -1.0, -9.0],
+               loss_mask=[1, 1, 0])
+    stats: dict = {}
+    loss, grad = run(PPOConfig(kl_ctl=0.1, kl_estimator="k3", kl_in_loss=True), lp, mb, stats)
+    k3 = [math.exp(-0.5) - 0.5, math.e - 2]
+    assert loss == pytest.approx(-1.0 + 0.1 * sum(k3), abs=1e-6)
+    assert grad.tolist() == pytest.approx([-1 + 0.1 * (1 - math.exp(-0.5)), 0.1 * (1 - math.e), 0.0], abs=1e-6)
+    assert summarize_stats(stats)["kl_ref"] == pytest.approx(sum(k3) / 2, abs=1e-6)
+    # The reward-side KL (kl_in_loss false) leaves the loss alone: it acts through the advantages.
+    assert run(PPOConfig(kl_ctl=0.1, kl_estimator="k3"), lp, mb)[0] == pytest.approx(-1.0)
+    with pytest.raises(KeyError, match="ref_logprobs"):
+        run(PPOConfig(kl_ctl=0.1, kl_in_loss=True), lp, mb_of([3], logprobs=lp, prox_logprobs=lp, advantages=[1.0] * 3))

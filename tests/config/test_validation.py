@@ -60,10 +60,14 @@ def model_dir(tmp_path_factory) -> Path:
          ["actor.parallelize.activation_checkpoint=memory_budget works through torch.compile",
           "actor.parallelize.compile=true"]),
         ("actor.backend=megatron:d2", ["actor.backend", "cannot launch"]),
-        # models the trainer does not have yet
-        ("algo.name=ppo", ["algo.name: 'ppo' trains a critic", "critic-free recipe"]),
-        ("algo.ppo.use_critic=true", ["algo.ppo.use_critic=true trains a critic"]),
-        ("algo.ppo.kl_ctl=0.1", ["algo.ppo.kl_ctl=0.1 needs a reference model", "Set algo.ppo.kl_ctl=0"]),
+        # a recipe's defining keys, and settings of models the run does not have
+        ("algo.ppo.use_critic=true", ["algo.ppo.use_critic=True contradicts algo.name='grpo'", "algo.name=ppo"]),
+        ("algo.name=nope", ["algo.name: 'nope' is not one of", "ppo"]),
+        ("critic.backend=archon:d2", ["critic.backend is set but does nothing", "algo.ppo.use_critic=true"]),
+        ("critic.optimizer.lr=0.001", ["critic.optimizer is set but does nothing"]),
+        ("algo.ppo.value_eps_clip=0.5", ["algo.ppo.value_eps_clip is set but does nothing"]),
+        ("algo.ppo.kl_in_loss=true", ["algo.ppo.kl_in_loss is set but does nothing", "algo.ppo.kl_ctl > 0"]),
+        ("algo.ppo.kl_estimator=k3", ["algo.ppo.kl_estimator is set but does nothing"]),
     ],
 )
 def test_refused_at_load_naming_the_key(override, fragments):
@@ -127,7 +131,7 @@ def test_server_args_are_checked(capsys):
         (["gen.top_p=1.5"], "gen.top_p: 1.5 is above the maximum"),
         (["task.name=nope"], "task.name: unknown task 'nope'"),
         (["rollout.backend=tandem:d2t2"], "rollout.backend"),
-        (["algo.ppo.kl_ctl=0.1"], "algo.ppo.kl_ctl"),
+        (["algo.ppo.kl_in_loss=true"], "algo.ppo.kl_in_loss"),
         ([], "actor.path is not set"),
         (["actor.path=/nonexistent/model"], "actor.path: '/nonexistent/model' does not exist"),
     ],

@@ -6,6 +6,9 @@ each kill; it is compared with the same run left alone. On-policy, deterministic
 sampling the two are bit-identical (per-step loss and reward, the prompts trained, the final
 weights); with staleness 2 they train the same prompts at every step and the bound holds after
 each resume. `recover.retries=1` relaunches a job whose trainer rank was killed.
+
+The bit-identical pair runs PPO with a critic and a KL term to a reference model on two trainer
+ranks (`PPO`), so the critic's state and the reference come back exactly too (issue 26).
 """
 
 from __future__ import annotations
@@ -21,18 +24,23 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tandem.rl.checkpoints import LATEST, TRAINER, checkpoint_name, checkpoints_dir
+from tandem.rl.checkpoints import CRITIC, LATEST, TRAINER, checkpoint_name, checkpoints_dir
 from tests.launch.procs import CHILD_ENV
 from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 STEPS = 4
+# PPO with a critic and a KL term to the reference, on two ranks; the critic learns fast enough to
+# change its values in four steps.
+PPO = {"actor": {"backend": "archon:d2"}, "critic": {"optimizer": {"lr": 1e-3}},
+       "algo": {"name": "ppo", "ppo": {"kl_ctl": 0.05}}}
 
 
-def config(root: Path, model: Path, staleness: int, **train) -> Path:
+def config(root: Path, model: Path, staleness: int, ppo: bool = False, **train) -> Path:
     root.mkdir(parents=True, exist_ok=True)
+    sections = PPO if ppo else {"actor": {"backend": "archon:d1"}}
     return write_config(
         root, model,
-        actor={"backend": "archon:d1", "deterministic": True},
+        **{**sections, "actor": {**sections["actor"], "deterministic": True}},
         # One sequence per forward: CPU matmuls round a row differently with other rows beside it, so
         # bit-identical logprobs need the server to batch the same way in both runs (measured in CI with
         # default batching: step 4's loss differed by 7e-8 after a resume).
@@ -62,10 +70,11 @@ def by_step(root: Path) -> dict[int, dict]:
     return rows
 
 
-def final_weights(root: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of the run's last checkpoint (its DCP state read without a process group)."""
-    out = tmp / f"{root.name}-final.pt"
-    dcp_to_torch_save(checkpoints_dir(run_dir(root)) / checkpoint_name(STEPS) / TRAINER, out)
+def final_weights(root: Path, tmp: Path, part: str = TRAINER) -> dict[str, torch.Tensor]:
+    """The model tensors of the run's last checkpoint (its DCP state read without a process group):
+    the actor's, or the critic's (`part=CRITIC`)."""
+    out = tmp / f"{root.name}-{part}-final.pt"
+    dcp_to_torch_save(checkpoints_dir(run_dir(root)) / checkpoint_name(STEPS) / part, out)
     return torch.load(out, weights_only=False)["model"]
 
 
@@ -78,14 +87,14 @@ def reference(model_dir, tmp_path_factory):
     """The on-policy run, left alone."""
     root = tmp_path_factory.mktemp("reference")
     began = time.time()
-    proc = launch(config(root, model_dir, 0))
+    proc = launch(config(root, model_dir, 0, ppo=True))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (root / "first-step-s").write_text(str(min(r["time"] for r in rl_rows(root) if r["step"] == 1) - began))
     return root
 
 
 def test_killed_anywhere_the_rerun_is_bit_identical(reference, model_dir, tmp_path):
-    cfg = config(tmp_path, model_dir, 0)
+    cfg = config(tmp_path, model_dir, 0, ppo=True)
     resumes = []
     for kill, saved_before in (("rollout@2", "step00000001"), ("train@3", "step00000002"),
                                ("sync@3", "step00000002"), ("checkpoint@4", "step00000003")):
@@ -115,8 +124,12 @@ def test_killed_anywhere_the_rerun_is_bit_identical(reference, model_dir, tmp_pa
         assert got[step]["train/loss"] == want[step]["train/loss"], step  # bit-identical (JSON keeps every bit)
         assert got[step]["reward/mean"] == want[step]["reward/mean"], step
         assert got[step]["train/grad_norm"] == want[step]["train/grad_norm"], step
-    mine, theirs = final_weights(tmp_path, tmp_path), final_weights(reference, tmp_path)
-    assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        for key in ("critic/value_loss", "critic/values_mean", "ppo/kl_ref"):
+            assert got[step][key] == want[step][key], (step, key)
+    assert want[STEPS]["critic/values_mean"] != 0.0 and want[STEPS]["ppo/kl_ref"] != 0.0, "nothing to reproduce"
+    for part in (TRAINER, CRITIC):
+        mine, theirs = final_weights(tmp_path, tmp_path, part), final_weights(reference, tmp_path, part)
+        assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), part
     assert [p.name for p in checkpoints_dir(run_dir(tmp_path)).iterdir() if p.name.startswith("step")] == \
         sorted(["step00000003", "step00000004"])  # train.keep_checkpoints=2; the partial was cleared
 

@@ -259,7 +259,7 @@ def test_routes_travel_from_trajectories_into_micro_batches():
 
     from tandem.rl.batch import build_training_batch
 
-    batch, _ = build_training_batch(trajs, AlgoConfig(), version=0)
+    batch = build_training_batch(trajs, AlgoConfig(), version=0)[0].batch
     assert all(ROUTED_EXPERTS in s for s in batch.seqs) and (batch.seqs[1][ROUTED_EXPERTS] == -1).all()
     mb = pack_sequences(batch, [2, 0])
     assert torch.equal(mb.tokens[ROUTED_EXPERTS], torch.cat([batch.seqs[2][ROUTED_EXPERTS],

@@ -1,0 +1,66 @@
+"""The controller's half of a PPO step on hand-computed numbers: the KL of the behaviour policy to
+the reference as a reward term (or only a statistic, when the KL is in the loss), GAE on the
+critic's values, and the critic's statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tandem.algo.config import recipe
+from tandem.data.trajectory import Trajectory
+from tandem.rl.batch import KL_REWARDS, add_training_advantages, build_training_batch
+
+
+def _batch(kl_in_loss: bool):
+    """Two samples of one prompt: behaviour logprobs from the server, the reference's and the
+    critic's outputs as the trainer ranks return them (input alignment)."""
+    trajs = [Trajectory.from_generation([5], [6, 7], [-1.0, -2.0], [0, 0], reward=1.0, group_id="g"),
+             Trajectory.from_generation([5], [8], [-0.5], [0], reward=0.0, group_id="g")]
+    algo = recipe("ppo", kl_ctl=0.1, kl_in_loss=kl_in_loss)
+    algo.advantage = dataclasses.replace(algo.advantage, mean_level="none", std_level="none", lam=1.0)
+    tb, _ = build_training_batch(trajs, algo, version=0)
+    for seq, ref, values in zip(tb.batch.seqs, ([0.0, -1.5, -1.0], [0.0, -0.5]), ([9.0, 0.5, 0.25], [9.0, 0.2]),
+                                strict=True):
+        seq["ref_logprobs"], seq["values"] = torch.tensor(ref), torch.tensor(values)
+    return tb, algo
+
+
+def close(t, want):
+    assert t.tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_kl_reward_and_gae_on_the_critics_values():
+    # k1 = logp_behave - logp_ref: sample 1: 0.5, -1.0; sample 2: 0 -> ppo/kl_ref = -0.5 / 3.
+    # Reward term -0.1 * k1: [-0.05, 0.1]; the outcome 1.0 on the last token -> r = [-0.05, 1.1].
+    # GAE (gamma = lambda = 1) on V = [0.5, 0.25], terminal 0:
+    #   t1: 1.1 - 0.25 = 0.85; t0: -0.05 + 0.25 - 0.5 = -0.3, A0 = -0.3 + 0.85 = 0.55; R = A + V = 1.05, 1.1
+    # Sample 2: r = [0], V = [0.2]: A = -0.2, R = 0.
+    tb, algo = _batch(kl_in_loss=False)
+    stats = add_training_advantages(tb, algo)
+    first, second = tb.batch.seqs
+    close(first[KL_REWARDS], [0.0, -0.05, 0.1])
+    close(first["advantages"], [0.0, 0.55, 0.85])
+    close(first["returns"], [0.0, 1.05, 1.1])
+    close(second["advantages"], [0.0, -0.2])
+    close(second["returns"], [0.0, 0.0])
+    assert stats["ppo/kl_ref"] == pytest.approx(-0.5 / 3)
+    # Over generated tokens: V = [0.5, 0.25, 0.2], R = [1.05, 1.1, 0]; R - V = [0.55, 0.85, -0.2].
+    v, r = torch.tensor([0.5, 0.25, 0.2]), torch.tensor([1.05, 1.1, 0.0])
+    assert stats["critic/values_mean"] == pytest.approx(0.95 / 3)
+    assert stats["critic/returns_mean"] == pytest.approx(2.15 / 3)
+    explained = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)  # 1 - 0.195 / 0.2572222
+    assert stats["critic/explained_variance"] == pytest.approx(float(explained), abs=1e-6)
+    assert stats["critic/explained_variance"] == pytest.approx(1 - 0.195 / (0.771666667 / 3), abs=1e-6)
+
+
+def test_with_the_kl_in_the_loss_the_rewards_are_the_outcomes_alone():
+    # No reward term: r = [0, 1.0]; t1: 1 - 0.25 = 0.75; t0: 0.25 - 0.5 = -0.25, A0 = 0.5.
+    tb, algo = _batch(kl_in_loss=True)
+    stats = add_training_advantages(tb, algo)
+    first = tb.batch.seqs[0]
+    assert KL_REWARDS not in first
+    close(first["advantages"], [0.0, 0.5, 0.75])
+    assert stats["ppo/kl_ref"] == pytest.approx(-0.5 / 3)  # still measured
