@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo moe agent vllm-venv slurm-deps
+.PHONY: test lint install clean demo moe agent ppo vllm-venv slurm-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,25 +58,35 @@ $(VLLM_STAMP): Makefile
 
 vllm-venv: $(VLLM_STAMP)
 
+# A model made locally, then the SFT warm start the jobs below share:
+# $(call warm_start,DIR,CONFIG,ARCH[,extra sft overrides]) writes DIR/base and DIR/sft.
+define warm_start
+	$(VENV)/bin/tandem init-model $(1)/base --arch $(3) --preset tiny --seed 0 --overwrite
+	$(VENV)/bin/tandem sft $(2) actor.path=$(1)/base sft.output=$(1)/sft $(4) \
+		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
+endef
+
 # The default RL job: a small model made locally, warm-started with SFT, then asynchronous GRPO
 # with two servers and two trainer ranks; eval accuracy before and after RL is printed at the end.
 # Each `make demo` starts the demo anew (train.overwrite=true replaces the previous demo's outputs).
 DEMO_DIR ?= runs/demo
 demo: $(STAMP)
-	$(VENV)/bin/tandem init-model $(DEMO_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
-	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(DEMO_DIR)/base sft.output=$(DEMO_DIR)/sft \
-		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
+	$(call warm_start,$(DEMO_DIR),examples/demo.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/demo.yaml actor.path=$(DEMO_DIR)/sft train.overwrite=true
 	@echo "plot: runs/demo/run/plot.png  TensorBoard: .venv/bin/tensorboard --logdir runs"
+
+# PPO with a critic and a KL term to the reference on the demo's task (examples/ppo.yaml,
+# docs/algorithms.md): the demo's warm start, then 150 PPO steps.
+PPO_DIR ?= runs/ppo
+ppo: $(STAMP)
+	$(call warm_start,$(PPO_DIR),examples/demo.yaml,qwen3)
+	$(VENV)/bin/tandem train examples/ppo.yaml actor.path=$(PPO_DIR)/sft train.overwrite=true
 
 # The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
 # rollout routing replay (examples/moe.yaml, docs/moe.md).
 MOE_DIR ?= runs/moe
 moe: $(STAMP)
-	$(VENV)/bin/tandem init-model $(MOE_DIR)/base --arch qwen3_moe --preset tiny --seed 0 --overwrite
-	$(VENV)/bin/tandem sft examples/moe.yaml actor.path=$(MOE_DIR)/base sft.output=$(MOE_DIR)/sft \
-		actor.router_replay=off actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine \
-		actor.optimizer.warmup_steps_proportion=0.05
+	$(call warm_start,$(MOE_DIR),examples/moe.yaml,qwen3_moe,actor.router_replay=off)
 	$(VENV)/bin/tandem train examples/moe.yaml actor.path=$(MOE_DIR)/sft train.overwrite=true
 
 # The agentic job: the same recipe on the calculator task, where the policy answers through the
@@ -85,9 +95,7 @@ moe: $(STAMP)
 # conversations and is evaluated by the tool loop offline.
 AGENT_DIR ?= runs/agent
 agent: $(STAMP)
-	$(VENV)/bin/tandem init-model $(AGENT_DIR)/base --arch qwen3 --preset tiny --seed 0 --overwrite
-	$(VENV)/bin/tandem sft examples/agent.yaml actor.path=$(AGENT_DIR)/base sft.output=$(AGENT_DIR)/sft \
-		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
+	$(call warm_start,$(AGENT_DIR),examples/agent.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/agent.yaml actor.path=$(AGENT_DIR)/sft train.overwrite=true
 
 clean:
