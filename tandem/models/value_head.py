@@ -48,3 +48,16 @@ def value_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     out.pop("num_labels", None)
     return out
+
+
+def config_for_head(cfg: dict[str, Any], value: bool, path: str) -> tuple[dict[str, Any], bool]:
+    """The config of the model to build from the checkpoint at `path` (config `cfg`): its value
+    model's when `value`, else the causal LM's own; and whether the value head is fresh (the
+    checkpoint is a causal LM, so the head is not in it). A value checkpoint where a causal LM is
+    needed raises `ModelConfigError`."""
+    if value:
+        return value_config(cfg), not is_value_config(cfg)
+    if is_value_config(cfg):
+        raise ModelConfigError(f"{path!r} is a value model ({cfg['architectures'][0]}), not a causal LM: an actor or "
+                               "reference model needs a ...ForCausalLM checkpoint")
+    return cfg, False

@@ -26,7 +26,7 @@ from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
-from tandem.models.value_head import is_value_config, value_config
+from tandem.models.value_head import config_for_head
 from tandem.parallel import ParallelDims, fsdp_units
 from tandem.parallel.tensor_parallel import sum_partial_grads
 from tandem.train import checkpoint as ckpt
@@ -38,7 +38,7 @@ from tandem.train.losses import LossFn, LossWeightFn, ValueLossFn, count_loss_to
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
-from tandem.train.routes import agreement_of, routing_for, stack_layers
+from tandem.train.routes import agreement_of, check_moe_options, routing_for, stack_layers
 from tandem.train.sharded_load import load_hf_weights_sharded
 from tandem.train.weight_export import (
     SAVE_BUCKET_BYTES,
@@ -97,16 +97,10 @@ class TrainEngine:
             logger.info("parallel dims: %s", self.parallel_dims.describe())
         self.param_dtype = parse_dtype(config.dtype)
 
-        hf_config = read_hf_config(config.path)
-        fresh_head = head == "value" and not is_value_config(hf_config)
-        if head == "value":
-            if config.tp > 1 or config.pp > 1:
-                raise ConfigError(f"a critic (value model) runs data or context parallel; tp={config.tp}, "
-                                  f"pp={config.pp} are not supported for it: give it a layout like archon:d2")
-            hf_config = value_config(hf_config)
-        elif is_value_config(hf_config):
-            raise ConfigError(f"{config.path!r} is a value model ({hf_config['architectures'][0]}), not a causal LM: "
-                              "an actor or reference model needs a ...ForCausalLM checkpoint")
+        if head == "value" and (config.tp > 1 or config.pp > 1):
+            raise ConfigError(f"a critic (value model) runs data or context parallel; tp={config.tp}, "
+                              f"pp={config.pp} are not supported for it: give it a layout like archon:d2")
+        hf_config, fresh_head = config_for_head(read_hf_config(config.path), head == "value", config.path)
         self.head: EngineHead = head
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
@@ -138,17 +132,12 @@ class TrainEngine:
             raise AssertionError("shared parameters came apart during parallelize / to_empty")
         if self.pipeline is None:
             # A critic made from a causal LM: its decoder's weights, the value head at zero.
-            fresh = VALUE_HEAD_PARAMS if fresh_head else ()
-            load_hf_weights_sharded(self.model, config.path, initialise=fresh)
-            with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    if name in fresh:
-                        param.zero_()
+            load_hf_weights_sharded(self.model, config.path, zero_fill=VALUE_HEAD_PARAMS if fresh_head else ())
         else:
             load_hf_weights_sharded(self.model, config.path, partial=True, aliases=self.pipeline.load_aliases())
         self._mb_config = config.mb if self.pipeline is None else self.pipeline.mb_config(config.mb)
         self.moe_layers: list[int] = list(getattr(self.model.args, "moe_layers", []))
-        self._check_moe_options(config)
+        check_moe_options(config, self.moe_layers, pipelined=self.pipeline is not None)
 
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer, self.device.type)
         self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
@@ -218,27 +207,6 @@ class TrainEngine:
             m, n = agreement_of(routing, mb.tokens, self.moe_layers)
             matches, pairs = matches + m, pairs + n
         return restore_order(mbs, per_mb, len(batch)), matches, pairs
-
-    def _check_moe_options(self, config: TrainEngineConfig) -> None:
-        """router_replay and moe_aux_loss_coef need MoE layers and a model that is not pipelined;
-        router_replay_live_mismatch needs r3 (the live forward is compared with the replayed one)."""
-        if config.router_replay_live_mismatch and config.router_replay != "r3":
-            raise ConfigError(f"router_replay_live_mismatch=True logs the mismatch of a live-routed forward next to "
-                              f"the replayed one and needs router_replay='r3', not {config.router_replay!r}; "
-                              "set router_replay=r3 or router_replay_live_mismatch=False")
-        used = [k for k, on in (("router_replay", config.router_replay != "off"),
-                                ("moe_aux_loss_coef", config.moe_aux_loss_coef > 0)) if on]
-        if not used:
-            return
-        if not self.moe_layers:
-            raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} applies to mixture-of-experts models; "
-                              f"{config.path!r} has no MoE layers")
-        if self.pipeline is not None:
-            raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} is not supported with pipeline "
-                              "parallelism (routes are not passed to the stages)")
-        if config.moe_aux_loss_coef > 0 and config.tp > 1:
-            raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
-                              "parallelism yet (each TP rank holds the router logits of its own tokens)")
 
     def _routing(self, mb: MicroBatch, record: bool = False, keep_logits: bool = False,
                  live: bool = False) -> Routing | None:

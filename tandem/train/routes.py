@@ -26,10 +26,15 @@ server route (prompt tokens included: they shape the generated tokens' logprobs)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.errors import ConfigError
 from tandem.models.common.moe import Routing
+
+if TYPE_CHECKING:
+    from tandem.train.config import TrainEngineConfig
 
 ROUTED_EXPERTS = "routed_experts"
 PROX_ROUTES = "prox_routes"
@@ -108,3 +113,26 @@ def fill_missing_routes(seqs: Sequence[dict], moe_shape: tuple[int, int] | None 
     for s in seqs:
         if ROUTED_EXPERTS not in s:
             s[ROUTED_EXPERTS] = torch.full((int(s["input_ids"].shape[0]), *shape), -1, dtype=torch.int32)
+
+
+def check_moe_options(config: TrainEngineConfig, moe_layers: Sequence[int], pipelined: bool) -> None:
+    """router_replay and moe_aux_loss_coef need MoE layers (`moe_layers`) and a model that is not
+    pipelined; router_replay_live_mismatch needs r3 (the live forward is compared with the replayed
+    one). Raises `ConfigError` naming the option."""
+    if config.router_replay_live_mismatch and config.router_replay != "r3":
+        raise ConfigError(f"router_replay_live_mismatch=True logs the mismatch of a live-routed forward next to "
+                          f"the replayed one and needs router_replay='r3', not {config.router_replay!r}; "
+                          "set router_replay=r3 or router_replay_live_mismatch=False")
+    used = [k for k, on in (("router_replay", config.router_replay != "off"),
+                            ("moe_aux_loss_coef", config.moe_aux_loss_coef > 0)) if on]
+    if not used:
+        return
+    if not moe_layers:
+        raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} applies to mixture-of-experts models; "
+                          f"{config.path!r} has no MoE layers")
+    if pipelined:
+        raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} is not supported with pipeline "
+                          "parallelism (routes are not passed to the stages)")
+    if config.moe_aux_loss_coef > 0 and config.tp > 1:
+        raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
+                          "parallelism yet (each TP rank holds the router logits of its own tokens)")

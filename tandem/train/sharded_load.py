@@ -54,14 +54,14 @@ def _load_piece(param: torch.Tensor, index: int, piece: torch.Tensor) -> None:
 
 @torch.no_grad()
 def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False,
-                            aliases: dict[str, str] | None = None, initialise: Collection[str] = ()) -> None:
+                            aliases: dict[str, str] | None = None, zero_fill: Collection[str] = ()) -> None:
     """Strict: every parameter filled (every piece of a stacked one), every tensor used (bar ones
     the adapter skips, such as a tied `lm_head`), shapes equal to the parameters' global shapes.
 
     `partial` (a pipeline stage's model): tensors of parameters the model does not hold are
     skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
-    stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`). `initialise`:
-    native names of parameters the checkpoint does not hold (the caller fills them; a critic's
+    stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`). `zero_fill`:
+    native names of parameters the checkpoint does not hold; they are set to zero (a critic's
     value head when it starts from a causal LM)."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())  # tied weights once, under the embedding's name
@@ -91,12 +91,14 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
             problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
             plan[hf_name] = (wanted[native], index)
-    needed = {(hf, index): n for n in params if n not in initialise
+    needed = {(hf, index): n for n in params if n not in zero_fill
               for hf, index in adapter.pieces(sources[n], params[n].shape)}
     found = {(hf, index) for hf, (_, index) in plan.items()}
     problems += [f"missing tensor {hf}" for hf, _ in sorted(needed.keys() - found)]
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: " + "; ".join(problems))
+    for name in zero_fill:
+        params[name].zero_()
     for hf_name, tensor in iter_hf_tensors(path, names=plan):
         names, index = plan[hf_name]
         for native in names:

@@ -11,7 +11,7 @@ import torch
 
 from tandem.algo.config import PPOConfig
 from tandem.algo.losses import ValueLoss, policy_loss_weight
-from tandem.errors import ConfigError
+from tandem.errors import ModelConfigError
 from tandem.train import TrainEngine
 from tests.train.helpers import engine_config, make_batch
 
@@ -81,7 +81,7 @@ def test_an_actor_refuses_a_value_model_checkpoint(tiny_dir, tmp_path):
     engine = TrainEngine(engine_config(str(tiny_dir)), head="value")
     out = engine.save_hf(tmp_path / "critic")
     engine.close()
-    with pytest.raises(ConfigError, match=r"is a value model .*ForCausalLM"):
+    with pytest.raises(ModelConfigError, match=r"is a value model .*ForCausalLM"):
         TrainEngine(engine_config(str(out)))
 
 
