@@ -64,3 +64,46 @@ def test_with_the_kl_in_the_loss_the_rewards_are_the_outcomes_alone():
     assert KL_REWARDS not in first
     close(first["advantages"], [0.0, 0.5, 0.75])
     assert stats["ppo/kl_ref"] == pytest.approx(-0.5 / 3)  # still measured
+
+
+def test_the_batch_builder_pairs_rewards_with_their_trajectories_and_filters_whole_groups():
+    """Catches: rewards or groups shifted against the sequences (e.g. by filtering), a group kept
+    whose rewards are all equal under DAPO, and a batch that filtering emptied not reported as one
+    (the loop's skipped step). Hand-worked: group a = (1, 0), group b = (1, 1), group c = (0, 0.5)."""
+    rewards = {"a": [1.0, 0.0], "b": [1.0, 1.0], "c": [0.0, 0.5]}
+    trajs = [Trajectory.from_generation([10 + i], [20 + i] * (1 + i), [-1.0] * (1 + i), [0] * (1 + i), reward=r,
+                                        group_id=g)
+             for i, (g, r) in enumerate((g, r) for g, rs in rewards.items() for r in rs)]
+    tb, stats = build_training_batch(trajs, recipe("dapo", max_new_tokens=8), version=0)
+    # Group b is dropped; the others keep their own tokens, rewards and groups, in order.
+    assert [s["input_ids"][0].item() for s in tb.batch.seqs] == [10, 11, 14, 15]
+    assert [len(s["input_ids"]) for s in tb.batch.seqs] == [2, 3, 6, 7]
+    assert tb.group_ids == ["a", "a", "c", "c"]
+    close(tb.rewards, [1.0, 0.0, 0.0, 0.5])
+    assert stats["filter/n_groups"] == 3 and stats["filter/n_groups_kept"] == 2
+    assert stats["reward/mean"] == pytest.approx(3.5 / 6)
+    # GRPO advantages on the kept groups: (r - group mean) / (group std + 1e-5), on generated tokens only.
+    add_training_advantages(tb, recipe("grpo"))
+    want = [0.5 / (0.5 + 1e-5), -0.5 / (0.5 + 1e-5), -0.25 / (0.25 + 1e-5), 0.25 / (0.25 + 1e-5)]
+    for seq, a in zip(tb.batch.seqs, want, strict=True):
+        close(seq["advantages"], [0.0] + [a] * (len(seq["input_ids"]) - 1))
+    # Every group solved alike: nothing to train on, and the stats say why.
+    solved = [dataclasses.replace(t, reward=1.0) for t in trajs]
+    empty, stats = build_training_batch(solved, recipe("dapo", max_new_tokens=8), version=0)
+    assert empty is None and stats["filter/n_groups_kept"] == 0
+
+
+def test_dispatch_balances_tokens_and_shares_the_sequences():
+    """Catches: an unbalanced split, a sequence lost or duplicated, and shards holding copies (the
+    reference's logprobs and the critic's values are attached through the shards). Lengths 9, 5, 1, 5
+    on two ranks: the contiguous split loads 14 / 6 (imbalance 1.4); the balanced one {9, 1} / {5, 5}."""
+    from tandem.rl.dispatch import split_for_ranks
+    from tandem.train.batch import SequenceBatch
+
+    batch = SequenceBatch([{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long)}
+                           for n in (9, 5, 1, 5)])
+    shards, stats = split_for_ranks(batch, 2)
+    assert sorted(sorted(s.lengths) for s in shards) == [[1, 9], [5, 5]]
+    assert stats["dispatch/imbalance_naive"] == pytest.approx(1.4) and stats["dispatch/imbalance"] == 1.0
+    held = [id(seq) for s in shards for seq in s.seqs]
+    assert sorted(held) == sorted(id(seq) for seq in batch.seqs)  # each sequence once, the same object
