@@ -183,31 +183,47 @@ def test_meshes_agree_with_coords_at_world_4():
     assert results[0]["d4e2"]["describe"] == "pp=1 dp_shard=4 dp_replicate=1 tp=1 cp=1 ep=2 etp=1 edp=2"
 
 
-def _hsdp_worker(rank: int, world_size: int, path: str) -> list[float]:
+def _hsdp_worker(rank: int, world_size: int, path: str) -> dict:
     from tandem.data.balance import karmarkar_karp
     from tandem.train import TrainEngine
-    from tests.train.helpers import engine_config, make_batch, train_steps
+    from tests.train.helpers import engine_config, full_params, make_batch, train_steps
 
     batch = make_batch(512)
     local = batch.select(karmarkar_karp(batch.lengths, world_size)[rank])
     engine = TrainEngine(engine_config(path, dp_replicate=2))
     assert engine.parallel_dims.dp_shard == 2 and engine.mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
-    losses = [s["loss"] for s in train_steps(engine, local, 2)]
+    stats = train_steps(engine, local, 2)
+    params = full_params(engine)  # collective: every rank gathers every replica's shards
     engine.close()
-    return losses
+    return {"stats": stats, "params": params}
 
 
 @pytest.mark.slow
 def test_hsdp_world4_matches_one_rank(tmp_path):
+    """HSDP (2 replicas x 2 shards) against one rank: the loss, the grad norm and every parameter
+    after two steps. Catches gradients not reduced across replicas (the loss alone would not: it
+    is computed before the update), or reduced twice."""
     from tandem.models.tiny import init_model
     from tandem.train import TrainEngine
-    from tests.train.helpers import engine_config, make_batch, rel_diff, train_steps
+    from tests.train.helpers import (
+        engine_config,
+        full_params,
+        make_batch,
+        max_param_diff,
+        rel_diff,
+        train_steps,
+    )
 
     path = str(init_model(tmp_path / "m", preset="tiny"))
     ranks = run_distributed(_hsdp_worker, 4, args=(path,), timeout=300)
     engine = TrainEngine(engine_config(path))
-    ref = [s["loss"] for s in train_steps(engine, make_batch(512), 2)]
+    ref = train_steps(engine, make_batch(512), 2)
+    ref_params = full_params(engine)
     engine.close()
-    diff = max(rel_diff(a, b) for r in ranks for a, b in zip(r, ref, strict=True))
-    print(f"\n[HSDP 2x2 vs 1 rank] max rel loss diff {diff:.2e}")
-    assert diff <= 1e-5
+    for r in ranks:
+        pairs = list(zip(r["stats"], ref, strict=True))
+        loss = max(rel_diff(a["loss"], b["loss"]) for a, b in pairs)
+        gnorm = max(rel_diff(a["grad_norm"], b["grad_norm"]) for a, b in pairs)
+        param = max_param_diff(r["params"], ref_params)
+        print(f"\n[HSDP 2x2 vs 1 rank] max rel diff: loss {loss:.2e}, grad norm {gnorm:.2e}; max |param diff| {param:.2e}")
+        assert loss <= 1e-5 and gnorm <= 1e-5 and param <= 1e-5
