@@ -180,7 +180,7 @@ def test_weight_update_in_the_middle_of_generation(make_controller, servers, wei
     assert sorted(t.input_ids[: len(p)] for t, p in zip(trajs, batch, strict=True)) == sorted(batch)
     models = {0: load_model(weights / "v00000000"), 1: load_model(weights / "v00000001")}
     switched = changed = 0
-    worst_gap = 0.0
+    worst_gap = worst_logprob = 0.0
     for t in trajs:
         gen = t.generated_versions()
         assert len(gen) == 400 and gen == sorted(gen) and set(gen) <= {0, 1}
@@ -192,16 +192,18 @@ def test_weight_update_in_the_middle_of_generation(make_controller, servers, wei
         for pos in range(start, len(ids)):
             v = t.versions[pos]
             row = logits[v][pos - 1]
-            # The token the server produced is the greedy choice of the weights its version names
-            # (up to float noise between the server's paged, batched kernels and this full forward).
+            # The token the server produced is the greedy choice of the weights its version names,
+            # with their logprob: the fp32 path's tolerance, 1e-5, between the server's paged,
+            # batched kernels and this full forward (a near-tie may go either way within it).
             gap = float(row.max() - row[ids[pos]])
-            worst_gap = max(worst_gap, gap)
-            assert gap < 1e-3, (pos, v, gap)
-            assert abs(float(torch.log_softmax(row, -1)[ids[pos]]) - t.logprobs[pos]) < 1e-3
+            error = abs(float(torch.log_softmax(row, -1)[ids[pos]]) - t.logprobs[pos])
+            worst_gap, worst_logprob = max(worst_gap, gap), max(worst_logprob, error)
+            assert gap <= 1e-5 and error <= 1e-5, (pos, v, gap, error)
             if v == 1 and int(logits[0][pos - 1].argmax()) != int(ids[pos]):
                 changed += 1
     print(f"\n{switched}/8 trajectories switched versions mid-sequence; {changed} tokens after the switch "
-          f"differ from the old weights' greedy choice; worst logit gap {worst_gap:.2e}")
+          f"differ from the old weights' greedy choice; worst logit gap {worst_gap:.2e}, worst logprob error "
+          f"{worst_logprob:.2e}")
     assert switched >= 1  # the update landed in the middle of generation
     assert changed > 0  # and the new weights did change what came next
 
