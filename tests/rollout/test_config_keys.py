@@ -68,10 +68,10 @@ def generate(ctl: RolloutController, *rids: str):
 
 
 @pytest.mark.parametrize(("override", "capacity"), [
-    (None, 16),  # min(64 running, (1 + 0 + 1) * 8 accepted)
-    ("rollout.max_concurrent_rollouts=5", 5),
-    ("rollout.consumer_batch_size=3", 6),
-    ("rollout.max_head_offpolicyness=0", 8),
+    pytest.param(None, 16, id="defaults"),  # min(64 running, (1 + 0 + 1) * 8 accepted)
+    pytest.param("rollout.max_concurrent_rollouts=5", 5, id="rollout.max_concurrent_rollouts"),
+    pytest.param("rollout.consumer_batch_size=3", 6, id="rollout.consumer_batch_size"),
+    pytest.param("rollout.max_head_offpolicyness=0", 8, id="rollout.max_head_offpolicyness"),
 ])
 def test_staleness_keys_bound_the_episodes_that_may_start(make_server, controller, override, capacity):
     """Catches `rollout.max_concurrent_rollouts`, `consumer_batch_size` or `max_head_offpolicyness`
@@ -82,19 +82,26 @@ def test_staleness_keys_bound_the_episodes_that_may_start(make_server, controlle
 
 
 @pytest.mark.parametrize(("override", "where", "value"), [
-    ("rollout.order=completion", lambda c: c.executor.config.order, "completion"),
-    ("rollout.dump_dir=/tmp/tandem-dumps", lambda c: c.executor.config.dump_dir, "/tmp/tandem-dumps"),
-    ("rollout.max_consecutive_failures=5", lambda c: c.executor.config.max_consecutive_failures, 5),
-    ("rollout.min_servers_grace_s=7.5", lambda c: c.fleet.min_servers_grace_s, 7.5),
-    ("rollout.topology_cooldown_s=4.0", lambda c: c.fleet.membership.config.topology_cooldown_s, 4.0),
-    ("rollout.health.failure_threshold=9", lambda c: c.fleet.membership.config.failure_threshold, 9),
-], ids=lambda v: v if isinstance(v, str) and v.startswith("rollout.") else "")
-def test_keys_reach_the_executor_and_the_fleet(make_server, controller, override, where, value):
+    pytest.param("rollout.order=completion", lambda c: c.executor.config.order, "completion", id="rollout.order"),
+    pytest.param("rollout.dump_dir={tmp}/dumps", lambda c: c.executor.config.dump_dir, "{tmp}/dumps",
+                 id="rollout.dump_dir"),
+    pytest.param("rollout.max_consecutive_failures=5", lambda c: c.executor.config.max_consecutive_failures, 5,
+                 id="rollout.max_consecutive_failures"),
+    pytest.param("rollout.min_servers_grace_s=7.5", lambda c: c.fleet.min_servers_grace_s, 7.5,
+                 id="rollout.min_servers_grace_s"),
+    pytest.param("rollout.topology_cooldown_s=4.0", lambda c: c.fleet.membership.config.topology_cooldown_s, 4.0,
+                 id="rollout.topology_cooldown_s"),
+    pytest.param("rollout.health.failure_threshold=9", lambda c: c.fleet.membership.config.failure_threshold, 9,
+                 id="rollout.health.failure_threshold"),
+])
+def test_keys_reach_the_executor_and_the_fleet(make_server, controller, override, where, value, tmp_path):
     """Catches a key the controller stops handing to the component that acts on it; what the
     component then does is tested there: the hand-out order (test_executor.py::test_hand_out_order),
     trajectory dumps (test_rollout_batch_and_dumps), error storms (test_error_storm_ends_rollouts_with_the_first_error),
     the too-small fleet's grace (test_elastic_rollout.py), the cooldown and the eviction threshold
     (test_membership.py)."""
+    if isinstance(value, str):
+        override, value = override.format(tmp=tmp_path), value.format(tmp=tmp_path)
     default = where(controller(rollout_config([make_server().address]), start=False))
     configured = where(controller(rollout_config([make_server().address], override), start=False))
     assert configured == value != default

@@ -40,8 +40,13 @@ def _trajectory(config: OptimizerConfig) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize(("key", "value"), [("lr", "0.01"), ("weight_decay", "0.5"), ("beta1", "0.5"),
-                                            ("beta2", "0.5"), ("eps", "1.0")])
+@pytest.mark.parametrize(("key", "value"), [
+    pytest.param("lr", "0.01", id="actor.optimizer.lr"),
+    pytest.param("weight_decay", "0.5", id="actor.optimizer.weight_decay"),
+    pytest.param("beta1", "0.5", id="actor.optimizer.beta1"),
+    pytest.param("beta2", "0.5", id="actor.optimizer.beta2"),
+    pytest.param("eps", "1.0", id="actor.optimizer.eps"),
+])
 def test_optimizer_keys_change_the_updates(key, value):
     """Catches an `actor.optimizer.*` hyperparameter that `build_optimizer` stops passing to AdamW
     (the same gradients must then move the parameter differently)."""
