@@ -205,7 +205,8 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "rollout.vllm.worker_extension": (
         T_LAUNCH_VLLM, f"{T_ROLLOUT_KEYS}::test_worker_extension_decides_how_vllm_servers_take_updates",
         "tests/config/test_loader.py::test_train_refuses_servers_that_cannot_take_its_weight_sync"),
-    "rollout.min_servers": ("tests/rollout/test_elastic_rollout.py::test_too_few_servers_hold_rollouts_back_then_fail_the_run",
+    "rollout.min_servers": (f"{T_ROLLOUT_KEYS}::test_min_servers_holds_rollouts_back_until_enough_are_healthy",
+                            "tests/rollout/test_elastic_rollout.py::test_too_few_servers_hold_rollouts_back_then_fail_the_run",
                             "tests/rl/test_train_e2e.py::test_when_every_server_died_the_run_ends_naming_them",
                             T_VALIDATION),
     "rollout.min_servers_grace_s": (

@@ -222,3 +222,21 @@ def test_health_timeout_s_and_failure_threshold_evict_a_hung_server(make_server,
             time.sleep(0.05)
     error = ctl.fleet.membership.record(address).last_error
     assert "2 probes failed in a row" in error and "no answer within 0.2s" in error, error
+
+
+def test_min_servers_holds_rollouts_back_until_enough_are_healthy(make_server, controller):
+    """Catches `rollout.min_servers` not reaching the fleet: with one of two servers gone the fleet
+    stays ready at min_servers=1 and holds rollouts back at min_servers=2."""
+    for min_servers in (1, 2):
+        gone = make_server()
+        ctl = controller(rollout_config([make_server().address, gone.address], f"rollout.min_servers={min_servers}",
+                                        "rollout.health.interval_s=0.05", "rollout.health.timeout_s=0.5",
+                                        "rollout.health.failure_threshold=1"))
+        assert ctl.fleet.ready
+        gone.stop()
+        deadline = time.monotonic() + 20
+        while ctl.fleet.membership.record(gone.address).state.name != "EVICTED" or (min_servers == 2 and ctl.fleet.ready):
+            assert time.monotonic() < deadline, (min_servers, ctl.fleet.membership.record(gone.address), ctl.fleet.ready)
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few more health rounds
+        assert ctl.fleet.ready is (min_servers == 1), min_servers
