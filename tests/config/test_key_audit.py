@@ -246,7 +246,7 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "algo.advantage.unbiased_std": (f"{T_BATCH}[algo.advantage.unbiased_std]",
                                     "tests/algo/test_advantages.py::test_grpo_group_mean_and_std"),
     "algo.advantage.eps": (f"{T_BATCH}[algo.advantage.eps]", "tests/algo/test_advantages.py::test_grpo_group_mean_and_std"),
-    "algo.ppo.eps_clip": (f"{T_LOSS}[algo.ppo.eps_clip]", "tests/algo/test_config.py::test_other_checks"),
+    "algo.ppo.eps_clip": (f"{T_LOSS}[algo.ppo.eps_clip]", T_VALIDATION),
     "algo.ppo.eps_clip_higher": (f"{T_LOSS}[algo.ppo.eps_clip_higher]", "tests/algo/test_losses.py::test_asymmetric_clip_dapo"),
     "algo.ppo.dual_clip": (f"{T_LOSS}[algo.ppo.dual_clip]", "tests/algo/test_losses.py::test_dual_clip"),
     "algo.ppo.behave_imp_weight_cap": (f"{T_LOSS}[algo.ppo.behave_imp_weight_cap]",
