@@ -219,7 +219,6 @@ class SFTConfig:
     steps: int = _f(100, "Optimizer steps of `tandem sft`.", min=1)
     batch_size: int = _f(32, "Examples per SFT step.", min=1)
     output: str | None = _f(None, "HF directory the SFT model is written to (default: the run directory/sft).")
-    eval_every: int = _f(0, "Evaluate every N steps (0: only at the end).", min=0)
 
 
 @dataclass

@@ -43,7 +43,6 @@ def parse_dtype(name: str) -> torch.dtype:
 class OptimizerConfig:
     """AdamW and its learning-rate schedule (`actor.optimizer` in the run config)."""
 
-    type: str = _f("adamw", "Optimizer.", choices=("adamw",))
     lr: float = _f(1e-6, "Peak learning rate.", min=0.0)
     weight_decay: float = _f(0.01, "Decoupled weight decay.", min=0.0)
     beta1: float = _f(0.9, "Adam beta1.", min=0.0, lt=1.0)

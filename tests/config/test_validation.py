@@ -40,6 +40,8 @@ def model_dir(tmp_path_factory) -> Path:
         ("rollout.max_consecutive_failures=0", ["rollout.max_consecutive_failures: 0 is below the minimum 1"]),
         ("experiment.trial=a/b", ["experiment.trial: 'a/b'", "one directory name"]),
         ("experiment.name=..", ["experiment.name: '..'", "one directory name"]),
+        ("cluster.host_ip=trainer-host", ["cluster.host_ip: 'trainer-host' is not an IP address"]),
+        ("algo.ppo.eps_clip=1.5", ["algo.ppo.eps_clip must be in [0, 1), got 1.5"]),
         # task names and options (the task is built)
         ("task.name=nope", ["task.name: unknown task 'nope'", "arithmetic", "countdown", "gsm8k"]),
         ("task.options={colour: red}", ["task.options: task 'arithmetic' has no option 'colour'", "difficulty"]),

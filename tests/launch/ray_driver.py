@@ -1,6 +1,8 @@
 """A controller that drives a `RayScheduler` inside a loopback-only network namespace (run by
 `tests/launch/test_ray_scheduler.py` under `unshare --net`): a 2-rank group of `HelperWorker`s in a
-placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call. Prints one JSON line.
+placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call. Prints one JSON line,
+with what Ray says of the `scheduler.ray` keys the driver sets (cluster CPUs, namespace, the
+placement group's strategy and bundles).
 
     python -m tests.launch.ray_driver RUN_DIR
 """
@@ -13,19 +15,25 @@ import threading
 import time
 
 import ray
+from ray.util import placement_group_table
 
-from tandem.launch.config import RaySchedulerConfig
 from tandem.launch.ray_cluster import RayScheduler
 from tandem.launch.rpc_errors import WorkerCrashedError
+from tandem.rl.config import load_run_config
 from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import alive
 
 
 def main(run_dir: str) -> None:
     result: dict[str, object] = {}
-    sched = RayScheduler(run_dir, RaySchedulerConfig(num_cpus=2, strategy="SPREAD"))
+    config = load_run_config(None, ["scheduler.ray.num_cpus=3", "scheduler.ray.strategy=SPREAD",
+                                    "scheduler.ray.cpus_per_process=0.5", "scheduler.ray.namespace=tdm-driver"])
+    sched = RayScheduler(run_dir, config.scheduler.ray)
     try:
         group = sched.start_workers("archon:d2", HELPERS, args=CPU, timeout_s=120)
+        table = placement_group_table(sched.placement_groups[0])
+        result["ray"] = {"cpus": ray.cluster_resources().get("CPU"), "namespace": ray.get_runtime_context().namespace,
+                         "strategy": table["strategy"], "bundles": list(table["bundles"].values())}
         result["sums"] = group.call(HelperWorker.all_reduce_sum, 1.5)
         result["placement"] = sched.placement()
         victim = sched.roles[1]

@@ -51,6 +51,9 @@ def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
     print(f"Ray: 2-rank group all_reduce {result['sums']}; actor of rank 1 killed -> WorkerCrashedError after "
           f"{result['crash_after_s']:.2f}s")
     assert result["sums"] == [3.0, 3.0]  # one gloo group across the two actors' processes
+    # the scheduler.ray keys the driver loaded: num_cpus, namespace, strategy, cpus_per_process
+    assert result["ray"] == {"cpus": 3.0, "namespace": "tdm-driver", "strategy": "SPREAD",
+                             "bundles": [{"CPU": 0.5}, {"CPU": 0.5}]}, result["ray"]
     assert [role for role, _ in result["placement"]] == ["actor-rank0", "actor-rank1"]
     assert all(re.match(r"Ray node 127\.0\.0\.1 \(\S+\), pid \d+", where) for _, where in result["placement"])
     # the death surfaces like a local one: role, rank, why, its log

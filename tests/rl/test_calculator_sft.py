@@ -23,11 +23,13 @@ def test_sft_trains_on_conversations_and_evaluates_with_the_tool_loop(tmp_path):
                        rollout={"backend": "tandem:d1"},
                        gen={"max_new_tokens": 8},
                        task={"name": "calculator", "options": OPTIONS, "train_size": 16, "eval_size": 3},
-                       sft={"steps": 2, "batch_size": 4})
+                       sft={"steps": 2, "batch_size": 4, "output": str(tmp_path / "sft-out")})
     proc = subprocess.run([TANDEM, "sft", str(cfg)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir(tmp_path) / "sft-metrics.jsonl").read_text().splitlines()]
     steps, (evals,) = [r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in steps] == [1, 2]  # sft.steps
+    assert (tmp_path / "sft-out" / "config.json").is_file() and not (run_dir(tmp_path) / "sft").exists()  # sft.output
     # Step 1 trained on the first 4 conversations: every token of both assistant turns, nothing else.
     tokenizer, task = AutoTokenizer.from_pretrained(model), get_task("calculator", **OPTIONS)
     first = [sft_example(item, tokenizer, task) for item in task.generate(4, seed=3)]

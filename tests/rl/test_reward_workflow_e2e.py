@@ -23,10 +23,15 @@ from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 pytestmark = pytest.mark.slow
 
 REWARDS = '''
+import os
 import time
+from pathlib import Path
 
 
 def length_score(prompt_text, completion_text, prompt_ids, completion_ids, **fields):
+    with Path(__file__).with_name("reward-pids.txt").open("a") as f:  # which reward worker scored it
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.2)  # calls overlap, so the pool starts every worker it may
     return 0.25 + len(completion_ids) / 1000
 
 
@@ -96,8 +101,11 @@ def eval_rows(tmp_path: Path) -> list[dict]:
 
 
 def test_a_reward_from_a_file_scores_training_and_evaluation(tmp_path, model_dir):
-    proc, _ = train(tmp_path, config(tmp_path, model_dir, "length_score"))
+    """The reward from the file scores training and evaluation, in task.reward_workers worker
+    processes (3 here; the default is 2)."""
+    proc, _ = train(tmp_path, config(tmp_path, model_dir, "length_score", task={"reward_workers": 3}))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(set((tmp_path / "reward-pids.txt").read_text().split())) == 3
     rows = rl_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # 0.25 + tokens / 1000: no task reward gives that

@@ -95,11 +95,11 @@ def test_second_launch_into_a_trial(tmp_path, model_dir):
     assert "Traceback" not in again.stderr
     assert took < 5
 
-    fresh = train(cfg, "train.overwrite=true", "train.save_every=1")
+    fresh = train(cfg, "train.overwrite=true", "train.save_every=1", "train.keep_checkpoints=1")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert [r["step"] for r in all_rows(tmp_path)] == [0, 1, 2]
     assert sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir()) == [
-        "LATEST", "step00000001", "step00000002"]
+        "LATEST", "step00000002"]  # a checkpoint every step, the newest one kept
 
     launched = time.time()
     resumed = train(cfg, "train.save_every=1", "train.total_steps=3")

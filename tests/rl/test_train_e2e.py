@@ -22,8 +22,10 @@ pytestmark = pytest.mark.slow
 
 def test_staleness_zero_gives_ratio_one_and_no_mismatch(tmp_path, model_dir):
     """Synchronous setting: the first PPO minibatch's ratio is exactly 1 and the servers' logprobs
-    equal the trainer's (fp32, CPU); the run leaves its plot, event files and summary."""
-    cfg = write_config(tmp_path, model_dir, rollout={"max_head_offpolicyness": 0}, train={"total_steps": 2})
+    equal the trainer's (fp32, CPU); the run leaves its plot, event files and summary, and
+    evaluates after every step (train.eval_every=1)."""
+    cfg = write_config(tmp_path, model_dir, rollout={"max_head_offpolicyness": 0},
+                       train={"total_steps": 2, "eval_every": 1})
     proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval accuracy:" in proc.stdout
@@ -36,6 +38,7 @@ def test_staleness_zero_gives_ratio_one_and_no_mismatch(tmp_path, model_dir):
         assert r["mismatch/n_tokens"] > 0
         assert r["staleness/max"] == 0.0  # every token from the trainer's current version
         assert r["version"] == r["step"]
+        assert "eval/accuracy" in r  # every step, not only the last
     out = run_dir(tmp_path)
     assert (out / "plot.png").stat().st_size > 10_000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -88,12 +91,17 @@ def test_trainer_crash_ends_the_run_naming_the_rank(tmp_path, model_dir):
 
 def test_disk_sync_reaches_launched_servers(tmp_path, model_dir):
     """Servers load disk updates only below directories they were started with: the launcher
-    gives them the run's weight directory."""
-    cfg = write_config(tmp_path, model_dir, train={"total_steps": 2, "weight_sync": "disk"})
+    gives them the run's weight directory. With stats.plot and stats.tensorboard off the run
+    writes neither, and without train.eval_every it evaluates only after the last step."""
+    cfg = write_config(tmp_path, model_dir, train={"total_steps": 2, "weight_sync": "disk"},
+                       stats={"plot": False, "tensorboard": False})
     proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["version"] for r in rl_rows(tmp_path)] == [1.0, 2.0]
+    rows = rl_rows(tmp_path)
+    assert [r["version"] for r in rows] == [1.0, 2.0]
+    assert ["eval/accuracy" in r for r in rows] == [False, True]
     assert (run_dir(tmp_path) / "weights").is_dir()
+    assert not (run_dir(tmp_path) / "plot.png").exists() and not (run_dir(tmp_path) / "tensorboard").exists()
 
 
 def _server(pids: set[int], index: int) -> int:

@@ -59,3 +59,15 @@ async def sdk_calculator(client: Any, item: dict[str, Any]) -> float:
     agent = Agent(name="calc", tools=[calculator], model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
     result = await Runner.run(agent, item["prompt"], max_turns=4)
     return 1.0 if str(result.final_output).strip().endswith(f"\\boxed{{{item['answer']}}}") else 0.0
+
+
+async def record_client(client: Any, item: dict[str, Any]) -> float:
+    """Writes what it was handed (the client's retries, timeout and proxy address) to the file
+    `item["record"]`, then makes one call."""
+    import json
+    from pathlib import Path
+
+    Path(item["record"]).write_text(json.dumps({"max_retries": client.max_retries, "timeout": client.timeout,
+                                                "base_url": str(client.base_url)}))
+    await client.chat.completions.create(model="policy", messages=item["messages"])
+    return 1.0

@@ -61,6 +61,11 @@ class FakeConfig:
     # Scripted answers: the k-th generation produces replies[k] (then stops, as on an EOS) instead
     # of the chain; once they are used up, the chain again.
     replies: list[list[int]] = field(default_factory=list)
+    # Checks real servers make: the API key every generation must carry (401 without it, as
+    # `tandem serve --api-key` and vLLM answer), and the served model name a vLLM completion
+    # names when it names one (404 for another, as vLLM answers).
+    api_key: str | None = None
+    served_model_name: str | None = None
 
 
 @dataclass
@@ -79,6 +84,7 @@ class FakeServer:
         self.version = self.config.version
         self.log: list[LogEntry] = []
         self.num_requests = 0
+        self.health_probes = 0  # GET /health answered
         self._progress = threading.Condition()
         self._tokens = 0  # tokens produced in total (tests wait on it)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,8 +165,20 @@ class FakeServer:
         entry.finish = finish
         return entry
 
+    def _refusal(self, request: web.Request, body: dict[str, Any]) -> web.Response | None:
+        key = self.config.api_key
+        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"object": "error", "message": "invalid API key", "code": 401}, status=401)
+        model = body.get("model")
+        if self.config.served_model_name is not None and model is not None and model != self.config.served_model_name:
+            return web.json_response({"object": "error", "message": f"The model `{model}` does not exist.",
+                                      "code": 404}, status=404)
+        return None
+
     async def _h_generate(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if (refused := self._refusal(request, body)) is not None:
+            return refused
         sp = body.get("sampling_params", {})
         rid = body.get("rid", "")
         start = time.monotonic()
@@ -186,6 +204,8 @@ class FakeServer:
 
     async def _h_completions(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if (refused := self._refusal(request, body)) is not None:
+            return refused
         if not (isinstance(body.get("prompt"), list) and body.get("return_tokens_as_token_ids") and body.get("logprobs") == 0):
             return web.json_response({"object": "error", "message": "token ids expected", "code": 400}, status=400)
         entry = await self._produce(
@@ -229,6 +249,7 @@ class FakeServer:
         return web.json_response({"weight_version": str(self.version)})
 
     async def _h_health(self, request: web.Request) -> web.Response:
+        self.health_probes += 1
         return web.json_response({"requests": self.num_requests})  # tests read how busy it was
 
     # -- in-process handle (thread-safe, blocking) -----------------------------------------------

@@ -120,3 +120,37 @@ def p2t2_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
         res[name, schedule] = run_case(engine, make_batch(512))
         engine.close()
     return res
+
+
+# The pipeline keys' cases (tests/train/test_pipeline_keys.py): actor.parallelize options -> at pp=2.
+KEY_CASES = {
+    "default": {},
+    "I1F1B": {"pp_schedule": "I1F1B"},
+    "IZB-3": {"pp_schedule": "IZB", "pp_stages_per_rank": 3},
+    "ZBV": {"pp_schedule": "ZBV"},
+    "microbatches-6": {"pp_microbatches": 6},
+}
+
+
+def pipeline_key_checks(rank: int, world_size: int, path: str) -> dict:
+    """Per case of `KEY_CASES`: the torch schedule one training step ran, this rank's stages and the
+    step's micro-batch count (the batch's own plan asks for one micro-batch)."""
+    import tandem.train.pipeline_step as pipeline_step
+
+    built: list[str] = []
+    real = pipeline_step.build_schedule
+
+    def recording(*args, **kwargs):
+        schedule = real(*args, **kwargs)
+        built.append(type(schedule).__name__)
+        return schedule
+
+    pipeline_step.build_schedule = recording
+    batch = make_batch(512)
+    out = {}
+    for name, options in KEY_CASES.items():
+        engine = TrainEngine(engine_config(path, pp=2, parallelize=ParallelizeConfig(**options)))
+        stats = train_steps(engine, batch, 1)[0]
+        out[name] = (built[-1], engine.pipeline.layout.rank_stages(engine.pipeline.pp_rank), stats["n_mbs"])
+        engine.close()
+    return out

@@ -125,7 +125,7 @@ def test_bf16_compute_dtype(tiny_dir, reference):
     stats, params = _run(tiny_dir, steps=1, dtype="bfloat16")
     diff = rel_diff(stats[0]["loss"], reference[0][0]["loss"])
     print(f"\n[bf16] first loss rel diff vs fp32: {diff:.2e}")
-    assert diff < 2e-2
+    assert 0 < diff < 2e-2  # bf16 compute changes the loss (actor.dtype is applied), a little
     assert all(t.dtype == torch.float32 for t in params.values())  # float32 master weights
 
 

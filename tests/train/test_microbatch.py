@@ -47,6 +47,24 @@ def test_kk_is_more_even_than_ffd():
     assert spread["kk"][1] <= spread["ffd"][1]
 
 
+def test_packing_choice_changes_the_plan():
+    """Catches `actor.mb.packing` being ignored: under the same budget and count, first-fit
+    decreasing fills micro-batches to the budget and leaves a small last one, Karmarkar-Karp
+    evens them out."""
+    loads = {}
+    for packing in ("ffd", "kk"):
+        plan = plan_micro_batches(LENGTHS, MicroBatchConfig(max_tokens_per_mb=1200, packing=packing))
+        loads[packing] = sorted(sum(LENGTHS[i] for i in p) for p in plan)
+    assert len(loads["ffd"]) == len(loads["kk"])
+    assert loads["ffd"][-1] - loads["ffd"][0] > 500 and loads["kk"][-1] - loads["kk"][0] <= 1
+
+
+def test_the_count_is_rounded_up_to_the_divisor():
+    """Catches `actor.mb.n_mbs_divisor` being ignored: 3 micro-batches become 4 with divisor 4."""
+    assert len(plan_micro_batches(LENGTHS, MicroBatchConfig(max_tokens_per_mb=None, n_mbs=3))) == 3
+    assert len(plan_micro_batches(LENGTHS, MicroBatchConfig(max_tokens_per_mb=None, n_mbs=3, n_mbs_divisor=4))) == 4
+
+
 def test_more_micro_batches_than_sequences_pads():
     plan = plan_micro_batches([5, 7], MicroBatchConfig(n_mbs=4))
     assert sorted(map(len, plan)) == [0, 0, 1, 1]
