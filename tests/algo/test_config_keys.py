@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tandem.algo import make_policy_loss
-from tandem.algo.losses import ADVANTAGES, BEHAVE_LOGPROBS, PROX_LOGPROBS, VERSIONS
+from tandem.algo.losses import ADVANTAGES, BEHAVE_LOGPROBS, OLD_VALUES, PROX_LOGPROBS, REF_LOGPROBS, VERSIONS
 from tandem.data.trajectory import Trajectory
-from tandem.rl.batch import build_training_batch
+from tandem.rl.batch import add_training_advantages, build_training_batch
 from tandem.rl.config import load_run_config
 from tandem.train import MicroBatch
 
@@ -36,10 +36,18 @@ def _trajectories() -> list[Trajectory]:
 
 
 def _batch(overrides: list[str]) -> list[list[float]]:
+    """The advantages `tandem train` computes: with a reference (kl_ctl > 0) or a critic, the
+    sequences first get what those models return (fixed numbers here: logprob -0.5, value 0.3)."""
     cfg = load_run_config(None, [f"gen.max_new_tokens={MAX_NEW}", *overrides])
-    batch, _ = build_training_batch(_trajectories(), cfg.algo, version=1)
-    assert batch is not None
-    return [seq["advantages"].tolist() for seq in batch.seqs]
+    tb, _ = build_training_batch(_trajectories(), cfg.algo, version=1)
+    assert tb is not None
+    for seq in tb.batch.seqs:
+        if cfg.algo.ppo.kl_ctl > 0:
+            seq[REF_LOGPROBS] = torch.full_like(seq[BEHAVE_LOGPROBS], -0.5)
+        if cfg.algo.ppo.use_critic:
+            seq[OLD_VALUES] = torch.full_like(seq[BEHAVE_LOGPROBS], 0.3)
+    add_training_advantages(tb, cfg.algo)
+    return [seq["advantages"].tolist() for seq in tb.batch.seqs]
 
 
 BATCH_CASES = {  # key -> (the overrides both runs share, the key's changed value)
@@ -55,6 +63,12 @@ BATCH_CASES = {  # key -> (the overrides both runs share, the key's changed valu
     "algo.advantage.unbiased_std": ([], "true"),
     "algo.advantage.eps": ([], "1.0"),
     "algo.ppo.dynamic_filtering": ([], "true"),
+    "algo.advantage.gamma": (RAW, "0.5"),
+    "algo.advantage.lam": (RAW, "0.5"),
+    "algo.name": ([], "ppo"),  # a critic: GAE on its values, batch-normalised token advantages
+    "algo.ppo.kl_ctl": (RAW, "0.1"),
+    "algo.ppo.kl_estimator": ([*RAW, "algo.ppo.kl_ctl=0.1"], "k2"),
+    "algo.ppo.kl_in_loss": ([*RAW, "algo.ppo.kl_ctl=0.1"], "true"),
 }
 
 
@@ -101,7 +115,10 @@ LOSS_CASES = {
     "algo.ppo.behave_imp_weight_cap": "2.0",
     "algo.ppo.behave_imp_weight_mode": "clamp",
     "algo.ppo.behave_imp_weight_level": "sequence",
-    "algo.ppo.importance_level": "sequence",
+    # The ratio's level defines GSPO (algo.name refuses it otherwise): GSPO with GRPO's clip and
+    # behaviour-weight level, so that only the importance level differs from GRPO.
+    "algo.ppo.importance_level": ["algo.name=gspo", "algo.ppo.importance_level=sequence", "algo.ppo.eps_clip=0.2",
+                                  "algo.ppo.eps_clip_higher=null", "algo.ppo.behave_imp_weight_level=token"],
     "algo.ppo.prox_logp": "loglinear",
 }
 
@@ -110,6 +127,8 @@ LOSS_CASES = {
 def test_the_key_changes_the_policy_loss(key):
     """Catches an `algo.ppo.*` loss key that the loader accepts but the policy loss no longer
     reads: on a micro-batch where every clip, cap and level matters, the loss must change."""
-    before, after = _loss([]), _loss([f"{key}={LOSS_CASES[key]}"])
-    print(f"\n{key}={LOSS_CASES[key]}: loss {before:.6f} -> {after:.6f}")
+    case = LOSS_CASES[key]
+    changed = case if isinstance(case, list) else [f"{key}={case}"]
+    before, after = _loss([]), _loss(changed)
+    print(f"\n{changed}: loss {before:.6f} -> {after:.6f}")
     assert not math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-9)

@@ -29,17 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Keys another engineer is adding or changing under issue 26 (the critic, the reference model and
 # the PPO settings that use them); their tests and entries come with that work. Entries ending in
 # "." cover every key below that section. Empty this set once those entries are in KEY_TESTS.
-PENDING_ISSUE_26 = frozenset({
-    "critic.",
-    "ref.",
-    "algo.name",
-    "algo.advantage.gamma",
-    "algo.advantage.lam",
-    "algo.ppo.kl_ctl",
-    "algo.ppo.kl_estimator",
-    "algo.ppo.use_critic",
-    "algo.ppo.value_eps_clip",
-})
+PENDING_ISSUE_26: frozenset[str] = frozenset()  # issue 26 landed: its keys are in the table
 
 T_VALIDATION = "tests/config/test_validation.py::test_refused_at_load_naming_the_key"
 T_LOADER_CHOICES = "tests/config/test_loader.py::test_choices_and_minimum"
@@ -74,6 +64,11 @@ T_REWARD_FILE = "tests/rl/test_reward_workflow_e2e.py::test_a_reward_from_a_file
 T_SLURM = "tests/launch/test_slurm_config.py::test_slurm_keys_are_on_every_srun"
 T_RAY = "tests/launch/test_ray_scheduler.py::test_ranks_as_ray_actors_and_an_actor_death"
 T_ROLLOUT_KEYS = "tests/rollout/test_config_keys.py"
+T_PPO_REACH = "tests/rl/test_ppo_config.py::test_critic_and_reference_keys_reach_their_engines"
+T_PPO_REFUSED = "tests/rl/test_ppo_config.py::test_critic_and_reference_paths_are_checked"
+T_PPO_MODELS = "tests/rl/test_ppo_models.py::test_reference_and_critic_beside_a_two_rank_actor"
+T_CRITIC_SAVED = "tests/train/test_critic_engine.py::test_a_saved_critic_is_an_hf_token_classifier_with_the_same_values"
+T_TRAINING_BATCH = "tests/rl/test_training_batch.py::test_kl_reward_and_gae_on_the_critics_values"
 
 KEY_TESTS: dict[str, tuple[str, ...]] = {
     # --- experiment
@@ -319,6 +314,30 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "scheduler.slurm.cpus_per_task": (
         T_SLURM, "tests/launch/test_slurm_scheduler.py::test_a_role_slurm_cannot_place_fails_at_its_deadline_saying_why"),
     "scheduler.slurm.srun_args": (T_SLURM,),
+    # PPO's critic and reference (issue 26): the keys reach the engines they configure
+    # (T_PPO_REACH), whose behaviour the engine and PPO tests show.
+    "critic.path": (f"{T_PPO_REACH}[critic.path]", T_CRITIC_SAVED, T_PPO_REFUSED),
+    "critic.backend": (f"{T_PPO_MODELS}[own-rank]", f"{T_PPO_MODELS}[colocated]", T_VALIDATION, T_PPO_REFUSED),
+    "critic.optimizer.lr": (f"{T_PPO_REACH}[critic.optimizer.lr]", f"{T_OPTIMIZER}[actor.optimizer.lr]"),
+    "critic.optimizer.weight_decay": (f"{T_PPO_REACH}[critic.optimizer.weight_decay]", f"{T_OPTIMIZER}[actor.optimizer.weight_decay]"),
+    "critic.optimizer.beta1": (f"{T_PPO_REACH}[critic.optimizer.beta1]", f"{T_OPTIMIZER}[actor.optimizer.beta1]"),
+    "critic.optimizer.beta2": (f"{T_PPO_REACH}[critic.optimizer.beta2]", f"{T_OPTIMIZER}[actor.optimizer.beta2]"),
+    "critic.optimizer.eps": (f"{T_PPO_REACH}[critic.optimizer.eps]", f"{T_OPTIMIZER}[actor.optimizer.eps]"),
+    "critic.optimizer.gradient_clipping": (f"{T_PPO_REACH}[critic.optimizer.gradient_clipping]", "tests/train/test_engine_config_keys.py::test_gradient_clipping_scales_the_update"),
+    "critic.optimizer.lr_scheduler": (f"{T_PPO_REACH}[critic.optimizer.lr_scheduler]", T_SCHEDULE),
+    "critic.optimizer.warmup_steps_proportion": (f"{T_PPO_REACH}[critic.optimizer.warmup_steps_proportion]", T_SCHEDULE),
+    "critic.optimizer.min_lr_ratio": (f"{T_PPO_REACH}[critic.optimizer.min_lr_ratio]", T_SCHEDULE),
+    "ref.path": (f"{T_PPO_REACH}[ref.path]", T_PPO_REFUSED, T_VALIDATION),
+    "algo.name": (f"{T_BATCH}[algo.name]", "tests/algo/test_config.py::test_recipes_settings", T_VALIDATION),
+    "algo.advantage.gamma": (f"{T_BATCH}[algo.advantage.gamma]", "tests/algo/test_advantages.py::test_gae_three_tokens"),
+    "algo.advantage.lam": (f"{T_BATCH}[algo.advantage.lam]", "tests/algo/test_advantages.py::test_gae_three_tokens"),
+    "algo.ppo.kl_ctl": (f"{T_BATCH}[algo.ppo.kl_ctl]", T_TRAINING_BATCH, f"{T_PPO_MODELS}[colocated]"),
+    "algo.ppo.kl_estimator": (f"{T_BATCH}[algo.ppo.kl_estimator]", "tests/algo/test_rewards.py::test_kl_estimators_and_clamp",
+                              T_VALIDATION),
+    "algo.ppo.kl_in_loss": (f"{T_BATCH}[algo.ppo.kl_in_loss]", "tests/algo/test_losses.py::test_kl_to_the_reference_in_the_loss",
+                            T_VALIDATION),
+    "algo.ppo.use_critic": (T_VALIDATION, f"{T_BATCH}[algo.name]", f"{T_PPO_MODELS}[colocated]"),
+    "algo.ppo.value_eps_clip": ("tests/algo/test_losses.py::test_value_loss_clipping", T_VALIDATION),
 }
 
 
