@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tandem.inference.errors import RequestError
-from tandem.inference.sampler import _top_k_top_p, sample
+from tandem.inference.sampler import sample
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.sequence import Sequence
+from tests.inference.hf_sampling import hf_filtered_probs
 
 
 def _seqs(n: int, params: SamplingParams) -> list[Sequence]:
@@ -19,15 +20,17 @@ def _seqs(n: int, params: SamplingParams) -> list[Sequence]:
 @pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8},
                                 {"temperature": 0.9, "top_p": 0.95, "min_p": 0.1}])
 def test_draws_follow_the_filtered_distribution(vocab, kw):
+    """Catches draws that do not follow the filtered distribution transformers' warpers give (a wrong
+    block or token picked by the two-level inverse CDF, a filtered token drawn) and a returned logprob
+    that is not the unfiltered log_softmax(logits / T)."""
     torch.manual_seed(0)
     row = torch.randn(vocab) * 2
     params = SamplingParams(**kw)
     n = 20000
     tokens, logprobs = sample(row.expand(n, vocab).clone(), _seqs(n, params), frozenset())
     temp = params.temperature
-    expected = _top_k_top_p((row / temp)[None], torch.tensor([params.vocab_top_k or vocab]),
-                            torch.tensor([params.top_p]), torch.tensor([params.min_p]))[0].softmax(-1)
-    if params.min_p:  # independently of _top_k_top_p: nothing below min_p times the top probability
+    expected = hf_filtered_probs(row, params, [1, 2, 3]).float()  # transformers' warpers, not ours
+    if params.min_p:  # independently of transformers: nothing below min_p times the top probability
         probs = (row / temp).softmax(-1)
         assert bool((expected[probs < params.min_p * probs.max()] == 0).all())
     counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double() / n

@@ -1,5 +1,6 @@
 """Weight updates against two real `tandem serve` processes with injected faults: a server answering
-500, one that never joins the group, a wrong shape, one killed mid-broadcast, a shm bucket refused.
+500, one that never joins the group, a wrong shape, one killed mid-broadcast, a shm bucket refused,
+one holding a corrupted tensor after the commit (caught by verify).
 Each update ends within its deadline with an error naming the server and the phase, the servers
 keep the previous weights and version, nothing is left in /dev/shm (servers serve zero-copy from
 the segments of the update they committed, never from one being written), and a retry succeeds. Also:
@@ -14,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.http import HttpFleet
 from tandem.rollout.client import ClientConfig, InferenceClient
@@ -222,6 +225,46 @@ def test_disk_refused_then_retry(servers, fleet, model_dir, tmp_path):
         u.update(version)
     assert_unchanged(servers["servers"], version, src)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"v{version:08d}"]  # older copies removed
+
+
+def test_a_server_holding_one_corrupted_tensor_fails_verify(servers, fleet, model_dir, tmp_path):
+    """Catches a verify that passes whatever the servers hold (or checks the trainer against itself,
+    or blames the wrong server): after the commit and before verify, server b's copy of one tensor
+    is changed in one element by one ulp (b loads the update's tensors from a checkpoint holding that
+    one change); the update fails in phase `verify` naming b, that tensor, and not a. The same
+    update without the change then verifies."""
+    a, b = servers["servers"]
+    version = Versions.next()
+    src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+    corrupt = CheckpointSource(model_dir, scale=1.0 + version / 100)
+    flat = corrupt.tensors[Q].view(-1)
+    flat[7] = torch.nextafter(flat[7], torch.tensor(float("inf")))
+    corrupt_dir = corrupt.save_hf(tmp_path / "corrupt")
+    real_send = fleet.send
+
+    def send(op, request, targets=None):
+        sent = real_send(op, request, targets)
+        if op is ops.COMMIT:  # both servers now hold the update; b's copy of Q goes wrong
+            sent.result()
+            b.ok("/update_weights_from_disk", {"model_path": str(corrupt_dir)})
+        return sent
+
+    fleet.send = send
+    with WeightUpdater(src, fleet, meta("distributed"), verify=True) as u:
+        err = failing_update(u, version, bound_s=FAST.update_s)
+    assert err.phase == "verify", err
+    assert [f.address for f in err.failures] == [b.url] and a.url not in str(err), err
+    assert f"1 tensor(s) differ from the trainer's, e.g. ['{Q}']" in str(err), err
+    # The premise: b differs from the trainer in that one tensor only, a in none.
+    want = expected_checksums(src.tensors)
+    assert served_checksums(a) == want
+    assert sorted(n for n, c in served_checksums(b).items() if want[n] != c) == [Q]
+    fleet.send = real_send
+    version = Versions.next()
+    src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+    with WeightUpdater(src, fleet, meta("distributed"), verify=True) as u:
+        assert u.update(version).verified
+    assert_unchanged(servers["servers"], version, src)
 
 
 def test_inflight_requests_resume_under_new_version(servers, fleet, model_dir):

@@ -1,6 +1,7 @@
 """The data plane's fast paths: flat buckets (one broadcast per bucket) into the server's ping-pong
 staging buffers, the per-tensor fallback for fleets that only speak the SGLang protocol, the
-trainer's packing, and kept-alive HTTP connections to `tandem serve` (TCP_NODELAY)."""
+trainer's packing, kept-alive HTTP connections to `tandem serve` (TCP_NODELAY), and every tensor
+delivered bit for bit by each transport (read back whole, not compared by checksum)."""
 
 from __future__ import annotations
 
@@ -174,7 +175,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = start_server(model_dir, tmp_path_factory.mktemp("serve"))
+    # Disk updates write below each test's tmp_path.
+    s = start_server(model_dir, tmp_path_factory.mktemp("serve"), tmp_path_factory.getbasetemp())
     yield s
     s.stop()
 
@@ -241,6 +243,31 @@ def test_ping_pong_staging_keeps_atomicity(server, model_dir):
             src = _update(model_dir, fleet, version)
             assert version_of(server) == str(version)
             assert served_checksums(server) == expected_checksums(src.tensors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "version"), [("disk", 401), ("distributed", 402), ("shm", 403)])
+def test_each_transport_delivers_every_tensor_bit_exact(server, model_dir, tmp_path, kind, version):
+    """Catches a transport that delivers other bytes than the trainer sent (a wrong offset or
+    length in a flat bucket or segment, a lossy cast, a tensor left stale) even where the product's
+    own checksum would agree with it (the trainer's and the server's checksum share
+    `tensor_checksum`, so a bug there hides a bad transfer from verify and from the tests that
+    compare checksums): verify is off, and every tensor the server serves after the update, read
+    back whole, is torch.equal to the trainer's."""
+    server.ok("/_fault", {"clear": True})
+    src = CheckpointSource(model_dir, scale=1.0 + version / 1000)  # differs from what the server held
+    meta = WeightUpdateMeta(type=kind, path=str(tmp_path) if kind == "disk" else None, bucket_bytes=BUCKET,
+                            deadlines=FAST)
+    with HttpFleet([server.url], deadlines=FAST) as fleet, WeightUpdater(src, fleet, meta, verify=False) as u:
+        report = u.update(version)
+    assert not report.verified and version_of(server) == str(version)
+    assert kind == "disk" or report.buckets >= 5, report
+    for name, want in src.tensors.items():
+        got = server.ok("/get_weights_by_name", {"name": name, "truncate_size": want.numel()})
+        got = torch.tensor(got, dtype=want.dtype)
+        assert got.numel() == want.numel(), (kind, name, got.numel(), want.numel())
+        differ = int((got != want.view(-1)).sum())
+        assert torch.equal(got.view(want.shape), want), f"{kind}: {name}: {differ} of {want.numel()} elements differ"
 
 
 class _NoFlatBuckets(TandemAdapter):
