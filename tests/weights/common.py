@@ -126,6 +126,17 @@ def expected_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: tensor_checksum(t.float()) for n, t in tensors.items()}
 
 
+def assert_serves(server: ServerProcess, tensors: dict[str, torch.Tensor], label: str = "") -> None:
+    """Every tensor the server holds, read back whole (`/get_weights_by_name`), is `torch.equal` to
+    `tensors`: an oracle independent of the product's own checksums."""
+    for name, want in tensors.items():
+        got = torch.tensor(server.ok("/get_weights_by_name", {"name": name, "truncate_size": want.numel()}),
+                           dtype=want.dtype)
+        assert got.numel() == want.numel(), (label, name, got.numel(), want.numel())
+        differ = int((got != want.view(-1)).sum())
+        assert torch.equal(got.view(want.shape), want), f"{label}: {name}: {differ} of {want.numel()} elements differ"
+
+
 def version_of(server: ServerProcess) -> str:
     return server.ok("/get_weight_version", method="GET")["weight_version"]
 

@@ -32,6 +32,7 @@ from tests.weights.common import (
     FAST,
     CheckpointSource,
     Versions,
+    assert_serves,
     expected_checksums,
     mapped_names,
     served_checksums,
@@ -86,10 +87,13 @@ def good_update(model_dir, fleet, kind="distributed", tmp_path=None) -> tuple[in
 
 
 def assert_unchanged(servers, version: int, src: CheckpointSource) -> None:
+    """Every server holds `src`'s weights as `version`: by checksum, and tensor by tensor read back
+    whole (a failed update that left half-written weights behind fails it even if the checksums lied)."""
     want = expected_checksums(src.tensors)
     for s in servers:
         assert version_of(s) == str(version)
         assert served_checksums(s) == want
+        assert_serves(s, src.tensors, s.url)
         assert s.get("/health")[0] == 200
         assert s.ok("/get_server_info", method="GET")["paused"] is False  # generation goes on, failure or not
 

@@ -35,6 +35,7 @@ from tests.launch.procs import CHILD_ENV, REPO, SHM, Marked
 from tests.weights.common import (
     FAST,
     CheckpointSource,
+    assert_serves,
     expected_checksums,
     served_checksums,
     start_server,
@@ -262,12 +263,7 @@ def test_each_transport_delivers_every_tensor_bit_exact(server, model_dir, tmp_p
         report = u.update(version)
     assert not report.verified and version_of(server) == str(version)
     assert kind == "disk" or report.buckets >= 5, report
-    for name, want in src.tensors.items():
-        got = server.ok("/get_weights_by_name", {"name": name, "truncate_size": want.numel()})
-        got = torch.tensor(got, dtype=want.dtype)
-        assert got.numel() == want.numel(), (kind, name, got.numel(), want.numel())
-        differ = int((got != want.view(-1)).sum())
-        assert torch.equal(got.view(want.shape), want), f"{kind}: {name}: {differ} of {want.numel()} elements differ"
+    assert_serves(server, src.tensors, kind)
 
 
 class _NoFlatBuckets(TandemAdapter):
