@@ -9,7 +9,7 @@ import torch
 from tandem.data.balance import karmarkar_karp
 from tandem.train import MicroBatchConfig, TrainEngine, plan_micro_batches
 from tandem.train.config import OptimizerConfig
-from tests.train.helpers import engine_config, full_params, make_batch, train_steps
+from tests.train.helpers import engine_config, full_params, make_batch, train_steps, weighted_loss
 
 SCHEDULE = dict(
     optimizer=OptimizerConfig(lr=1e-3, lr_scheduler="cosine", warmup_steps_proportion=0.25, min_lr_ratio=0.1),
@@ -108,3 +108,21 @@ def gather_bucket_checks(rank: int, world_size: int, mesh_shape: tuple[int, ...]
         if rank == 0 else to_rank0,
         "all_gathers_after": len(calls) - fused_calls,
     }
+
+
+def oracle_steps(rank: int, world_size: int, path: str, optimizer: OptimizerConfig, total_steps: int) -> dict:
+    """Two steps of the global batch split over the ranks (`split`), the full weights after each;
+    then a third step whose gradient is NaN on the last rank's shard only (one advantage)."""
+    batch = make_batch(512)
+    local = batch.select(split(world_size)[rank])
+    engine = TrainEngine(engine_config(path, optimizer=optimizer, total_train_steps=total_steps))
+    res: dict = {"stats": [], "params": []}
+    for _ in range(2):
+        res["stats"].append(engine.train_batch(local, weighted_loss))
+        res["params"].append(full_params(engine))
+    if rank == world_size - 1:
+        local.seqs[0]["advantages"][-1] = float("nan")
+    res["nan_step"] = engine.train_batch(local, weighted_loss)
+    res["after_nan"] = full_params(engine)
+    engine.close()
+    return res
