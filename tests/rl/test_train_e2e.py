@@ -86,16 +86,6 @@ def test_trainer_crash_ends_the_run_naming_the_rank(tmp_path, model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_disk_sync_reaches_launched_servers(tmp_path, model_dir):
-    """Servers load disk updates only below directories they were started with: the launcher
-    gives them the run's weight directory."""
-    cfg = write_config(tmp_path, model_dir, train={"total_steps": 2, "weight_sync": "disk"})
-    proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["version"] for r in rl_rows(tmp_path)] == [1.0, 2.0]
-    assert (run_dir(tmp_path) / "weights").is_dir()
-
-
 def _server(pids: set[int], index: int) -> int:
     for pid in pids:
         if "-m tandem.cli serve" in cmdline(pid) and f"rollout-{index}.log" in _log_of(pid):
