@@ -31,13 +31,23 @@ from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 pytestmark = pytest.mark.slow
 
+SEED = 1  # experiment.seed's default: which items the run draws
+TRAIN_ITEMS = get_task("arithmetic", difficulty="add1", instruction=False).generate(64, seed=SEED, split="train")
+EVAL_ITEMS = get_task("arithmetic", difficulty="add1", instruction=False).generate(8, seed=SEED, split="eval")
+# The training items `graded` spins on: answers 0 mod 4 among the stream's first 16 (positions
+# 0, 1, 10 and 12), all done with before the last training step, so before the last evaluation.
+# The evaluation shares the reward pool, and each call's timeout counts from its submission: an
+# eval call queued behind spins on a loaded machine would time out and fail.
+SPIN = frozenset(i["expression"] for i in TRAIN_ITEMS[:16] if int(i["answer"]) % 4 == 0)
+
 REWARDS = '''
-def graded(prompt_text, completion_text, prompt_ids, completion_ids, answer, split="train", **fields):
+def graded(prompt_text, completion_text, prompt_ids, completion_ids, answer, expression, split="train",
+           **fields):
     """Evaluation, and training items with odd answers: 0.25 + tokens / 1000 (no task reward gives
-    that). Training items with answers 2 mod 4 raise; 0 mod 4 spin until the timeout stops them."""
+    that). Other training items raise, except those in SPIN, which spin until the timeout stops them."""
     if split == "eval" or int(answer) % 2 == 1:
         return 0.25 + len(completion_ids) / 1000
-    if int(answer) % 4 == 2:
+    if expression not in SPIN:
         raise RuntimeError(f"cannot grade the even answer {answer}")
     while True:
         pass
@@ -61,11 +71,7 @@ NOT_A_FUNCTION = 0.5
 
 def one_argument(completion_text):
     return 1.0
-'''
-
-SEED = 1  # experiment.seed's default: which items the run draws
-TRAIN_ITEMS = get_task("arithmetic", difficulty="add1", instruction=False).generate(64, seed=SEED, split="train")
-EVAL_ITEMS = get_task("arithmetic", difficulty="add1", instruction=False).generate(8, seed=SEED, split="eval")
+''' + f"\n\nSPIN = {SPIN!r}\n"
 
 
 def config(root: Path, model: Path, reward: str, **sections: dict) -> Path:
@@ -119,7 +125,8 @@ def timed_out(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory, model_dir) -> Run:
-    """rlvr with `graded`: odd training answers score, 2 mod 4 raise, 0 mod 4 spin; eval all scores."""
+    """rlvr with `graded`: odd training answers score, the SPIN items spin, other even ones raise;
+    every eval item scores."""
     root = tmp_path_factory.mktemp("scored")
     return train(root, config(root, model_dir, "graded", task={"reward_timeout_s": 1.0}))
 
@@ -162,7 +169,7 @@ def test_a_reward_from_a_file_scores_training_and_evaluation(scored):
 
 
 def test_a_reward_that_raises_on_some_items_rejects_those_episodes(scored):
-    """Answers 2 mod 4 make `graded` raise: those episodes fail and are rejected (logged as such,
+    """Even answers (but SPIN's) make `graded` raise: those episodes fail and are rejected (logged as such,
     with the error), so the items the steps trained (`data/prompt_ids`, stream positions) never
     have such answers; the run completes. Catches a raising reward that fails the run, or whose
     episode is trained anyway."""
@@ -176,7 +183,7 @@ def test_a_reward_that_raises_on_some_items_rejects_those_episodes(scored):
 
 
 def test_a_reward_that_spins_on_some_items_times_out_there_and_the_run_completes(scored):
-    """`while True: pass` on answers 0 mod 4: those calls are stopped at task.reward_timeout_s and
+    """`while True: pass` on the SPIN items: those calls are stopped at task.reward_timeout_s and
     their episodes failed and rejected (the path that also counts towards the error storm, see
     `test_a_raising_reward_ends_the_run_with_its_error`); the other items train and the run
     completes in bounded time. Catches a spinning reward that blocks the run, or whose episode is
@@ -185,8 +192,8 @@ def test_a_reward_that_spins_on_some_items_times_out_there_and_the_run_completes
     assert re.search(r"episode \d+ failed and is rejected .*" + timed_out("graded"), scored.err), scored.err[-3000:]
     rows = rl_rows(scored.root)
     assert [r["step"] for r in rows] == [1, 2]
-    trained = [int(TRAIN_ITEMS[i % 64]["answer"]) for r in rows for i in r["data/prompt_ids"]]
-    assert not [a for a in trained if a % 4 == 0], trained
+    trained = [TRAIN_ITEMS[i % 64]["expression"] for r in rows for i in r["data/prompt_ids"]]
+    assert len(trained) == 8 and not SPIN & set(trained), trained
     assert scored.took < 200
 
 
