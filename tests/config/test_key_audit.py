@@ -57,7 +57,8 @@ T_UPDATE_META = "tests/rl/test_run_keys.py::test_weight_update_keys_make_the_run
 T_BATCH = "tests/algo/test_config_keys.py::test_the_key_changes_the_training_batch"
 T_LOSS = "tests/algo/test_config_keys.py::test_the_key_changes_the_policy_loss"
 T_E2E_STALENESS = "tests/rl/test_train_e2e.py::test_staleness_zero_gives_ratio_one_and_no_mismatch"
-T_E2E_DISK = "tests/rl/test_train_e2e.py::test_disk_sync_reaches_launched_servers"
+T_E2E_ASYNC = "tests/rl/test_train_e2e.py::test_the_default_asynchronous_loop_keeps_its_bound_and_learns"
+T_ELASTIC_DISK = "tests/rl/test_elastic_run.py::test_a_server_killed_in_an_update_phase_leaves_the_run_going"  # [disk]
 T_SECOND_LAUNCH = "tests/rl/test_run_lifecycle.py::test_second_launch_into_a_trial"
 T_SFT = "tests/rl/test_calculator_sft.py::test_sft_trains_on_conversations_and_evaluates_with_the_tool_loop"
 T_REWARD_FILE = "tests/rl/test_reward_workflow_e2e.py::test_a_reward_from_a_file_scores_training_and_evaluation"
@@ -260,7 +261,7 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "task.train_size": (T_DATA, "tests/rl/test_data.py::test_eval_set_has_no_repeated_problem"),
     "task.eval_size": (T_DATA, "tests/rl/test_data.py::test_eval_set_has_no_repeated_problem"),
     "task.system_prompt": (T_DATA,),
-    "task.reward_timeout_s": ("tests/rl/test_reward_workflow_e2e.py::test_a_hanging_reward_times_out_and_ends_the_run",
+    "task.reward_timeout_s": ("tests/rollout/test_executor.py::test_reward_that_hangs_is_rejected_and_the_executor_goes_on",
                               "tests/rl/test_reward_workflow_e2e.py::test_a_reward_that_spins_on_some_items_times_out_there_and_the_run_completes"),
     "task.reward_workers": (T_REWARD_FILE,),
     # --- train: the RL loop
@@ -268,28 +269,28 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
                           "tests/rl/test_run_config.py::test_actor_is_the_engine_config_with_derived_values"),
     "train.n_minibatches": ("tests/rl/test_run_config.py::test_actor_is_the_engine_config_with_derived_values",
                             f"{T_ROUTER}::test_r2_update_passes_replay_the_routes_the_proximal_pass_recorded"),
-    "train.weight_sync": (T_UPDATE_META, T_E2E_DISK,
+    "train.weight_sync": (T_UPDATE_META, T_ELASTIC_DISK,
                           "tests/config/test_loader.py::test_train_refuses_servers_that_cannot_take_its_weight_sync"),
     "train.bucket_mb": (T_UPDATE_META, "tests/train/test_engine.py::test_weight_export_buckets_match_save_model"),
     "train.verify_weights": ("tests/weights/test_transport.py::test_ping_pong_staging_keeps_atomicity",
                              "tests/config/test_loader.py::test_train_refuses_weight_verification_on_servers_without_checksums"),
-    "train.eval_every": (T_E2E_STALENESS, T_E2E_DISK),
-    "train.save_every": (T_SECOND_LAUNCH, "tests/rl/test_run_lifecycle.py::test_resume_replaces_the_redone_steps"),
+    "train.eval_every": (T_E2E_STALENESS, T_E2E_ASYNC),
+    "train.save_every": (T_SECOND_LAUNCH, T_SECOND_LAUNCH),
     "train.resume_from": ("tests/rl/test_trial.py::test_the_latest_checkpoint_is_resumed",
                           "tests/rl/test_trial.py::test_resume_from_a_directory_that_is_no_checkpoint",
-                          "tests/rl/test_run_lifecycle.py::test_resume_replaces_the_redone_steps"),
+                          T_SECOND_LAUNCH),
     "train.overwrite": ("tests/rl/test_trial.py::test_overwrite_replaces_rl_outputs_only",
                         "tests/rl/test_trial.py::test_outputs_without_a_checkpoint_are_refused", T_SECOND_LAUNCH),
-    "train.keep_checkpoints": (T_SECOND_LAUNCH,),
+    "train.keep_checkpoints": (T_E2E_ASYNC, "tests/rl/test_recovery.py::test_killed_anywhere_the_rerun_is_bit_identical"),
     # --- sft
     "sft.steps": (T_SFT, "tests/rl/test_run_config.py::test_sft_schedule_spans_sft_steps"),
     "sft.batch_size": (T_SFT,),
     "sft.output": (T_SFT,),
     # --- stats
     "stats.progress": ("tests/rl/test_run_lifecycle.py::test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c",),
-    "stats.tensorboard": ("tests/rl/test_run_keys.py::test_tensorboard_writes_event_files_only_when_asked", T_E2E_DISK,
+    "stats.tensorboard": ("tests/rl/test_run_keys.py::test_tensorboard_writes_event_files_only_when_asked", T_E2E_ASYNC,
                           T_E2E_STALENESS),
-    "stats.plot": (T_E2E_DISK, T_E2E_STALENESS),
+    "stats.plot": (T_E2E_ASYNC, T_E2E_STALENESS),
     "stats.wandb_project": ("tests/rl/test_run_keys.py::test_wandb_project_sends_the_metrics_there",),
     # --- recover, cluster
     "recover.mode": ("tests/rl/test_trial.py::test_recover_modes",),

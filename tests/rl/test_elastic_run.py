@@ -121,6 +121,9 @@ PHASES = {  # fault injection on the victim's routes (the run's servers start wi
     "broadcast": ("distributed", {"route": "update_weights_from_distributed", "action": "kill", "nth": 2,
                                   "after_tensors": 1}),
     "staged-before-commit": ("distributed", {"route": "commit_staged_weights", "action": "kill", "nth": 2}),
+    # Also the run that shows launched servers take disk updates at all (they load only below the
+    # directories they were started with; the launcher gives them the run's weight directory):
+    # both hold the first update (sync/servers == 2), the survivor every later one.
     "disk": ("disk", {"route": "update_weights_from_disk", "action": "kill", "nth": 2}),
 }
 
@@ -169,3 +172,5 @@ def test_a_server_killed_in_an_update_phase_leaves_the_run_going(tmp_path, model
     assert rows[-1]["fleet/generation"] == rows[0]["fleet/generation"] + 1  # one membership change: the eviction
     if phase in ("announce", "broadcast"):
         assert max(r["sync/attempts"] for r in rows) == 2  # the broadcast went again without the dead server
+    if sync == "disk":
+        assert (run / "weights").is_dir()

@@ -89,21 +89,6 @@ def test_trainer_crash_ends_the_run_naming_the_rank(tmp_path, model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_disk_sync_reaches_launched_servers(tmp_path, model_dir):
-    """Servers load disk updates only below directories they were started with: the launcher
-    gives them the run's weight directory. With stats.plot and stats.tensorboard off the run
-    writes neither, and without train.eval_every it evaluates only after the last step."""
-    cfg = write_config(tmp_path, model_dir, train={"total_steps": 2, "weight_sync": "disk"},
-                       stats={"plot": False, "tensorboard": False})
-    proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = rl_rows(tmp_path)
-    assert [r["version"] for r in rows] == [1.0, 2.0]
-    assert ["eval/accuracy" in r for r in rows] == [False, True]
-    assert (run_dir(tmp_path) / "weights").is_dir()
-    assert not (run_dir(tmp_path) / "plot.png").exists() and not (run_dir(tmp_path) / "tensorboard").exists()
-
-
 def _server(pids: set[int], index: int) -> int:
     for pid in pids:
         if "-m tandem.cli serve" in cmdline(pid) and f"rollout-{index}.log" in _log_of(pid):
@@ -148,12 +133,15 @@ def test_the_default_asynchronous_loop_keeps_its_bound_and_learns(tmp_path, mode
     fleet one step ahead that is step 1's batch), and the reward rises on a task the tiny model
     learns in twelve steps (the parity of its one generated token; 64 samples a step). Catches a
     staleness bound off by one, weights that reach the servers late or wrong, and a loop whose
-    updates do not improve the policy."""
+    updates do not improve the policy. Also what some keys leave out: with stats.plot and
+    stats.tensorboard off the run writes neither, without train.eval_every it evaluates only before
+    and after training, and train.keep_checkpoints=1 keeps only the newest checkpoint."""
     cfg = write_config(tmp_path, model_dir, actor={"optimizer": {"lr": 1e-2}},
                        rollout={"max_head_offpolicyness": 1, "consumer_batch_size": 8,
                                 "reward": "tests.rollout.rewards:parity_reward"},
-                       gen={"n_samples": 8, "max_new_tokens": 1}, task={"eval_size": 0},
-                       train={"total_steps": 12}, stats={"progress": False, "plot": False, "tensorboard": False})
+                       gen={"n_samples": 8, "max_new_tokens": 1}, task={"eval_size": 4},
+                       train={"total_steps": 12, "save_every": 4, "keep_checkpoints": 1},
+                       stats={"progress": False, "plot": False, "tensorboard": False})
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,3 +155,7 @@ def test_the_default_asynchronous_loop_keeps_its_bound_and_learns(tmp_path, mode
     first, last = (sum(r["reward/mean"] for r in part) / 3 for part in (rows[:3], rows[-3:]))
     print(f"\n[async loop] reward {first:.3f} (steps 1-3) -> {last:.3f} (steps 10-12)")
     assert last >= first + 0.1, (first, last)
+    assert ["eval/accuracy" in r for r in rows] == [False] * 11 + [True]
+    out = run_dir(tmp_path)
+    assert not (out / "plot.png").exists() and not (out / "tensorboard").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", "step00000012"]
