@@ -183,6 +183,18 @@ class RewardRunner:
                     return RewardResult(None, f"{name}: {cfut.exception()}")
                 self._recycle(pool)
                 return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s{self._label} (worker killed)")
+            except asyncio.CancelledError:
+                # Our own task cancelled: propagate. Otherwise the pool was retired because of
+                # another call while this one still waited in it (`shutdown(cancel_futures=True)`
+                # cancels those): it never ran, so it runs on the fresh pool.
+                task = asyncio.current_task()
+                if not cfut.cancelled() or (task is not None and task.cancelling()):
+                    raise
+                if self._closed:
+                    raise RewardRunnerClosed("the reward runner was closed during the call") from None
+                if attempt == 0:
+                    continue
+                return RewardResult(None, f"{name}: reward worker pool unavailable (recycled twice)")
             except BrokenProcessPool:
                 # The pool was retired because of another call. A victim that had not yet used its
                 # time is retried once; one that ran past its timeout was stuck too: no retry.

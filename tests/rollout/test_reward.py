@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tandem.rollout import RewardRunner
+from tandem.rollout.reward import RewardResult
 from tests.launch.pool_owner import kill_owner_and_check, start_owner
 from tests.launch.procs import Marked
 from tests.rollout import rewards
@@ -72,6 +73,44 @@ def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
     procs = list(pool._processes.values()) if pool._processes else []
     assert all(not p.is_alive() for p in procs)  # no stuck worker left behind
     assert score(runner, rewards.parity_reward).value == 1.0  # fresh pool works
+
+
+def test_calls_queued_in_a_recycled_pool_are_scored_not_cancelled():
+    """Evaluation and the rollout executor score on different event loops, each allowed
+    `max_workers` calls, so calls can wait inside the pool. When a stuck call recycles the pool,
+    `shutdown(cancel_futures=True)` cancels the waiting ones: that must not surface as an
+    asyncio.CancelledError in their callers (it ended evaluations on loaded CI machines) but be
+    retried on the fresh pool, as a call broken by the recycling is."""
+    import threading
+
+    runner = RewardRunner(max_workers=1, timeout_s=1.0, grace_s=0.5)
+    try:
+        score(runner, rewards.parity_reward)  # the one worker exists
+        results: dict[str, object] = {}
+
+        def call(name: str, fn, delay: float) -> None:
+            time.sleep(delay)  # each thread is its own event loop, with its own slot
+            try:
+                results[name] = asyncio.run(runner.ascore(fn, "p", "c", [1], [2]))
+            except BaseException as exc:  # what a caller would see
+                results[name] = exc
+
+        threads = [threading.Thread(target=call, args=("stuck", rewards.stubborn_reward, 0.0)),
+                   *(threading.Thread(target=call, args=(f"queued{i}", rewards.parity_reward, 0.3 + i / 10))
+                     for i in range(4))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert runner.num_recycled == 1
+        assert "worker killed" in results["stuck"].error
+        queued = [results[f"queued{i}"] for i in range(4)]
+        assert all(isinstance(r, RewardResult) for r in queued), results  # nothing raised to a caller
+        # The pool moves up to two waiting calls into its call queue (they then fail with the stuck
+        # one's worker); the others were still waiting, were cancelled, and are scored on the fresh pool.
+        assert sum(r.value == 1.0 for r in queued) >= 2, results
+    finally:
+        runner.close()
 
 
 def test_close_while_scoring_is_final_and_quick():
