@@ -50,11 +50,12 @@ def graded(prompt_text, completion_text, prompt_ids, completion_ids, answer, exp
            **fields):
     """Evaluation, and training items with odd answers: 0.25 + tokens / 1000 (no task reward gives
     that). Other training items raise, except those in SPIN, which spin until the timeout stops them.
-    Each scored call notes which reward worker ran it, and takes 0.2 s so that calls overlap."""
-    if split == "eval" or int(answer) % 2 == 1:
+    An evaluation call notes which reward worker ran it, and takes 0.5 s so that calls overlap."""
+    if split == "eval":
         with Path(__file__).with_name("reward-pids.txt").open("a") as f:
             f.write(f"{os.getpid()}\\n")
-        time.sleep(0.2)
+        time.sleep(0.5)
+    if split == "eval" or int(answer) % 2 == 1:
         return 0.25 + len(completion_ids) / 1000
     if expression not in SPIN:
         raise RuntimeError(f"cannot grade the even answer {answer}")
@@ -165,7 +166,9 @@ def test_a_reward_from_a_file_scores_training_and_evaluation(scored):
     recorded config keeping a relative path (the run could not be rerun from elsewhere); rewards
     computed in other than task.reward_workers worker processes."""
     scored.succeeded()
-    assert len(set((scored.root / "reward-pids.txt").read_text().split())) == 3
+    # The step-0 evaluation (its 8 calls come first, before any training reward could stop a
+    # worker) runs in 3 worker processes: task.reward_workers.
+    assert len(set((scored.root / "reward-pids.txt").read_text().split()[:8])) == 3
     rows = rl_rows(scored.root)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # 0.25 + tokens / 1000 over the trained (odd-answer) episodes
