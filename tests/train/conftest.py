@@ -28,3 +28,14 @@ def untied4_dir(tmp_path_factory):
     """The tiny preset with 4 layers and a separate output head (the parallel layouts' model)."""
     return init_model(tmp_path_factory.mktemp("models") / "qwen3-tiny-untied4", arch="qwen3", preset="tiny", seed=0,
                       overrides={"num_hidden_layers": 4, "tie_word_embeddings": False})
+
+
+@pytest.fixture
+def functorch_config():
+    """torch's functorch config with `activation_memory_budget` restored after the test, by torch's
+    own `patch`: pytest's monkeypatch cannot restore a torch config entry (its undo leaves the
+    entry deleted, and every later read raises AttributeError)."""
+    import torch._functorch.config as config
+
+    with config.patch(activation_memory_budget=config.activation_memory_budget):
+        yield config

@@ -86,10 +86,7 @@ def test_activation_checkpointing_modes_match(tiny_dir, reference):
 
 
 @pytest.mark.slow
-def test_memory_budget_checkpointing_through_compile(tiny_dir, reference, monkeypatch):
-    import torch._functorch.config as functorch_config
-
-    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
+def test_memory_budget_checkpointing_through_compile(tiny_dir, reference, monkeypatch, functorch_config):
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     budget = ParallelizeConfig(activation_checkpoint="memory_budget", ac_memory_budget=0.25, compile=True)
     _assert_same_run(reference, _run(tiny_dir, parallelize=budget), "AC memory budget 0.25 (compiled)")

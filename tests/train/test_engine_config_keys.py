@@ -149,13 +149,10 @@ def test_activation_checkpointing_recomputes_what_the_keys_say(tiny_dir):
     assert op_ops[NORM] > none_ops[NORM]  # recomputed
 
 
-def test_memory_budget_and_compile_reach_the_blocks(tiny_dir, monkeypatch):
+def test_memory_budget_and_compile_reach_the_blocks(tiny_dir, functorch_config):
     """Catches `actor.parallelize.compile` or `ac_memory_budget` being dropped: compiled blocks
     carry torch.compile's call wrapper (compiled lazily, so building costs nothing), and the
     memory budget becomes compile's partitioner budget."""
-    import torch._functorch.config as functorch_config
-
-    monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
     eager = TrainEngine(engine_config(str(tiny_dir)))
     assert all(block._compiled_call_impl is None for block in eager.model.layers.values())
     eager.close()
