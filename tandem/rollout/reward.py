@@ -10,6 +10,10 @@ Two layers keep a bad reward from stalling a run:
    function that blocks the signal): the pool is retired, its worker processes are killed and a
    fresh pool is started, so stuck workers never accumulate. Innocent calls that were running in
    the retired pool (for less than `timeout_s`) are retried once on the fresh one.
+Both clocks start when a worker takes the call up: each worker posts the call it runs, and since
+when, on the pool's `_StartBoard`, so a pool's start-up on a loaded machine (workers import the
+reward's modules) never counts against a reward's time. A call no worker has taken up within
+`start_timeout_s` retires the pool like a stuck one.
 A reward that raises, hangs or returns a non-number gives `RewardResult(value=None, error=...)`;
 the workflow turns that into a rejected sample with the reason logged.
 
@@ -25,6 +29,7 @@ workers are children of the thread that submits first, and die when it ends: see
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import multiprocessing
@@ -69,8 +74,45 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _AlarmTimeout()
 
 
-def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any], label: str = "") -> float:
-    """Worker side: call `fn` with a soft timeout (the worker runs it on its main thread)."""
+class _StartBoard:
+    """Shared memory where a pool's workers post the call each is running and since when: one
+    slot per worker, claimed at start-up. CLOCK_MONOTONIC is one clock for every process on the
+    machine, so the parent compares the posted times with its own `time.monotonic()`."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext, slots: int):
+        self.next_slot = ctx.Value("i", 0)
+        self.tokens = ctx.Array("q", slots, lock=False)
+        self.since = ctx.Array("d", slots, lock=False)
+
+    def claim(self) -> int:
+        with self.next_slot.get_lock():
+            slot = self.next_slot.value
+            self.next_slot.value += 1
+        return slot
+
+    def post(self, slot: int, token: int) -> None:
+        if 0 <= slot < len(self.tokens):
+            self.since[slot] = time.monotonic()
+            self.tokens[slot] = token  # after the time: a reader that sees the token sees its time
+
+    def started_at(self, token: int) -> float | None:
+        """When a worker took call `token` up; None while no worker has (or once it moved on)."""
+        for slot, posted in enumerate(self.tokens):
+            if posted == token:
+                return self.since[slot]
+        return None
+
+
+_board: _StartBoard | None = None  # worker side: this worker's board and slot (set by _init_worker)
+_slot = -1
+
+
+def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any], label: str = "",
+                    token: int = 0) -> float:
+    """Worker side: post `token` as started, then call `fn` with a soft timeout (the worker runs it
+    on its main thread)."""
+    if _board is not None:
+        _board.post(_slot, token)
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
@@ -82,12 +124,15 @@ def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[st
         signal.signal(signal.SIGALRM, previous)
 
 
-def _init_worker(creator_pid: int) -> None:
+def _init_worker(creator_pid: int, board: _StartBoard) -> None:
     """A pool worker dies with the process that owns the runner, and leaves Ctrl-C to it: a
     terminal sends SIGINT to the whole foreground process group, workers included, and the owner
-    stops the pool itself (a worker interrupted mid-call would print a KeyboardInterrupt traceback)."""
+    stops the pool itself (a worker interrupted mid-call would print a KeyboardInterrupt traceback).
+    It claims its slot on the pool's start board."""
+    global _board, _slot
     die_with_creator(creator_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _board, _slot = board, board.claim()
 
 
 def _default_context() -> str:
@@ -97,16 +142,21 @@ def _default_context() -> str:
 
 class RewardRunner:
     def __init__(self, max_workers: int = 2, timeout_s: float = 15.0, grace_s: float = 1.0, mp_context: str | None = None,
-                 timeout_key: str | None = None):
-        """`timeout_key`: the setting `timeout_s` came from, named in timeout errors (e.g. task.reward_timeout_s)."""
+                 timeout_key: str | None = None, start_timeout_s: float | None = None):
+        """`timeout_key`: the setting `timeout_s` came from, named in timeout errors (e.g.
+        task.reward_timeout_s). `start_timeout_s`: how long a call may wait for a worker to take it
+        up (start-up and queueing; default 60 s plus twice `timeout_s + grace_s`)."""
         self.max_workers = max_workers
         self.timeout_s = timeout_s
         self.timeout_key = timeout_key
         self._label = f" (the timeout, {timeout_key})" if timeout_key else ""
         self.grace_s = grace_s
+        self.start_timeout_s = 60.0 + 2 * (timeout_s + grace_s) if start_timeout_s is None else start_timeout_s
         self._ctx = multiprocessing.get_context(mp_context or _default_context())
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
+        self._board: _StartBoard | None = None  # the current pool's
+        self._tokens = itertools.count(1)
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
@@ -116,19 +166,21 @@ class RewardRunner:
     def __getstate__(self) -> dict[str, Any]:
         """Pickles as its settings (a workflow sent to a rollout worker): the copy starts its own pool."""
         return {"max_workers": self.max_workers, "timeout_s": self.timeout_s, "grace_s": self.grace_s,
-                "mp_context": self._ctx.get_start_method(), "timeout_key": self.timeout_key}
+                "mp_context": self._ctx.get_start_method(), "timeout_key": self.timeout_key,
+                "start_timeout_s": self.start_timeout_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
 
-    def _get_pool(self) -> ProcessPoolExecutor:
+    def _get_pool(self) -> tuple[ProcessPoolExecutor, _StartBoard]:
         with self._lock:
             if self._closed:
                 raise RewardRunnerClosed("the reward runner is closed")
-            if self._pool is None:
+            if self._pool is None or self._board is None:
+                self._board = _StartBoard(self._ctx, self.max_workers)
                 self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx,
-                                                 initializer=_init_worker, initargs=(os.getpid(),))
-            return self._pool
+                                                 initializer=_init_worker, initargs=(os.getpid(), self._board))
+            return self._pool, self._board
 
     def _slot(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -166,22 +218,25 @@ class RewardRunner:
     async def _score(self, fn: RewardFn, args: tuple, item_fields: dict[str, Any]) -> RewardResult:
         name = getattr(fn, "__name__", repr(fn))
         for attempt in range(2):
-            pool = self._get_pool()
+            pool, board = self._get_pool()
+            token = next(self._tokens)
             try:
-                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields, self._label)
+                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields, self._label, token)
             except RuntimeError:  # the pool was shut down (recycled or closed) between get and submit
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner is closed") from None
                 continue
-            started = time.monotonic()
             try:
-                value = await asyncio.wait_for(asyncio.wrap_future(cfut), self.timeout_s + self.grace_s)
+                value = await self._result_in_time(asyncio.wrap_future(cfut), board, token)
             except TimeoutError:
                 # Either the soft timer fired inside the worker (a TimeoutError comes back through
                 # the future) or the worker is stuck for good; in the latter case kill and replace.
                 if cfut.done() and not cfut.cancelled() and isinstance(cfut.exception(), TimeoutError):
                     return RewardResult(None, f"{name}: {cfut.exception()}")
                 self._recycle(pool)
+                if board.started_at(token) is None:
+                    return RewardResult(None, f"{name}: no reward worker took the call up within "
+                                              f"{self.start_timeout_s:g}s (workers killed)")
                 return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s{self._label} (worker killed)")
             except asyncio.CancelledError:
                 # Our own task cancelled: propagate. Otherwise the pool was retired because of
@@ -200,7 +255,8 @@ class RewardRunner:
                 # time is retried once; one that ran past its timeout was stuck too: no retry.
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner was closed during the call") from None
-                if attempt == 0 and time.monotonic() - started < self.timeout_s:
+                started = board.started_at(token)
+                if attempt == 0 and (started is None or time.monotonic() - started < self.timeout_s):
                     continue
                 return RewardResult(None, f"{name}: worker killed along with a stuck one")
             except Exception as exc:  # the reward itself raised (including its soft timeout)
@@ -209,6 +265,24 @@ class RewardRunner:
                 return RewardResult(None, f"{name}: returned {value!r}, not a finite number")
             return RewardResult(float(value))
         return RewardResult(None, f"{name}: reward worker pool unavailable")
+
+    async def _result_in_time(self, fut: asyncio.Future, board: _StartBoard, token: int) -> Any:
+        """The call's result, or TimeoutError once it has run `timeout_s + grace_s` since a worker
+        took it up, or waited `start_timeout_s` for one to. Cancelling the caller cancels the call."""
+        budget = self.timeout_s + self.grace_s
+        submitted = time.monotonic()
+        while not fut.done():
+            started = board.started_at(token)
+            now = time.monotonic()
+            left = (submitted + self.start_timeout_s if started is None else started + budget) - now
+            if left <= 0:
+                raise TimeoutError
+            try:  # not started: look again after at most `budget`, which is then counted from the start
+                await asyncio.wait({fut}, timeout=min(left, budget))
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+        return fut.result()
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop the pool for good: idle workers exit at once, busy or stuck ones are killed after

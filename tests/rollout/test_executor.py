@@ -185,7 +185,7 @@ def test_failures_between_successes_are_no_storm(make_server, make_executor):
 def test_reward_that_hangs_is_rejected_and_the_executor_goes_on(make_server, make_executor):
     server = make_server()
     ex = make_executor([server.address])
-    runner = RewardRunner(max_workers=2, timeout_s=0.5, grace_s=1.0)  # grace covers worker start-up
+    runner = RewardRunner(max_workers=2, timeout_s=0.5, grace_s=1.0)  # both clocks start when a worker takes a call up
     wf = RLVRWorkflow(rewards.maybe_hang_reward, GenerationParams(max_new_tokens=3), n_samples=2, reward_runner=runner)
     try:
         start = time.monotonic()
