@@ -142,7 +142,9 @@ def version_of(server: ServerProcess) -> str:
 
 
 def shm_leftovers() -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob("tandem-w-*"))
+    """The weight segments this test process wrote (`tandem-w-<creator pid>-...`) that still exist:
+    only its own, so that another test run beside it does not show up here."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"tandem-w-{os.getpid()}-*"))
 
 
 def mapped_segments(pid: int) -> list[str]:
