@@ -6,7 +6,9 @@ resubmit after an `abort` (a weight update paused the server) until the server s
 the budget is spent. Transport failures are retried with exponential backoff, on another server when
 the first one is gone (a *resubmission*: prompt + the tokens received so far, their versions kept),
 all inside one deadline per request; while no server may serve (the fleet is warming up or every
-server was evicted) the request waits, inside the same deadline.
+server was evicted) the request waits, inside the same deadline. A call in flight to a server that
+the membership evicts (`ServerPool.abandon`: a stopped server never answers nor closes) is given up
+at once and resubmitted the same way, not left to its call timeout or the request's deadline.
 
 With `ClientConfig.route_layout` (a MoE model; routing replay) every call asks for the routed
 experts, and the response carries them for prompt and output (`ModelResponse.routed_experts`). A
@@ -18,11 +20,13 @@ made its tokens), so each chunk's rows replace the earlier ones wherever they ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +73,10 @@ class _TransientHTTPError(Exception):
     def __init__(self, status: int, text: str):
         super().__init__(f"HTTP {status}: {text[:200]}")
         self.status = status
+
+
+class CallAbandoned(Exception):
+    """The server was evicted while the call was in flight (`ServerPool.abandon`)."""
 
 
 class InferenceClient:
@@ -213,14 +221,16 @@ class InferenceClient:
                 continue
             state.tried.setdefault(server, None)
             timeout = left if self.config.call_timeout_s is None else min(left, self.config.call_timeout_s)
+            abandoned = asyncio.get_running_loop().create_future()
             try:
-                with self.pool.lease(server):
+                with self.pool.lease(server, _setter(abandoned)):
                     state.calls += 1
-                    data = await self._post(server, body, timeout)
+                    data = await self._post_unless(abandoned, server, body, timeout)
                 chunk = self.adapter.parse_generate(data)
                 self.pool.mark_success(server, len(chunk.output_ids))
                 return chunk, server
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError) as exc:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError,
+                    CallAbandoned) as exc:
                 state.last_error = f"{server}: {type(exc).__name__}: {exc}".rstrip(": ")
                 if time.monotonic() >= state.deadline:
                     # Out of time, not necessarily the server's fault: do not mark it.
@@ -239,6 +249,21 @@ class InferenceClient:
         delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2**attempt)
         return min(delay, max(0.0, state.deadline - time.monotonic()))
 
+    async def _post_unless(self, abandoned: asyncio.Future[None], server: str, body: dict[str, Any],
+                           timeout: float) -> dict[str, Any]:
+        """`_post`, given up (`CallAbandoned`) once `abandoned` is set: the server was evicted."""
+        post = asyncio.ensure_future(self._post(server, body, timeout))
+        post.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception never retrieved"
+        try:
+            await asyncio.wait((post, abandoned), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not post.done():  # given up, or this request cancelled: the call ends before we go on
+                post.cancel()
+                await asyncio.wait((post,))
+        if post.cancelled():
+            raise CallAbandoned("the server was evicted while this call was in flight")
+        return post.result()
+
     async def _post(self, server: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session()
         async with session.post(
@@ -249,6 +274,21 @@ class InferenceClient:
             if resp.status >= 400:
                 raise ServerRequestError(server, resp.status, await resp.text())
             return await resp.json()
+
+
+def _setter(fut: asyncio.Future[None]) -> Callable[[], None]:
+    """A thread-safe callback that completes `fut` on its loop (a no-op once that loop is closed)."""
+    loop = fut.get_loop()
+
+    def complete() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def call() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed after its call ended
+            loop.call_soon_threadsafe(complete)
+
+    return call
 
 
 @dataclass

@@ -100,6 +100,7 @@ class RolloutController:
                 self.shutdown()
                 raise
             self.fleet.membership.watch(self.workers.set_servers)
+            self.fleet.membership.watch_evictions(self.workers.abandon)
         return self
 
     def callback_address(self) -> str:

@@ -66,6 +66,7 @@ class ElasticFleet:
         self._ready = threading.Event()
         self._ready_watchers: list[Callable[[bool], None]] = []
         self.membership.watch(self._on_routable)
+        self.membership.watch_evictions(self._on_evicted)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, on_too_small: Callable[[FleetTooSmall], None]) -> None:
@@ -185,6 +186,10 @@ class ElasticFleet:
             watchers = list(self._ready_watchers) if ready != was else []
         for callback in watchers:
             callback(ready)
+
+    def _on_evicted(self, address: str) -> None:
+        if abandoned := self.pool.abandon(address):
+            logger.info("%s: %d call(s) in flight given up; their requests go on elsewhere", address, abandoned)
 
     def _on_result(self, op: FleetOp, request: Any, fut: Future[FleetResult]) -> None:
         exc = fut.exception()

@@ -24,7 +24,8 @@ members, so a burst of joins costs one rebuild of the transfer group and additio
 once per window; a server evicted before waits 1, 2, 4, then 8 cooldowns after its last eviction,
 so a flapping server's additions (and the removals that follow them) thin out. Removals leave the
 members at once (a dead server cannot stay in a transfer group). `generation` grows with every
-change of the members. `watch(callback)` is told the healthy list whenever it changes (outside the lock).
+change of the members. `watch(callback)` is told the healthy list whenever it changes, and
+`watch_evictions(callback)` each evicted address, after the healthy list (both outside the lock).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class Membership:
         self._evicted = 0
         self._joined = 0
         self._watchers: list[Callable[[list[str]], None]] = []
+        self._eviction_watchers: list[Callable[[str], None]] = []
+        self._evicted_untold: list[str] = []  # evictions the eviction watchers have not heard of yet
         self._routable = self._healthy()
 
     # -- reading ----------------------------------------------------------------------------------
@@ -159,6 +162,11 @@ class Membership:
             self._watchers.append(callback)
             current = list(self._routable)
         callback(current)
+
+    def watch_evictions(self, callback: Callable[[str], None]) -> None:
+        """`callback(address)` whenever a server is evicted (the pool gives up its calls in flight)."""
+        with self._lock:
+            self._eviction_watchers.append(callback)
 
     def set_version(self, version: int) -> None:
         """The members acknowledged `version` (a weight update)."""
@@ -268,6 +276,7 @@ class Membership:
         self._set(r, ServerState.EVICTED)
         r.last_error, r.evictions, r.evicted_at = reason, r.evictions + 1, r.since
         self._evicted += 1
+        self._evicted_untold.append(r.address)
         logger.warning("%s evicted: %s", r.address, reason)
 
     def _set(self, r: ServerRecord, state: ServerState) -> None:  # under the lock
@@ -287,9 +296,12 @@ class Membership:
     def _notify(self) -> None:
         with self._lock:
             current = self._healthy()
-            if current == self._routable:
-                return
-            self._routable = current
-            watchers = list(self._watchers)
+            changed, self._routable = current != self._routable, current
+            watchers = list(self._watchers) if changed else []
+            evicted, self._evicted_untold = self._evicted_untold, []
+            eviction_watchers = list(self._eviction_watchers) if evicted else []
         for callback in watchers:
             callback(current)
+        for address in evicted:
+            for told in eviction_watchers:
+                told(address)

@@ -14,13 +14,18 @@ it healthy again. When every routable server is marked unhealthy the pool still 
 outstanding among them), so a fleet-wide blip slows requests down instead of failing them all;
 with no routable server at all, `choose` raises `NoServerError` (the client waits for one).
 
+A server the membership evicts is also given up on mid-call: `abandon(address)` runs the
+`on_abandon` callback of every call leased on it, and the client resubmits those requests elsewhere
+(a stopped server keeps its connections open and would otherwise hold them until their deadline).
+
 Thread-safe (one lock); the lock is never held across I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,6 +49,8 @@ class ServerPool:
         self._lock = threading.Lock()
         self._servers: dict[str, PooledServer] = {}
         self._affinity: dict[str, str] = {}
+        self._on_abandon: dict[str, dict[int, Callable[[], None]]] = {}  # address -> lease -> callback
+        self._lease_ids = itertools.count()
         self.max_consecutive_errors = max_consecutive_errors
         for a in addresses:
             self.add(a)
@@ -106,13 +113,17 @@ class ServerPool:
             self._affinity.pop(rid, None)
 
     @contextmanager
-    def lease(self, address: str) -> Iterator[None]:
-        """Count one outstanding request on `address` for the duration of the block."""
+    def lease(self, address: str, on_abandon: Callable[[], None] | None = None) -> Iterator[None]:
+        """Count one outstanding request on `address` for the duration of the block; `abandon(address)`
+        meanwhile calls `on_abandon` (from the thread that abandons: it must be thread-safe)."""
+        lease_id = next(self._lease_ids)
         with self._lock:
             state = self._servers.get(address)
             if state is not None:
                 state.outstanding += 1
                 state.served += 1
+            if on_abandon is not None:
+                self._on_abandon.setdefault(address, {})[lease_id] = on_abandon
         try:
             yield
         finally:
@@ -120,6 +131,23 @@ class ServerPool:
                 state = self._servers.get(address)
                 if state is not None:
                     state.outstanding -= 1
+                calls = self._on_abandon.get(address)
+                if calls is not None:
+                    calls.pop(lease_id, None)
+                    if not calls:
+                        del self._on_abandon[address]
+
+    def abandon(self, address: str) -> int:
+        """Give up on every call in flight to `address` (the membership evicted it): each lease's
+        `on_abandon` runs, outside the lock. Returns how many calls were told."""
+        address = normalize_address(address)
+        with self._lock:
+            callbacks = list(self._on_abandon.get(address, {}).values())
+            if (s := self._servers.get(address)) is not None:
+                s.healthy = False
+        for callback in callbacks:
+            callback()
+        return len(callbacks)
 
     # -- health marks ---------------------------------------------------------------------------
     def mark_success(self, address: str, tokens: int = 0) -> None:

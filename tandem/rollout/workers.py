@@ -124,6 +124,12 @@ class WorkerPool:
                 state = "exited" if not w.process.is_alive() else "did not report"
                 raise RolloutError(f"rollout worker {w.index} (pid {w.process.pid}) {state} within {timeout:g}s")
 
+    def abandon(self, address: str) -> None:
+        """Each worker's client gives up its calls in flight to `address` (evicted)."""
+        for w in self._alive():
+            with contextlib.suppress(OSError, ValueError):
+                w.send(("abandon", address))
+
     @property
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
@@ -325,6 +331,8 @@ class _WorkerProcess:
             self.client.version.set(msg[1])
         elif kind == "servers":
             self.client.pool.set_routable(msg[1])
+        elif kind == "abandon":
+            self.client.pool.abandon(msg[1])
         elif kind == "stop":
             self.stop.set()
 

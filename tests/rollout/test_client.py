@@ -148,6 +148,41 @@ def test_pool_affinity_and_health():
     assert pool.choose("r1") == a
 
 
+def test_pool_abandon_tells_the_calls_in_flight_to_that_server_only():
+    pool = ServerPool(["127.0.0.1:1", "127.0.0.1:2"])
+    a, b = pool.addresses
+    told: list[str] = []
+    with pool.lease(a, lambda: told.append("a1")), pool.lease(a, lambda: told.append("a2")), \
+            pool.lease(b, lambda: told.append("b")):
+        assert pool.abandon("127.0.0.1:1") == 2 and sorted(told) == ["a1", "a2"]
+        assert not pool.is_healthy(a) and pool.is_healthy(b)
+    assert pool.abandon(b) == 0 and sorted(told) == ["a1", "a2"]  # leases that ended are not told
+    assert all(s.outstanding == 0 for s in pool.snapshot())
+
+
+def test_a_call_abandoned_mid_flight_is_resubmitted_elsewhere(make_server):
+    """`ServerPool.abandon` (what an eviction does) ends the call to a server that never answers
+    and the request goes on at once on the other server, long before its deadline."""
+    hung, good = make_server(hang=True), make_server()
+    client = InferenceClient([hung.address, good.address], ClientConfig(backoff_initial_s=0.01, deadline_s=30))
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=5))
+    assert client.pool.choose(req.rid, exclude=[good.address]) == hung.address
+
+    async def scenario():
+        task = asyncio.ensure_future(generate(client, req))
+        while client.pool.outstanding(hung.address) == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the call is on the wire, waiting for an answer that never comes
+        assert client.pool.abandon(hung.address) == 1
+        return await task
+
+    start = time.monotonic()
+    resp = run(scenario())
+    assert time.monotonic() - start < 10
+    assert resp.output_ids == chain(PROMPT[-1], 5, 1000) and resp.servers == [good.address]
+    assert resp.num_retries == 1 and client.resubmitted_total == 1
+
+
 def test_500s_are_retried_then_succeed(make_server):
     server = make_server(fail_first=3)
     client = InferenceClient([server.address], ClientConfig(backoff_initial_s=0.01))

@@ -6,6 +6,8 @@
   sends to it again.
 - SIGSTOP a server: the probes time out and it is evicted; after SIGCONT it answers again and
   comes back through the join path (joining -> warming), never straight to healthy.
+- SIGSTOP a server with requests in flight: at its eviction the calls waiting on it are given up
+  and the requests finish on the other server, long before their deadline.
 - While fewer than `min_servers` are healthy no episode starts; past the grace period the rollouts
   fail with `FleetTooSmall`, naming the servers and why.
 """
@@ -118,6 +120,37 @@ def test_sigstop_evicts_and_sigcont_comes_back_through_the_join_path(spawn_serve
         assert ServerState.HEALTHY not in seen  # never straight back to serving
         assert address not in ctl.pool.addresses  # no traffic before it is warmed and admitted
         assert address in ctl.topology().warming or not ctl.topology().warming  # due after the cooldown
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sigstop_mid_rollout_moves_its_requests_at_eviction(spawn_server, workers):
+    """A stopped server keeps its connections open and never answers: before `ServerPool.abandon`
+    its requests waited out `request_deadline_s` (600 s in `tandem train`) and their episodes
+    failed, although the health monitor had evicted it within seconds. With `workers=1` the
+    eviction reaches the worker's client through its pipe."""
+    servers = [spawn_server("--token-delay", "0.02") for _ in range(2)]
+    victim_address, victim = servers[0]
+    config = RolloutConfig(servers=[a for a, _ in servers], health=HEALTH, max_concurrent_rollouts=8,
+                           consumer_batch_size=8, max_head_offpolicyness=0, request_deadline_s=60, workers=workers)
+    with RolloutController(config) as ctl:
+        for i in range(8):
+            ctl.submit([i + 1], Generate(100))  # 2 s each on the wire
+        server_log = victim_requests(victim_address)
+        wait_until(lambda: server_log() >= 2, 20, "the victim gets requests")
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            trajs = ctl.wait(8, timeout=45)
+            took = time.monotonic() - stopped
+            metrics = ctl.step_metrics()
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+    assert took < 30, took  # eviction (interval x threshold + timeout), then 2 s on the other; deadline 60
+    assert len(trajs) == 8
+    for t in trajs:
+        assert t.input_ids[1:] == chain(t.input_ids[0], 100, 1000)
+    assert metrics["rollout/lost_total"] == 0 and metrics["rollout/resubmitted_total"] >= 2
+    assert metrics["fleet/evicted_total"] == 1
 
 
 def test_too_few_servers_hold_rollouts_back_then_fail_the_run(spawn_server):

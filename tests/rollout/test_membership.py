@@ -193,6 +193,25 @@ def test_watchers_hear_the_routable_set_when_it_changes(clock):
     assert heard == [[A, B], [B], [B, C]]
 
 
+def test_eviction_watchers_hear_each_eviction_once_after_the_routable_set(clock):
+    """The pool gives up the calls in flight to an evicted server from this hook: it must fire for
+    a suspect evicted by its probes (the routable set does not change then), for `evict`, and for
+    a suspect answering with stale weights, once each, after the routable watchers."""
+    m = make(clock, A, B, C, threshold=2)
+    heard: list = []
+    m.watch(lambda routable: heard.append(("routable", routable)))
+    m.watch_evictions(lambda address: heard.append(("evicted", address)))
+    heard.clear()
+    m.probe_failed(A, "x")  # suspect: out of routing, not evicted
+    m.probe_failed(A, "x")  # evicted: the routable set stays [B, C]
+    m.evict(B, "commit failed")
+    m.evict(B, "again")  # out already: no second call
+    m.probe_failed(C, "x")
+    m.probe_ok(C, 7)  # a suspect answering at another version is evicted
+    assert heard == [("routable", [B, C]), ("evicted", A), ("routable", [C]), ("evicted", B),
+                     ("routable", []), ("evicted", C)]
+
+
 def test_evict_and_set_version(clock):
     m = make(clock)
     m.set_version(2)
