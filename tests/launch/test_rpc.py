@@ -89,7 +89,7 @@ class _Thing:
     def boom_or_slow(self):
         if self.rank == 0:
             raise ValueError("rank 0 fails")
-        time.sleep(2.0)
+        time.sleep(6.0)
         return self.rank
 
     def slow(self, seconds: float):
@@ -186,8 +186,8 @@ def test_stuck_rank_after_an_error_breaks_the_group():
     group, _ = _group(error_grace_s=0.3)
     start = time.monotonic()
     with pytest.raises(RemoteError, match=r"rank\(s\) \[1\] never answered"):
-        group.call(_Thing.boom_or_slow)  # rank 0 raises, rank 1 is "inside a collective" for 2 s
-    assert time.monotonic() - start < 1.5
+        group.call(_Thing.boom_or_slow)  # rank 0 raises, rank 1 is "inside a collective" for 6 s
+    assert time.monotonic() - start < 4.0  # the 0.3 s grace, with room for a loaded machine; not the 6 s
     with pytest.raises(GroupBrokenError):
         group.call(_Thing.hello, 1)
     group.close()

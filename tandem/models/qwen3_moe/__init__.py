@@ -1,8 +1,6 @@
 """Qwen3-MoE: the Qwen3 decoder (`QwenModel`) with mixture-of-experts feed-forwards."""
 
-from tandem.models.qwen.model import QwenModel
-from tandem.models.qwen.parallelize import parallelize_qwen
-from tandem.models.qwen.pipeline import split_qwen
+from tandem.models.qwen import QwenModel, parallelize_qwen, split_qwen
 from tandem.models.qwen3_moe.args import MODEL_TYPES, Qwen3MoeArgs
 from tandem.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
 from tandem.models.registry import ModelSpec, register_model_spec
