@@ -32,14 +32,16 @@ class Versions:
         return cls.n
 
 
-def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None) -> ServerProcess:
+def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None, *args: str) -> ServerProcess:
     """`tandem serve` with fault injection enabled (the hidden /_fault route) and short timeouts;
-    `weights_dir`: where disk updates may come from (beside the model's directory)."""
+    `weights_dir`: where disk updates may come from (beside the model's directory); `args`: more
+    of `tandem serve`'s arguments (`"--dtype", "bfloat16"`)."""
     old = os.environ.get("TANDEM_FAULT_INJECTION")
     os.environ["TANDEM_FAULT_INJECTION"] = "1"
     extra = ("--weights-dir", str(weights_dir)) if weights_dir is not None else ()
     try:
-        return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10", *extra)
+        return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10", *extra,
+                             *args)
     finally:
         if old is None:
             os.environ.pop("TANDEM_FAULT_INJECTION", None)
