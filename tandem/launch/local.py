@@ -5,12 +5,14 @@ Process layout (see docs/launch.md):
     controller (this process)
     ├── rollout-0   python -m tandem.launch.guard PID -- python -m tandem.cli serve --port 0 ...
     ├── rollout-1   ...
-    ├── actor-rank0 python -m tandem.train.worker   (the module the caller names; RANK=0, ...)
-    └── actor-rank1 python -m tandem.train.worker   (RANK=1, ...)
+    ├── actor-rank0 python -m tandem.launch.guard PID -- python -m tandem.train.worker   (the module
+    │               the caller names; RANK=0, ...)
+    └── actor-rank1 ...                                                                 (RANK=1, ...)
 
 - Every child starts in its own session, so its process group holds it and anything it spawns;
   teardown signals whole groups. Children also get SIGKILL from the kernel if the controller
-  dies without tearing down (`tandem.launch.guard` for servers, `TANDEM_PARENT_PID` for ranks).
+  dies without tearing down: `tandem.launch.guard` arms that before the child's interpreter
+  imports anything (ranks also check `TANDEM_PARENT_PID` when they start serving).
 - stdout and stderr of each child go to `<run_dir>/logs/<name>.log`; errors quote its last lines.
 - Servers, rendezvous and trainer groups listen on 127.0.0.1. Startup, teardown and signals are
   `ProcessScheduler`'s.
@@ -33,11 +35,17 @@ class LocalScheduler(ProcessScheduler):
     def __init__(self, run_dir: str | Path | None = None, **kwargs: object):
         super().__init__(run_dir, host="127.0.0.1", **kwargs)  # type: ignore[arg-type]
 
+    def _guarded(self, cmd: list[str]) -> list[str]:
+        """`cmd` behind `tandem.launch.guard`: the parent-death signal is armed before `cmd`'s
+        interpreter imports anything, so a child whose controller is SIGKILLed while it starts (torch
+        takes seconds to import on a loaded machine) dies with it, not once its imports are done."""
+        return [self.python, "-m", "tandem.launch.guard", str(os.getpid()), "--", *cmd]
+
     def _launch_server(self, name: str, cmd: list[str], env: dict[str, str], devices: list[int],
                        device: str) -> LaunchedProcess:
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-        return self._spawn(name, [self.python, "-m", "tandem.launch.guard", str(os.getpid()), "--", *cmd], env)
+        return self._spawn(name, self._guarded(cmd), env)
 
     def _launch_ranks(self, name: str, cmd: list[str], envs: list[dict[str, str]], devices: list[int],
                       device: str) -> list[LaunchedProcess]:
@@ -46,7 +54,7 @@ class LocalScheduler(ProcessScheduler):
             env[ENV_PARENT_PID] = str(os.getpid())
             if device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-            procs.append(self._spawn(f"{name}-rank{rank}", cmd, env))
+            procs.append(self._spawn(f"{name}-rank{rank}", self._guarded(cmd), env))
         return procs
 
     def _cleanup(self) -> None:

@@ -144,7 +144,9 @@ def test_run_leaves_nothing(tmp_path, tiny_model, how, sync, workers):
 
 def test_sigkill_while_starting_leaves_nothing(tmp_path, tiny_model):
     """The controller dies while its children start: the servers are loading and the trainer
-    ranks have just been started (they import before they arm the parent-death signal)."""
+    ranks have just been started and are importing torch. Catches a rank that arms the parent-death
+    signal only after its imports: it outlives the controller by as long as they take (seconds, and
+    more than `GONE_WITHIN_S` on a loaded machine)."""
     run = Run(tmp_path, tiny_model, "distributed", 0, steps=30)
     try:
         run.wait_for("the trainer ranks' processes",
