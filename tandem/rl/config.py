@@ -155,8 +155,9 @@ class TaskConfig:
     train_size: int = _f(20000, "Training items generated (cycled in order).", min=1)
     eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
     system_prompt: str | None = _f(None, "System message prepended to every prompt.")
-    reward_timeout_s: float = _f(15.0, "Seconds one reward call may take before it fails (training and evaluation; "
-                                       "the task's reward or rollout.reward).", gt=0.0)
+    reward_timeout_s: float = _f(15.0, "Seconds one reward call may run before it fails (training and evaluation; "
+                                       "the task's reward or rollout.reward), counted from when a reward worker "
+                                       "takes it up: worker start-up and queueing do not count.", gt=0.0)
     reward_workers: int = _f(2, "Processes that compute rewards, off the controller's event loop.", min=1)
 
     def check(self, prefix: str) -> None:
