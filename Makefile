@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint vllm-venv slurm-deps
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40
+	$(PY) -m pytest -q -n 2 --durations=40
 
 # Debian's Slurm and munge, for the tests against a real single-node Slurm (tests/launch/slurm_cluster.py):
 # installed when missing; where that is impossible (not root, no package mirror) the reason goes to
