@@ -11,8 +11,10 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from tandem.errors import ConfigError, TandemError
@@ -63,6 +65,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         import gc
 
         gc.freeze()
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) back until the block ends, then raise it as KeyboardInterrupt.
+
+    For the seconds-long imports of torch, transformers and matplotlib: a KeyboardInterrupt raised
+    inside a module's import can be swallowed by a library's broad `except`, leaving numpy or
+    torch half imported, and the import goes on to fail with an unrelated error (seen: exit 1
+    with "module 'numpy' has no attribute 'minimum'" for a Ctrl-C 2 s after `tandem train`
+    started) instead of the clean exit 130. Off the main thread, or where SIGINT is ignored, the
+    block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _leave_without_finalizing(code: int) -> NoReturn:
@@ -214,7 +239,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     setup_console()
     print(f"tandem train: run directory {plan.run_dir}: {plan.describe()}; controller log "
           f"{plan.run_dir / 'logs' / CONTROLLER_LOG}", file=sys.stderr, flush=True)
-    from tandem.rl.trainer import RunInterrupted, run_rl  # torch, transformers: seconds
+    with interrupts_held():
+        from tandem.rl.trainer import RunInterrupted, run_rl  # torch, transformers: seconds
 
     for attempt in range(cfg.recover.retries + 1):
         try:
@@ -240,7 +266,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from tandem.rl.console import setup_console
 
     setup_console()
-    from tandem.rl.sft import run_sft
+    with interrupts_held():
+        from tandem.rl.sft import run_sft
 
     out, result = run_sft(cfg)
     print(f"SFT model written to {out}; eval accuracy {result.get('eval/accuracy', float('nan')):.3f}")

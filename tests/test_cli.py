@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tandem.cli import interrupts_held
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -107,3 +112,24 @@ def test_init_model_with_fewer_layers_and_an_untied_head(tmp_path):
     assert "lm_head.weight" in names and "model.layers.2.mlp.up_proj.weight" in names
     assert not any(n.startswith("model.layers.3.") for n in names)
     assert_user_error(run("init-model", str(tmp_path / "z"), "--layers", "0"), "--layers must be at least 1, got 0")
+
+
+def test_a_ctrl_c_during_held_imports_is_raised_once_they_end():
+    """`tandem train` and `tandem sft` import torch and transformers under `interrupts_held`: a
+    Ctrl-C landing inside an import could be swallowed by a library and leave numpy half imported
+    (exit 1, "module 'numpy' has no attribute 'minimum'"). The block runs to its end, then the
+    KeyboardInterrupt comes, and the previous handler is back."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs between bytecodes here, and raises nothing
+            finished.append("block")
+        assert finished == ["block"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with interrupts_held():  # no Ctrl-C: nothing raised
+            finished.append("quiet")
+        assert finished == ["block", "quiet"]
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -231,7 +231,7 @@ def test_ctrl_c_while_starting(tmp_path, model_dir):
     """Ctrl-C right after the first line, while torch and the run are still loading: exit 130
     without a traceback, whatever the moment."""
     cfg = write_config(tmp_path, model_dir)
-    for delay in (0.0, 1.5):
+    for delay in (0.0, 1.5, 3.0):  # under load, 2 s once landed inside numpy's import
         run = Watched(cfg, "train.overwrite=true")
         try:
             run.wait_for(r"run directory")
