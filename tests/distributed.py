@@ -3,7 +3,9 @@
     results = run_distributed(my_module.worker, world_size=2, args=(path,))
 
 `worker(rank, world_size, *args)` must be importable (defined at module level): workers are
-spawned fresh. Each worker joins a group on a free 127.0.0.1 port, runs the function, sends its
+spawned fresh. The parent holds the group's TCPStore, listening on a port the kernel picked (a
+port picked free and then released could be taken meanwhile by another suite running beside this
+one: EADDRINUSE); each worker joins the group through it, runs the function, sends its
 return value (serialised with torch.save) to the parent and leaves with `os._exit(0)`: interpreter
 teardown after gloo work sometimes aborts (SIGABRT), so the reported result, not the exit code,
 is the outcome. The parent waits up to `timeout` seconds and kills stragglers.
@@ -21,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -33,13 +36,10 @@ def free_port() -> int:
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any], results) -> None:
     status, payload = "ok", b""
     try:
-        import torch.distributed as dist
-
         torch.set_num_threads(1)
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(value, buf)
@@ -62,7 +62,8 @@ def run_distributed(
     """`fn(rank, world_size, *args)` on `world_size` processes; returns the values by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held until the end
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, tuple(args), results), daemon=True)
         for rank in range(world_size)
