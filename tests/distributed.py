@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,12 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any], results) -> None:
