@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test lint install clean demo moe agent ppo vllm-venv slurm-deps
+.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,12 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint vllm-venv slurm-deps
+# The project's venv, vLLM's venv and Debian's Slurm install side by side: each mostly waits on
+# downloads and unpacking.
+test-deps:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps
+
+test: test-deps lint
 	$(PY) -m pytest -q -n 2 --durations=40
 
 # Debian's Slurm and munge, for the tests against a real single-node Slurm (tests/launch/slurm_cluster.py):

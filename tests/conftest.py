@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 SHARED_FIXTURE_GROUPS = {  # path prefix -> group: the modules that share the fixture
-    "tests/engines/": "vllm-server",
+    "tests/engines/test_vllm.py": "vllm-server",  # test_vllm_train.py launches servers of its own
+    "tests/engines/test_vllm_update.py": "vllm-server",
     "tests/launch/test_slurm_": "slurm-cluster",
 }
 
