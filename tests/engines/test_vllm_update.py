@@ -157,6 +157,7 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
             with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
                 updater.update(1)
         thread.join(300)
+        assert not thread.is_alive(), "the resubmitted request did not finish within 300 s"
         [r] = result
         before = r.output_versions.count(0)
         assert r.num_aborts >= 1 and 0 < before < budget, (r.num_aborts, before)

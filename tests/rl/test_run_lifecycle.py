@@ -22,7 +22,7 @@ import pytest
 from tandem.rl.checkpoints import write_pointer
 from tests.launch.procs import CHILD_ENV, descendants, listening_sockets, wait_gone
 from tests.rl.common import TANDEM, run_dir, write_config
-from tests.timing import refusal_bound_s
+from tests.timing import refusal_bound_s, torch_import_s
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, **CHILD_ENV}  # the reward pool imports tests.rollout.rewards
@@ -90,7 +90,8 @@ def test_second_launch_into_a_trial(tmp_path, model_dir):
     redone, metrics.jsonl then holds each step once, and the summary counts the steps this run
     trained."""
     cfg = write_config(tmp_path, model_dir, train={"total_steps": 2})
-    assert train(cfg).returncode == 0
+    first = train(cfg)
+    assert first.returncode == 0, first.stderr[-3000:]
     start = time.monotonic()
     again = train(cfg)
     took = time.monotonic() - start
@@ -139,7 +140,7 @@ def _post(url: str, key: str | None = None) -> int:
 
 
 def test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c(tmp_path, model_dir):
-    """From its first second the run says where it writes, then each role with its log and
+    """Before its heavy imports the run says where it writes, then each role with its log and
     readiness time, the first evaluation and the progress bar, into controller.log too. Every
     listener of the run is on 127.0.0.1, and launched servers refuse callers without the run's key
     (which never appears on a command line). Ctrl-C ends it within 5 s with a resume hint and no
@@ -149,8 +150,11 @@ def test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c(tmp_path, model_dir
     run = Watched(cfg)
     try:
         first_at, first = run.wait_for(r".")
-        print(f"first line after {first_at:.2f}s: {first}")
-        assert "run directory" in first and str(run_dir(tmp_path)) in first and first_at < 3
+        # Before it could have imported torch (its heavy start-up): a fresh `import torch` timed now,
+        # on the machine as loaded as it is, is the bound (~1 s against ~3.5 s quiet).
+        torch_s = torch_import_s()
+        print(f"first line after {first_at:.2f}s (import torch: {torch_s:.2f}s): {first}")
+        assert "run directory" in first and str(run_dir(tmp_path)) in first and first_at < torch_s
         for role in ("rollout-0", "rollout-1"):
             run.wait_for(rf"{role}: starting \(log .*logs/{role}\.log\)")
             run.wait_for(rf"{role}: ready at http://127\.0\.0\.1:\d+ after \d+\.\d s")
