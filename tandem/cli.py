@@ -270,7 +270,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         from tandem.rl.sft import run_sft
 
     out, result = run_sft(cfg)
-    print(f"SFT model written to {out}; eval accuracy {result.get('eval/accuracy', float('nan')):.3f}")
+    evaluated = f"eval accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "not evaluated"
+    print(f"SFT model written to {out}; {evaluated}")
     return 0
 
 

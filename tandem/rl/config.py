@@ -153,7 +153,7 @@ class TaskConfig:
         default_factory=dict, metadata={"help": "Task options, e.g. {difficulty: add2, instruction: false}."}
     )
     train_size: int = _f(20000, "Training items generated (cycled in order).", min=1)
-    eval_size: int = _f(200, "Evaluation items (greedy, from the eval split).", min=0)
+    eval_size: int = _f(200, "Evaluation items (greedy, from the eval split); 0: no evaluation (`tandem sft` then starts no server).", min=0)
     system_prompt: str | None = _f(None, "System message prepended to every prompt.")
     reward_timeout_s: float = _f(15.0, "Seconds one reward call may run before it fails (training and evaluation; "
                                        "the task's reward or rollout.reward), counted from when a reward worker "

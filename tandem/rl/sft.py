@@ -9,13 +9,15 @@ directory, evaluated greedily by one inference server at the end (a tool-using t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.data.tasks.chat import sft_example
 from tandem.launch.config import make_scheduler
+from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.rl.cluster import start_workers
 from tandem.rl.config import SFTRunConfig
-from tandem.rl.data import CursorLoader, load_task_data
+from tandem.rl.data import CursorLoader, TaskData, load_task_data
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
@@ -26,7 +28,8 @@ from tandem.train.batch import SequenceBatch
 
 
 def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
-    """Train, save, evaluate; returns the HF directory and the eval stats."""
+    """Train, save, evaluate; returns the HF directory and the eval stats (empty when
+    `task.eval_size` is 0: then no inference server is started)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -54,15 +57,23 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
                 metrics.log(step + 1, trainer.sft_step(shards), phase="sft")
             trainer.save_hf(str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
             trainer.shutdown()
-            server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
-            agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)  # a tool task: its agent
-            if agent is not None:
-                result = evaluate_agent([server.url], data.eval, agent, client_config=cfg.rollout.client_config())
-            else:
-                result = evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
-                                  max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())
-            metrics.log(cfg.sft.steps, result, phase="sft")
+            result: dict[str, float] = {}
+            if data.eval:  # task.eval_size=0: no evaluation, so no server is started for one
+                result = _evaluate_saved(cfg, scheduler, out, data, tokenizer, runner)
+                metrics.log(cfg.sft.steps, result, phase="sft")
     finally:
         runner.close()
         metrics.close()
     return out, result
+
+
+def _evaluate_saved(cfg: SFTRunConfig, scheduler: ProcessScheduler, out: Path, data: TaskData, tokenizer: Any,
+                    runner: RewardRunner) -> dict[str, float]:
+    """Greedy eval of the saved model `out` on one inference server started for it (a tool task:
+    by the task's agent)."""
+    server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
+    agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)
+    if agent is not None:
+        return evaluate_agent([server.url], data.eval, agent, client_config=cfg.rollout.client_config())
+    return evaluate([server.url], data.eval, reward_function(cfg, data.task), runner, tokenizer,
+                    max_new_tokens=cfg.gen.max_new_tokens, client_config=cfg.rollout.client_config())

@@ -18,13 +18,15 @@ SftRun = tuple[list[dict], dict]  # (metrics rows with a loss, saved HF tensors)
 
 
 def sft_run(tmp_path: Path, model: Path, backend: str, parallelize: dict | None = None) -> SftRun:
-    """3 steps of 8 sequences of `tandem sft` under `backend` in a fresh `tmp_path`."""
+    """3 steps of 8 sequences of `tandem sft` under `backend` in a fresh `tmp_path`, without the
+    final evaluation (task.eval_size=0: no inference server is started for it)."""
     tmp_path.mkdir()
     cfg = write_config(tmp_path, model, actor={"backend": backend, "optimizer": OPTIMIZER,
                                                "mb": {"n_mbs": 4}, "parallelize": parallelize or {}},
-                       rollout={"backend": "tandem:d1"}, sft={"steps": 3, "batch_size": 8})
+                       rollout={"backend": "tandem:d1"}, sft={"steps": 3, "batch_size": 8}, task={"eval_size": 0})
     proc = subprocess.run([TANDEM, "sft", str(cfg)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "; not evaluated" in proc.stdout and not list((run_dir(tmp_path) / "logs").glob("sft-eval*")), proc.stdout
     rows = [json.loads(line) for line in (run_dir(tmp_path) / "sft-metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r], dict(iter_hf_tensors(run_dir(tmp_path) / "sft"))
 
