@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def interrupts_held() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) back until the block ends, then raise it as KeyboardInterrupt.
 
-    For the seconds-long imports of torch, transformers and matplotlib: a KeyboardInterrupt raised
+    For the seconds-long imports of torch and transformers: a KeyboardInterrupt raised
     inside a module's import can be swallowed by a library's broad `except`, leaving numpy or
     torch half imported, and the import goes on to fail with an unrelated error (seen: exit 1
     with "module 'numpy' has no attribute 'minimum'" for a Ctrl-C 2 s after `tandem train`
