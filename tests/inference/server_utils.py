@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,24 +19,41 @@ LISTENING = re.compile(r"tandem serve: listening on (http://\S+)")
 
 
 class ServerProcess:
-    """`tandem serve --port 0 ...` in a subprocess; `url` once /health answers 200 (with
-    `wait_healthy=False`: once the listening line is printed)."""
+    """`tandem serve --port 0 ...` in a subprocess behind `tandem.launch.guard`, as the product
+    starts its servers: it dies with the test process even when that is SIGKILLed (a pytest worker
+    killed by a timeout or a Ctrl-C left its module servers running, one found 28 min later).
+
+    `url` is set once /health answers 200 (with `wait_healthy=False`: once the listening line is
+    printed); with `wait=False` the constructor only starts the process and `wait_ready` waits.
+    The guard's signal fires when the *thread* that started the server ends, so servers are
+    started on the main thread; to start several at once, start each with `wait=False`."""
 
     def __init__(self, model: Path, log_dir: Path, *extra: str, api_key: str | None = None, timeout: float = 60,
-                 env: dict[str, str] | None = None, wait_healthy: bool = True):
+                 env: dict[str, str] | None = None, wait_healthy: bool = True, wait: bool = True):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start ServerProcess on the main thread: its guard would kill the server when this "
+                               "thread ends; start it with wait=False and call wait_ready() from the thread instead")
         self.log = log_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0",
+        cmd = [sys.executable, "-m", "tandem.launch.guard", str(os.getpid()), "--",
+               sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0",
                "--num-threads", "1", *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.pid = self.proc.pid
+        self.pid = self.proc.pid  # the guard execs the server: one process
         self.api_key = api_key
+        self.url = ""
+        if wait:
+            self.wait_ready(timeout, healthy=wait_healthy)
+
+    def wait_ready(self, timeout: float = 60, healthy: bool = True) -> ServerProcess:
+        """Wait for the listening line (then, with `healthy`, for /health to answer 200)."""
         self.url = self._wait_url(timeout)
-        if wait_healthy:
+        if healthy:
             self._wait_healthy(timeout)
+        return self
 
     def _wait_url(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

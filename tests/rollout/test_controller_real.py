@@ -22,7 +22,6 @@ import os
 import shutil
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
@@ -86,8 +85,9 @@ def weights(tmp_path_factory) -> Path:
 def servers(weights, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
     args = ("--kv-cache-tokens", "8192", "--weight-sync-timeout", "30", "--weights-dir", str(weights))
-    with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda _: ServerProcess(weights / "v00000000", logs, *args), range(2)))
+    started = [ServerProcess(weights / "v00000000", logs, *args, wait=False) for _ in range(2)]  # load side by side
+    for server in started:
+        server.wait_ready()
     yield started
     for s in started:
         assert s.stop() == 0, s.log.read_text()

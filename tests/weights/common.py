@@ -32,16 +32,18 @@ class Versions:
         return cls.n
 
 
-def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None, *args: str) -> ServerProcess:
+def start_server(model_dir: Path, log_dir: Path, weights_dir: Path | None = None, *args: str,
+                 wait: bool = True) -> ServerProcess:
     """`tandem serve` with fault injection enabled (the hidden /_fault route) and short timeouts;
     `weights_dir`: where disk updates may come from (beside the model's directory); `args`: more
-    of `tandem serve`'s arguments (`"--dtype", "bfloat16"`)."""
+    of `tandem serve`'s arguments (`"--dtype", "bfloat16"`); `wait=False`: started, not yet ready
+    (see `ServerProcess`)."""
     old = os.environ.get("TANDEM_FAULT_INJECTION")
     os.environ["TANDEM_FAULT_INJECTION"] = "1"
     extra = ("--weights-dir", str(weights_dir)) if weights_dir is not None else ()
     try:
         return ServerProcess(model_dir, log_dir, "--kv-cache-tokens", "4096", "--weight-sync-timeout", "10", *extra,
-                             *args)
+                             *args, wait=wait)
     finally:
         if old is None:
             os.environ.pop("TANDEM_FAULT_INJECTION", None)

@@ -43,7 +43,6 @@ serving bug. This random tiny model has a near-tie within six steps at most prom
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 
@@ -131,16 +130,15 @@ def _assert_holds(label: str, server, tensors: dict[str, torch.Tensor]) -> None:
 def test_bf16_server_takes_verified_updates_from_fp32_trainer(tmp_path):
     model_dir = make_model_dir(tmp_path / "models", "qwen3", seed=0)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
-        starting = pool.submit(start_server, model_dir, tmp_path, tmp_path, "--dtype", "bfloat16")
-        stack.callback(lambda: starting.result().stop())  # the server starts while the trainer does
+        server = start_server(model_dir, tmp_path, tmp_path, "--dtype", "bfloat16", wait=False)
+        stack.callback(server.stop)  # the server starts while the trainer does
         engine = TrainEngine(engine_config(str(model_dir), optimizer=OptimizerConfig(
             lr=LR, weight_decay=0.01, gradient_clipping=1.0)))
         stack.callback(engine.close)
         assert engine.param_dtype == torch.float32
         batch = make_batch(engine.model.args.vocab_size, BATCH)
         initial = full_params(engine)
-        server = starting.result()
+        server.wait_ready()
         fleet = HttpFleet([server.url], deadlines=DEADLINES)
         stack.callback(fleet.close)
 
