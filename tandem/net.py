@@ -39,11 +39,26 @@ def listen_socket(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+_RESERVED: dict[tuple[str, int], socket.socket] = {}  # (host, port) -> listening socket, for bound_tcp_store
+
+
+def reserve_store_port(host: str) -> int:
+    """A port of `host` that the kernel picked, already listening, for a `bound_tcp_store(host,
+    port)` made later in this process: it takes the socket over. Picking a free port, closing it
+    and binding it again later would let another process take it in between (EADDRINUSE when
+    launches run side by side)."""
+    sock = listen_socket(host, 0)
+    port = sock.getsockname()[1]
+    _RESERVED[(host.strip("[]"), port)] = sock
+    return port
+
+
 def bound_tcp_store(host: str, port: int, *, world_size: int | None = None,
                     timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> dist.TCPStore:
     """The server side of a `TCPStore`, listening on `host` only; `store.port` is the port (useful
-    with port 0). The store owns the socket from here on."""
-    sock = listen_socket(host, port)
+    with port 0; a port from `reserve_store_port` uses the socket it holds). The store owns the
+    socket from here on."""
+    sock = _RESERVED.pop((host.strip("[]"), port), None) or listen_socket(host, port)
     try:
         store = dist.TCPStore(host.strip("[]"), sock.getsockname()[1], world_size, is_master=True,
                               timeout=timeout, wait_for_workers=False, master_listen_fd=sock.fileno(),

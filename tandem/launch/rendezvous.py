@@ -6,8 +6,9 @@ key (`TANDEM_RPC_CONNECT`, `TANDEM_RPC_AUTHKEY`). Each rank then, in `serve_from
 
 1. connects and passes the key's HMAC challenge both ways (a peer without the key gets nothing);
 2. says hello: its rank, the address it reaches the controller from (its host on that network),
-   a free port there (rank 0's becomes MASTER_PORT), its pid, host name and where the scheduler
-   placed it;
+   for rank 0 a port there already listening for the group's store (MASTER_PORT; held open, so
+   no other process can take it before the store does), its pid, host name and where the
+   scheduler placed it;
 3. gets MASTER_ADDR / MASTER_PORT back: rank 0's address and port, once every rank said hello;
 4. joins its process group (`build()`), then says ready; from then on the connection carries RPC.
 
@@ -42,7 +43,7 @@ class Hello:
 
     rank: int
     host: str  # its address on the network it reaches the controller through
-    port: int  # a port free on that address (rank 0's is the group's MASTER_PORT)
+    port: int  # rank 0: the port its group store will listen on, reserved (MASTER_PORT); others: 0
     pid: int
     hostname: str
     where: str  # the scheduler's words for its placement (e.g. "job 12.0 on node1"); "" when local
@@ -183,14 +184,14 @@ def join_controller(controller: str, authkey: bytes, rank: int, where: str = "")
     set). Returns the connection; say `READY` on it once the process group is joined."""
     from multiprocessing.connection import Client
 
-    from tandem.launch.process import free_port
-    from tandem.net import address_towards, interface_of
+    from tandem.net import address_towards, interface_of, reserve_store_port
 
     host, _, port = controller.rpartition(":")
     host = host.strip("[]")
     conn = Client((host, int(port)), authkey=authkey)
     mine = address_towards(host)
-    conn.send(Hello(rank, mine, free_port(mine), os.getpid(), socket.gethostname(), where))
+    store_port = reserve_store_port(mine) if rank == 0 else 0  # held open until the group's store takes it
+    conn.send(Hello(rank, mine, store_port, os.getpid(), socket.gethostname(), where))
     master = conn.recv()
     if not isinstance(master, Master):
         raise RuntimeError(f"the controller at {controller} answered {master!r} instead of the group's master")
