@@ -128,7 +128,9 @@ PHASES = {  # fault injection on the victim's routes (the run's servers start wi
 }
 
 
-def _wait_for_controller(run: Path, proc: subprocess.Popen, timeout: float = 120) -> ControllerFile:
+def _wait_for_controller(run: Path, proc: subprocess.Popen, timeout: float = 300) -> ControllerFile:
+    """The run's controller.json, once written (after its servers and ranks started: 120 s was
+    overrun with two other test runs on the machine). A guard against a hang, not a speed claim."""
     deadline = time.monotonic() + timeout
     while not (run / "controller.json").exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
