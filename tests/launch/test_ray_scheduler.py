@@ -36,10 +36,14 @@ def _ray_and_namespaces():
         pytest.skip(why)
 
 
-def _in_private_network(*cmd: str, timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `cmd` in a new network namespace with only `lo` up."""
+def _in_private_network(*cmd: str, timeout_s: float, env: dict[str, str] | None = None,
+                        own_pids: bool = False) -> subprocess.CompletedProcess:
+    """Run `cmd` in a new network namespace with only `lo` up; `own_pids`: in a PID namespace of its
+    own too, so that a `ray stop` in it sees (and kills) only its own Ray processes, not those of
+    another test run's Ray cluster on the machine (`ray stop` matches processes by name, machine-wide)."""
     script = 'ip link set lo up && exec "$@"'
-    return subprocess.run(["unshare", "--net", "sh", "-c", script, "sh", *cmd], cwd=REPO, capture_output=True,
+    isolate = ["--net", "--pid", "--fork", "--mount-proc"] if own_pids else ["--net"]
+    return subprocess.run(["unshare", *isolate, "sh", "-c", script, "sh", *cmd], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout_s, start_new_session=True,
                           env={**os.environ, **CHILD_ENV, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
 
@@ -77,7 +81,8 @@ def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
     try:
         # the cluster requires a token (Ray's token authentication), which the controller is given too
         token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        out = _in_private_network("sh", "-c", script, "sh", TANDEM, "train", str(cfg), timeout_s=480, env=token)
+        out = _in_private_network("sh", "-c", script, "sh", TANDEM, "train", str(cfg), timeout_s=480, env=token,
+                                  own_pids=True)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + (tmp_path / "ray-start.log").read_text()[-2000:]
@@ -86,3 +91,21 @@ def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
     assert f"ray: joined 127.0.0.1:{port}" in log, log[-3000:]
     for role in ("rollout-0", "actor-rank0"):
         assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", log), log[-3000:]
+
+
+def test_ray_stop_in_the_test_namespace_spares_other_runs_ray(tmp_path):
+    """Catches the head test's `ray stop --force` killing another test run's Ray on the machine: it
+    matches processes by name, machine-wide, and took a second `make test`'s cluster down with it
+    ("Failed to connect to GCS within 60 seconds"). Run in the test's own PID namespace, it must
+    leave a process named like Ray's GCS outside alone."""
+    fake = tmp_path / "gcs_server"  # `ray stop` picks its victims by this name
+    shutil.copy(shutil.which("sleep"), fake)
+    other = subprocess.Popen([str(fake), "120"])
+    try:
+        ray_bin = os.path.join(os.path.dirname(TANDEM), "ray")
+        out = _in_private_network(ray_bin, "stop", "--force", timeout_s=120, own_pids=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert other.poll() is None, f"`ray stop` in the namespace killed a process outside it:\n{out.stderr[-2000:]}"
+    finally:
+        other.kill()
+        other.wait()
