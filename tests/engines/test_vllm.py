@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,9 +39,23 @@ def generate(client: InferenceClient, requests: list[ModelRequest]) -> list[Mode
     return asyncio.run(run())
 
 
-def client_for(server, version: WeightVersion | None = None) -> InferenceClient:
-    return InferenceClient([server.url], ClientConfig(server_kind="vllm", model=server.name, deadline_s=120),
+# A request the tests pause mid-decode: a few thousand tokens from vLLM's CPU build take about a
+# minute on a quiet 2-core machine and over two with a second test run beside it.
+LONG_DEADLINE_S = 400.0
+
+
+def client_for(server, version: WeightVersion | None = None, deadline_s: float = 120) -> InferenceClient:
+    return InferenceClient([server.url], ClientConfig(server_kind="vllm", model=server.name, deadline_s=deadline_s),
                            version)
+
+
+def generate_in_background(client: InferenceClient, request: ModelRequest) -> Future[list[ModelResponse]]:
+    """`generate(client, [request])` on a thread of its own; the future raises what it raised."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(generate, client, [request])
+    finally:
+        pool.shutdown(wait=False)
 
 
 @torch.no_grad()
@@ -99,25 +113,24 @@ def test_pause_resume_with_a_running_request(vllm_server):
     version 0, after it version 1 (set on the servers and on the client while paused); every
     logprob still equals the recompute."""
     version = WeightVersion(0)
-    client = client_for(vllm_server, version)
-    budget = 4096 - len(PROMPTS[0]) - 1  # max_model_len: long enough to be running at the pause
+    client = client_for(vllm_server, version, deadline_s=LONG_DEADLINE_S)
+    # Long enough to be running at the pause, which is sent as soon as 20 tokens are out (about
+    # 15 s of decoding left at vLLM's quiet CPU speed).
+    budget = 1024
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
-    result: list[ModelResponse] = []
-    thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
         before = generated_tokens(vllm_server.url)
-        thread.start()
+        running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
         wait_generating(vllm_server.url, before)
         fleet.send(ops.PAUSE, ops.PauseGeneration()).result(30)
         assert get(vllm_server, "/is_paused") == {"is_paused": True}
         fleet.send(ops.SET_VERSION, ops.SetVersion(1)).result(30)
         version.set(1)
         time.sleep(1.0)
-        assert thread.is_alive(), f"the request finished while the server was paused: {result}"
+        assert not running.done(), "the request finished while the server was paused"
         fleet.send(ops.CONTINUE, ops.ContinueGeneration()).result(30)
-        thread.join(120)
+        [r] = running.result(LONG_DEADLINE_S + 30)
     assert get(vllm_server, "/weight_info") == {"weight_version": "1"}
-    [r] = result
     assert r.finish_reason == "length" and len(r.output_ids) == budget and r.num_aborts >= 1
     before = r.output_versions.count(0)
     assert 0 < before < budget and r.output_versions == [0] * before + [1] * (budget - before)

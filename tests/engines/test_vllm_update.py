@@ -6,7 +6,7 @@ token's logprob matches the model of the version it is labelled with."""
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -21,13 +21,21 @@ from tandem.fleet.http import HttpFleet
 from tandem.fleet.results import FleetResult
 from tandem.fleet.vllm_adapter import VLLMAdapter
 from tandem.models import load_model
-from tandem.rollout.types import ModelRequest, ModelResponse
+from tandem.rollout.types import ModelRequest
 from tandem.rollout.version import WeightVersion
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import WeightSyncError
 from tandem.weights.updater import WeightUpdater
 from tests.engines.conftest import generated_tokens, init_model, wait_generating
-from tests.engines.test_vllm import PROMPTS, client_for, generate, get, recomputed
+from tests.engines.test_vllm import (
+    LONG_DEADLINE_S,
+    PROMPTS,
+    client_for,
+    generate,
+    generate_in_background,
+    get,
+    recomputed,
+)
 from tests.weights.common import CheckpointSource
 
 DEADLINES = ops.Deadlines(init_group_s=60.0, bucket_s=60.0, update_s=300.0, http_s=60.0)
@@ -140,25 +148,21 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
     version = WeightVersion(0)
     with fleet_for(vllm_server) as fleet:  # the server holds seed 0 at version 0 first
         fleet.send(ops.SET_VERSION, ops.SetVersion(0)).result(30)
-    client = client_for(vllm_server, version)
-    budget = 4096 - len(PROMPTS[0]) - 1
+    client = client_for(vllm_server, version, deadline_s=LONG_DEADLINE_S)
+    budget = 4096 - len(PROMPTS[0]) - 1  # max_model_len: the update forms its group while this decodes
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
-    result: list[ModelResponse] = []
-    thread = threading.Thread(target=lambda: result.extend(generate(client, [ModelRequest(list(PROMPTS[0]), params)])))
     # Read before generation starts: torch's two threads here and vLLM's busy core slow each other
     # down tenfold (the request could finish first).
     source = CheckpointSource(other_model)
     before = generated_tokens(vllm_server.url)
-    thread.start()
+    running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
     try:
         wait_generating(vllm_server.url, before)
         with fleet_for(vllm_server) as http:
             meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
             with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
                 updater.update(1)
-        thread.join(300)
-        assert not thread.is_alive(), "the resubmitted request did not finish within 300 s"
-        [r] = result
+        [r] = running.result(LONG_DEADLINE_S + 30)  # raises what the request raised
         before = r.output_versions.count(0)
         assert r.num_aborts >= 1 and 0 < before < budget, (r.num_aborts, before)
         assert r.output_versions == [0] * before + [1] * (budget - before)
@@ -171,7 +175,7 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
               f"{worst[0]:.2e} (v0), {worst[1]:.2e} (v1)")
         assert max(worst) < 1e-5
     finally:
-        thread.join(300)
+        concurrent.futures.wait([running], LONG_DEADLINE_S + 30)
         with fleet_for(vllm_server) as fleet:  # back to seed 0 for the other tests
             meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
             with WeightUpdater(CheckpointSource(vllm_server.model), fleet, meta) as updater:
