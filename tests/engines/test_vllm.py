@@ -9,7 +9,7 @@ import json
 import shutil
 import time
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from tandem.models.tied_head import write_tied_output_head
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest, ModelResponse
 from tandem.rollout.version import WeightVersion
+from tests.background import in_thread
 from tests.engines.conftest import generated_tokens, init_model, wait_generating
 
 PROMPTS = ([5, 9, 13], [40, 2, 7, 7, 100, 3], [11] * 20, [300, 301, 302, 303, 304, 305, 306, 307])
@@ -51,11 +52,7 @@ def client_for(server, version: WeightVersion | None = None, deadline_s: float =
 
 def generate_in_background(client: InferenceClient, request: ModelRequest) -> Future[list[ModelResponse]]:
     """`generate(client, [request])` on a thread of its own; the future raises what it raised."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(generate, client, [request])
-    finally:
-        pool.shutdown(wait=False)
+    return in_thread(generate, client, [request])
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ from tandem.rollout import (
 )
 from tandem.rollout.health import HealthConfig
 from tandem.rollout.membership import ServerState
+from tests.background import in_thread
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess, wait_for
 from tests.rollout.conftest import run
@@ -99,10 +100,7 @@ def decoding(server: ServerProcess, running: int, past: int, timeout: float = 30
 
 def in_background(client: InferenceClient, req: ModelRequest, timeout: float = 90) -> Future[ModelResponse]:
     """`client.agenerate(req)` on its own event loop in a thread (the test's thread sends signals)."""
-    pool = ThreadPoolExecutor(1)
-    fut = pool.submit(run, generate(client, req), timeout)
-    pool.shutdown(wait=False)
-    return fut
+    return in_thread(run, generate(client, req), timeout)
 
 
 def reference(server: ServerProcess, n: int) -> ModelResponse:
