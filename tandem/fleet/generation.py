@@ -30,9 +30,20 @@ class Chunk:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    weight_version: int | None  # None: the server did not say; the client uses its last known version
+    weight_version: int | None  # one version for the whole call; None: the server did not say
     # meta_info["routed_experts"] as sent (base64; `tandem.fleet.routes`), when asked for and given.
     routed_experts: str | None = None
+    # One version per output token, where the server labels each token with the weights that
+    # sampled it (vLLM's `weight_versions` spans); None entries: tokens it could not label.
+    token_versions: list[int | None] | None = None
+
+    def versions(self, count: int, known: int) -> list[int]:
+        """The weight version of each of the first `count` output tokens: the server's per-token
+        labels, else its one version for the call, else `known` (the client's version as the answer
+        is read, which may already be the next one when the answer lags behind a weight update)."""
+        if self.token_versions is not None:
+            return [known if v is None else v for v in self.token_versions[:count]]
+        return [known if self.weight_version is None else self.weight_version] * count
 
 
 def parse_version(value: object) -> int | None:

@@ -1,4 +1,5 @@
-"""The adapter of vLLM's OpenAI server (`VLLMAdapter`): generation through `/v1/completions`, the
+"""The adapter of vLLM's OpenAI server (`VLLMAdapter`): generation through its tokens-in,
+tokens-out route `/inference/v1/generate` (which labels every token with its weight version), the
 fleet's control operations through vLLM's RL and dev routes, and, when the server runs Tandem's
 worker extension (`tandem.weights.vllm_worker`), weight transfers over a group with staged commit
 through `/collective_rpc` (docs/engines.md)."""
@@ -63,11 +64,14 @@ VLLM_EXTENSION_ROUTES: dict[str, Encoder] = {
 
 class VLLMAdapter(ServerAdapter):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), started with
-    `--logprobs-mode processed_logprobs` (logprobs of the temperature-scaled distribution) and, for
-    the fleet routes (`/pause`, `/resume`, `/update_weight_version`, `/collective_rpc`),
-    VLLM_SERVER_DEV_MODE=1 (docs/engines.md).
+    `--logprobs-mode processed_logprobs` (logprobs of the temperature-scaled distribution),
+    `--enable-scale-out` (the generate route) and, for the fleet routes (`/pause`, `/resume`,
+    `/update_weight_version`, `/collective_rpc`), VLLM_SERVER_DEV_MODE=1 (docs/engines.md).
 
-    Generation: token ids in (`prompt`), token ids out (`return_tokens_as_token_ids`). Tandem's
+    Generation: token ids in, token ids out, each token labelled by the server with the weight
+    version that sampled it (`weight_versions`: the version last set with `set_version`; tokens
+    sampled before any was set are labelled "default", for which the client's version stands in,
+    so set one before generating, as `tandem train` does). Tandem's
     logprob is log_softmax(logits / T) before any filtering; vLLM's processed logprobs are taken
     after top-k/top-p filtering and after min_tokens masks the stop tokens, renormalised over what
     is left, so those settings are refused (`UnsupportedOperation`) instead of reported wrongly.
@@ -84,7 +88,7 @@ class VLLMAdapter(ServerAdapter):
                                 shared_memory=False, checksums=False, tied_head_on_disk=True,
                                 commit_sets_version=False)
     routes: ClassVar[dict[str, Encoder]] = VLLM_ROUTES
-    generate_path = "/v1/completions"
+    generate_path = "/inference/v1/generate"
 
     def __init__(self, model: str | None = None, extension: bool = False):
         self.model = model  # vLLM checks it against the served model name when given
@@ -138,34 +142,43 @@ class VLLMAdapter(ServerAdapter):
                 f"vllm servers report logprobs renormalised after top-k/top-p filtering and min_tokens masking, "
                 f"not Tandem's log_softmax(logits / T): {', '.join(inexact)} cannot be served exactly; use a "
                 "tandem server for them (docs/engines.md)")
-        body: dict[str, Any] = {
-            "prompt": list(input_ids), "max_tokens": max_new_tokens, "temperature": params.temperature,
-            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "logprobs": 0,
-            "return_tokens_as_token_ids": True, "skip_special_tokens": False, "n": 1, "stream": False,
-            "request_id": rid,
+        sampling: dict[str, Any] = {
+            "max_tokens": max_new_tokens, "temperature": params.temperature, "n": 1, "logprobs": 0,
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "detokenize": False,
         }
         if params.seed is not None:
-            body["seed"] = params.seed
+            sampling["seed"] = params.seed
+        body: dict[str, Any] = {"request_id": rid, "token_ids": list(input_ids), "sampling_params": sampling,
+                                "output_mode": "tokens", "stream": False}
         if self.model is not None:
             body["model"] = self.model
         return body
 
     def parse_generate(self, body: dict[str, Any]) -> Chunk:
-        """Tokens come back as "token_id:N" (`return_tokens_as_token_ids`); vLLM has no weight
-        version of its own, so one is read only where a server extension adds it."""
+        """`choices[0]`: `token_ids`, `logprobs.content[i].logprob` (the sampled token's) and
+        `weight_versions` ([{version, start, end}] spans over the output tokens)."""
         choice = body["choices"][0]
-        lp = choice.get("logprobs") or {}
-        ids = [_token_id(t) for t in lp.get("tokens") or []]
-        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(entry["logprob"]) for entry in content]
         if len(logprobs) != len(ids):
-            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs in a vLLM response")
+            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs in a vLLM response "
+                             "(was sampling_params.logprobs=0 honoured?)")
         finish = choice.get("finish_reason") or "length"
         if finish not in ("stop", "length", "abort"):
             raise ValueError(f"unknown finish reason {finish!r}")
-        return Chunk(ids, logprobs, finish, parse_version(body.get("weight_version", choice.get("weight_version"))))
+        return Chunk(ids, logprobs, finish, None, token_versions=_token_versions(choice.get("weight_versions"), len(ids)))
 
 
-def _token_id(token: str) -> int:
-    if not token.startswith("token_id:"):
-        raise ValueError(f"expected a 'token_id:N' token (return_tokens_as_token_ids), got {token!r}")
-    return int(token.removeprefix("token_id:"))
+def _token_versions(spans: list[dict[str, Any]] | None, count: int) -> list[int | None] | None:
+    """One version per token from vLLM's spans; None when the server sent none."""
+    if spans is None:
+        return None
+    versions: list[int | None] = []
+    for span in spans:
+        if span["start"] != len(versions) or span["end"] < span["start"]:
+            raise ValueError(f"vLLM weight_versions spans are not contiguous from token 0: {spans}")
+        versions += [parse_version(span["version"])] * (span["end"] - span["start"])
+    if len(versions) != count:
+        raise ValueError(f"vLLM weight_versions spans cover {len(versions)} of {count} tokens: {spans}")
+    return versions

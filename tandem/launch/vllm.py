@@ -5,6 +5,8 @@ vLLM adapter needs it (docs/engines.md):
   in modules that are not installed with it);
 - `--logprobs-mode processed_logprobs`: logprobs of the temperature-scaled distribution, which is
   what Tandem defines (vLLM's default reports T = 1 logprobs whatever the temperature);
+- `--enable-scale-out`: the tokens-in, tokens-out route `/inference/v1/generate` the adapter
+  generates through, whose answers label every token with the weight version that sampled it;
 - `--enforce-eager`: no graph capture or compilation (slow to start, nothing gained for RL on CPU);
 - VLLM_SERVER_DEV_MODE=1: the routes the fleet uses (`/pause`, `/resume`,
   `/update_weight_version`, `/collective_rpc` for `reload_weights` and the extension's methods);
@@ -88,7 +90,8 @@ class VLLMServerSpec:
     def command(self) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
-               "--logprobs-mode", "processed_logprobs", "--max-model-len", str(self.max_model_len)]
+               "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--max-model-len",
+               str(self.max_model_len)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.worker_extension:

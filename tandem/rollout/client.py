@@ -153,10 +153,9 @@ class InferenceClient:
                 new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
                 if self.config.route_layout is not None:
                     routes = splice_routes(routes, self._routes(chunk, server, len(sent), len(new)))
-                version = chunk.weight_version if chunk.weight_version is not None else self.version.value
                 out_ids += new
                 out_lp += chunk.logprobs[: len(new)]
-                out_ver += [version] * len(new)
+                out_ver += chunk.versions(len(new), self.version.value)
                 if chunk.finish_reason in ("stop", "length"):
                     finish = chunk.finish_reason
                     break

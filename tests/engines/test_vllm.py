@@ -84,7 +84,16 @@ def test_refuses_settings_whose_logprobs_vllm_cannot_report_exactly():
         with pytest.raises(UnsupportedOperation, match=named):
             adapter.generate_body("r", [1, 2], params, 8)
     body = adapter.generate_body("r", [1, 2], GenerationParams(temperature=0.7, top_k=-1), 8)
-    assert body["prompt"] == [1, 2] and body["temperature"] == 0.7 and "top_k" not in body
+    assert body["token_ids"] == [1, 2] and body["sampling_params"]["temperature"] == 0.7
+    assert "top_k" not in body["sampling_params"]
+    with pytest.raises(ValueError, match="cover 2 of 3 tokens"):
+        adapter.parse_generate({"choices": [{"token_ids": [4, 5, 6], "finish_reason": "abort", "weight_versions": [
+            {"version": "0", "start": 0, "end": 2}],
+            "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in (4, 5, 6)]}}]})
+    chunk = adapter.parse_generate({"choices": [{"token_ids": [4, 5, 6], "finish_reason": "length", "weight_versions": [
+        {"version": "default", "start": 0, "end": 1}, {"version": "2", "start": 1, "end": 3}],
+        "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in (4, 5, 6)]}}]})
+    assert chunk.versions(3, known=1) == [1, 2, 2] and chunk.logprobs == [-1.0] * 3
     with pytest.raises(UnsupportedOperation, match="staged loads"):
         adapter.request(ops.LOAD_DISK, ops.DiskLoad("/x", commit=False), 0)
     with pytest.raises(UnsupportedOperation, match="set_version after it"):
@@ -116,6 +125,8 @@ def test_pause_resume_with_a_running_request(vllm_server):
     budget = 1024
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
+        # vLLM labels each token with the version set last: 0 here, as `tandem train` sets it first
+        fleet.send(ops.SET_VERSION, ops.SetVersion(0)).result(30)
         before = generated_tokens(vllm_server.url)
         running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
         wait_generating(vllm_server.url, before)

@@ -100,16 +100,17 @@ def test_a_bad_update_leaves_the_served_weights_alone(vllm_server, other_model):
     """A bucket whose tensor does not fit the served model fails in the worker, the staged buckets
     are discarded, and the server still decodes with the weights it had (version unchanged); the
     group formed again afterwards carries a good update."""
-    before = greedy(vllm_server, 0)
-    version_before = get(vllm_server, "/weight_info")
     src = CheckpointSource(other_model)
     broken = CheckpointSource(other_model, break_shape=list(src.tensors)[-1])
     with fleet_for(vllm_server) as fleet:
+        fleet.send(ops.SET_VERSION, ops.SetVersion(30)).result(30)
+        before = greedy(vllm_server, 30)  # vLLM labels the tokens 30
+        version_before = get(vllm_server, "/weight_info")
         meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
         with WeightUpdater(broken, fleet, meta) as updater, pytest.raises(WeightSyncError, match="shape"):
             updater.update(31)
         assert get(vllm_server, "/weight_info") == version_before
-        assert greedy(vllm_server, 0) == before
+        assert greedy(vllm_server, 30) == before
         with WeightUpdater(CheckpointSource(vllm_server.model), fleet, meta) as updater:
             updater.update(32)
     assert get(vllm_server, "/weight_info") == {"weight_version": "32"}

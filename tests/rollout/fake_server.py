@@ -1,6 +1,6 @@
 """A protocol-faithful fake inference server for rollout tests (real HTTP on 127.0.0.1).
 
-Implements `POST /generate` (protocol.md section 2), a vLLM-shaped `POST /v1/completions`, and the
+Implements `POST /generate` (protocol.md section 2), a vLLM-shaped `POST /inference/v1/generate`, and the
 control routes the rollout side uses (`/pause_generation`, `/continue_generation`,
 `/update_weight_version`, `/get_weight_version`, `/health`). Generation is deterministic: each
 next token is `(last * 7 + 3) % vocab_size`, so a resubmitted prompt + partial continues the same
@@ -55,7 +55,8 @@ class FakeConfig:
     hang: bool = False
     abort_when_done: bool = False
     version: int = 0
-    vllm_report_version: bool = False
+    vllm_report_version: bool = False  # vLLM labels tokens with the version set; else "default"
+    abort_answer_delay_s: float = 0.0  # an aborted vLLM request answers this much later (a lagging answer)
     die_after: int | None = None  # subprocess only
     die_delay_s: float = 0.2
     # Scripted answers: the k-th generation produces replies[k] (then stops, as on an EOS) instead
@@ -96,7 +97,7 @@ class FakeServer:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/generate", self._h_generate)
-        app.router.add_post("/v1/completions", self._h_completions)
+        app.router.add_post("/inference/v1/generate", self._h_vllm_generate)
         app.router.add_post("/pause_generation", self._h_pause)
         app.router.add_post("/continue_generation", self._h_continue)
         app.router.add_post("/update_weight_version", self._h_update_version)
@@ -202,30 +203,31 @@ class FakeServer:
             meta["output_token_logprobs"] = [[token_logprob(t), t, None] for t in entry.output_ids]
         return web.json_response({"text": "", "output_ids": entry.output_ids, "meta_info": meta})
 
-    async def _h_completions(self, request: web.Request) -> web.Response:
+    async def _h_vllm_generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         if (refused := self._refusal(request, body)) is not None:
             return refused
-        if not (isinstance(body.get("prompt"), list) and body.get("return_tokens_as_token_ids") and body.get("logprobs") == 0):
+        sp = body.get("sampling_params") or {}
+        if not (isinstance(body.get("token_ids"), list) and sp.get("logprobs") == 0 and body.get("output_mode") == "tokens"):
             return web.json_response({"object": "error", "message": "token ids expected", "code": 400}, status=400)
         entry = await self._produce(
-            "completions", body.get("request_id", ""), body["prompt"], body.get("max_tokens", 16),
-            set(body.get("stop_token_ids") or []),
+            "vllm-generate", body.get("request_id", ""), body["token_ids"], sp.get("max_tokens", 16),
+            set(sp.get("stop_token_ids") or []),
         )
         if entry is None:
             return web.json_response({"object": "error", "message": "injected failure", "code": 500}, status=500)
+        if entry.finish == "abort" and self.config.abort_answer_delay_s:
+            await asyncio.sleep(self.config.abort_answer_delay_s)
+        n = len(entry.output_ids)
+        # vLLM labels tokens with the version last set; "default" before any was.
+        label = str(entry.version) if self.config.vllm_report_version else "default"
         choice: dict[str, Any] = {
-            "index": 0, "text": "", "finish_reason": entry.finish,
-            "logprobs": {
-                "tokens": [f"token_id:{t}" for t in entry.output_ids],
-                "token_logprobs": [token_logprob(t) for t in entry.output_ids],
-                "top_logprobs": None, "text_offset": [0] * len(entry.output_ids),
-            },
+            "index": 0, "finish_reason": entry.finish, "token_ids": entry.output_ids,
+            "logprobs": {"content": [{"token_id": t, "logprob": token_logprob(t), "top_logprobs": []}
+                                     for t in entry.output_ids]},
+            "weight_versions": [{"version": label, "start": 0, "end": n}] if n else [],
         }
-        out: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "model": "fake", "choices": [choice]}
-        if self.config.vllm_report_version:
-            out["weight_version"] = str(entry.version)
-        return web.json_response(out)
+        return web.json_response({"request_id": entry.rid, "model": "fake", "choices": [choice]})
 
     # -- control --------------------------------------------------------------------------------
     def _do_pause(self) -> None:

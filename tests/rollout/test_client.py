@@ -233,9 +233,9 @@ def test_deadline_exceeded_is_a_typed_error(make_server):
 def test_vllm_backend(make_server):
     server = make_server(token_delay_s=0.0)
     client = InferenceClient([server.address], ClientConfig(server_kind="vllm"))
-    client.version.set(7)  # vLLM does not report versions: the client's last known one applies
+    client.version.set(7)  # no version set on the server ("default" labels): the client's last known one applies
     resp = run(generate(client, ModelRequest(PROMPT, GenerationParams(max_new_tokens=9))))
-    assert server.log[-1].route == "completions"
+    assert server.log[-1].route == "vllm-generate"
     assert resp.output_ids == chain(PROMPT[-1], 9, 1000)
     assert resp.output_logprobs == [token_logprob(t) for t in resp.output_ids]
     assert resp.output_versions == [7] * 9 and resp.finish_reason == "length"
@@ -246,8 +246,15 @@ def test_vllm_backend(make_server):
     assert resp.output_versions == [3] * 4
 
 
-def test_vllm_interrupted_generation(make_server):
-    server = make_server(token_delay_s=0.01)
+@pytest.mark.parametrize("labelled", [True, False], ids=["vllm-labels", "default-labels"])
+def test_vllm_interrupted_generation(make_server, labelled):
+    """A request paused mid-decode is resubmitted with its partial output, whose tokens keep the
+    version that sampled them. `vllm-labels`: the aborted answer reaches the client only after the
+    controller announced the next version (a loaded machine lags), and vLLM's per-token labels
+    keep the partial at 0; labelled as the answer is read, it would take version 1, which never
+    sampled it. `default-labels`: no version was ever set on the server, so the client's version
+    stands in, announced here after the resubmission."""
+    server = make_server(token_delay_s=0.01, vllm_report_version=labelled, abort_answer_delay_s=0.5 * labelled)
     client = InferenceClient([server.address], ClientConfig(server_kind="vllm"))
     req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=30))
 
@@ -255,7 +262,10 @@ def test_vllm_interrupted_generation(make_server):
         task = asyncio.create_task(client.agenerate(req))
         await asyncio.to_thread(server.wait_for_tokens, 5)
         await asyncio.to_thread(server.pause)
-        await asyncio.to_thread(server.wait_for_requests, 2)  # the abort was handled, resubmitted
+        if labelled:  # the update and set_version, while the aborted answer is on its way
+            server.version = 1
+            client.version.set(1)
+        await asyncio.to_thread(server.wait_for_requests, 2)  # the abort was read, the rest resubmitted
         client.version.set(1)
         server.continue_generation()
         try:
@@ -265,5 +275,6 @@ def test_vllm_interrupted_generation(make_server):
 
     resp = run(scenario())
     k = len(server.log[0].output_ids)
+    assert 0 < k < 30 and server.log[0].finish == "abort"
     assert resp.output_ids == chain(PROMPT[-1], 30, 1000)
     assert resp.output_versions == [0] * k + [1] * (30 - k) and resp.num_aborts == 1

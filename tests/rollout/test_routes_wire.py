@@ -78,5 +78,5 @@ def test_a_request_seed_reaches_every_server_kind_under_its_name():
         body = adapter_for(kind).generate_body("r", [1], GenerationParams(seed=seed), 4)
         assert body["sampling_params"]["sampling_seed"] == seed
         assert "sampling_seed" not in adapter_for(kind).generate_body("r", [1], GenerationParams(), 4)["sampling_params"]
-    assert adapter_for("vllm").generate_body("r", [1], GenerationParams(seed=seed), 4)["seed"] == seed
+    assert adapter_for("vllm").generate_body("r", [1], GenerationParams(seed=seed), 4)["sampling_params"]["seed"] == seed
     assert continuation_seed(seed, 0) == seed and continuation_seed(seed, 7) == continuation_seed(seed, 7) != seed
