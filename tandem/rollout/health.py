@@ -96,6 +96,7 @@ class HealthMonitor:
             self._session = aiohttp.ClientSession(headers=self._headers)
         what = f"GET {self.health_path}"
         timeout = self.config.timeout_s
+        sent_at = self.membership.now()
         try:
             async with self._session.get(address + self.health_path,
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -103,7 +104,7 @@ class HealthMonitor:
                 if resp.status != 200:
                     self.membership.probe_failed(address, f"{what}: HTTP {resp.status} {text[:200]}")
                     return
-                self.membership.probe_ok(address, _version_in(text))
+                self.membership.probe_ok(address, _version_in(text), sent_at)
         except TimeoutError:
             self.membership.probe_failed(address, f"{what}: no answer within {timeout:g}s")
         except aiohttp.ClientError as exc:

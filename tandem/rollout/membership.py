@@ -122,6 +122,10 @@ class Membership:
     def joined_total(self) -> int:
         return self._joined
 
+    def now(self) -> float:
+        """The membership's clock: what `probe_ok`'s `sent_at` is read on."""
+        return self._clock()
+
     def snapshot(self) -> list[ServerRecord]:
         with self._lock:
             return [dataclasses.replace(r) for r in self._records.values()]
@@ -182,8 +186,10 @@ class Membership:
             if r is not None:
                 r.pid = pid
 
-    def probe_ok(self, address: str, version: int | None) -> None:
-        self._change(address, lambda r: self._on_ok(r, version))
+    def probe_ok(self, address: str, version: int | None, sent_at: float | None = None) -> None:
+        """`address` answered a probe sent at `sent_at` (`now()` then; None: just now). An answer to
+        a probe sent before the server's last eviction says nothing of it since: it revives no one."""
+        self._change(address, lambda r: self._on_ok(r, version, sent_at))
 
     def probe_failed(self, address: str, error: str) -> None:
         self._change(address, lambda r: self._on_failed(r, error))
@@ -242,7 +248,7 @@ class Membership:
             self._commit_members()
         self._notify()
 
-    def _on_ok(self, r: ServerRecord, version: int | None) -> None:  # under the lock
+    def _on_ok(self, r: ServerRecord, version: int | None, sent_at: float | None) -> None:  # under the lock
         if r.state is ServerState.JOINING:
             self._set(r, ServerState.WARMING)
             logger.info("%s answers; warming up", r.address)
@@ -253,7 +259,7 @@ class Membership:
                 return
             self._set(r, ServerState.HEALTHY)
         elif r.state is ServerState.EVICTED:
-            if not r.listed:
+            if not r.listed or (sent_at is not None and sent_at <= r.evicted_at):
                 return
             self._set(r, ServerState.JOINING)  # revived: the join path, never straight back
             logger.info("%s answers again after its eviction; it rejoins", r.address)

@@ -85,6 +85,21 @@ def test_a_revived_listed_server_rejoins_through_warming_never_straight_to_healt
     assert state(m, A) is ServerState.WARMING and A not in m.routable() and A not in m.topology().members
 
 
+def test_an_answer_to_a_probe_sent_before_the_eviction_revives_no_one(clock):
+    """The answer to a probe sent while the server was up, read after the launcher evicted it (its
+    process exited; seen as `tandem fleet` listing a killed server as joining with a second suite
+    beside it), says nothing of the server since the eviction."""
+    m = make(clock)
+    sent = m.now()
+    clock.now += 0.5
+    m.evict(A, "the process exited (killed by SIGKILL)")
+    m.probe_ok(A, 0, sent_at=sent)
+    assert state(m, A) is ServerState.EVICTED and m.record(A).last_error == "the process exited (killed by SIGKILL)"
+    clock.now += 0.5
+    m.probe_ok(A, 0, sent_at=m.now())  # a probe sent after it: the listed server is back
+    assert state(m, A) is ServerState.JOINING
+
+
 def test_a_joined_server_that_is_evicted_is_not_probed_again(clock):
     m = make(clock)
     m.register(C, pid=77)
