@@ -7,6 +7,9 @@
   `MAX_REPLACEMENTS_PER_SERVER` per launched server, so a server that crashes at start-up does
   not loop.
 - The pids of launched servers go to the membership (`tandem fleet` shows them).
+- At the end of the run, a server the fleet already evicted (a failed call found it gone) while
+  its launcher process still runs gets up to `EXIT_REPORT_WAIT_S` to exit, so the log says why it
+  left: `srun` ends some seconds after Slurm killed the job's server.
 
 Replacements are started from one long-lived thread: a launched server is tied to the thread that
 started it (it is killed when that thread ends, `tandem.launch.guard`), so never from a thread
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 from tandem.launch.process import LaunchedProcess
@@ -25,10 +29,12 @@ from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
 from tandem.launch.watch import ExitWatcher
 from tandem.rollout.controller import RolloutController
+from tandem.rollout.membership import ServerState
 
 logger = logging.getLogger("tandem.run")
 
 MAX_REPLACEMENTS_PER_SERVER = 3
+EXIT_REPORT_WAIT_S = 10.0
 
 
 class ServerKeeper:
@@ -43,6 +49,7 @@ class ServerKeeper:
         self._lock = threading.Lock()
         self._closed = False
         self._addresses: dict[str, str] = {}  # process name -> server URL
+        self._told: set[str] = set()  # process names whose exit was reported
         self._watcher = ExitWatcher(self._on_exit)
         self._dead: queue.Queue[str | None] = queue.Queue()
         self._replacer = threading.Thread(target=self._replace_loop, name="tandem-replace-servers", daemon=True)
@@ -67,6 +74,7 @@ class ServerKeeper:
                 self._budget -= 1
         if address is None:
             return
+        self._told.add(proc.name)
         logger.error("%s (%s) exited (%s); it leaves the fleet (log %s)", proc.name, address, status, proc.log_path)
         self.controller.fleet.evict(address, f"the process exited ({status})")
         if replace:
@@ -94,11 +102,26 @@ class ServerKeeper:
         logger.info("%s replaces %s at %s (%s)", handle.name, dead, url, state)
 
     def close(self) -> None:
+        deadline = time.monotonic() + EXIT_REPORT_WAIT_S
+        while self._evicted_but_untold() and time.monotonic() < deadline:
+            time.sleep(0.1)
         with self._lock:
             self._closed = True
         self._watcher.close()
         self._dead.put(None)
         self._replacer.join(5)
+
+    def _evicted_but_untold(self) -> bool:
+        """A launched server the fleet evicted whose exit has not been reported (yet)."""
+        membership = self.controller.fleet.membership
+        for proc in self.scheduler.processes:
+            address = self._addresses.get(proc.name)
+            if address is None or proc.name in self._told:
+                continue
+            record = membership.record(address)
+            if record is not None and record.state is ServerState.EVICTED:
+                return True
+        return False
 
     def __enter__(self) -> ServerKeeper:
         return self
