@@ -80,7 +80,9 @@ def test_kill_join_and_replace_in_a_running_job(tmp_path, model_dir):
         os.kill(_server(descendants(proc.pid), 1), signal.SIGKILL)
         _wait_for_steps(tmp_path, proc, 4)
         api_key = json.loads((run / "controller.json").read_text())["api_key"]  # what the joiner requires
-        joiner = ServerProcess(model_dir, tmp_path, "--join", str(run), "--kv-cache-tokens", "4096")
+        # A hang guard, as long as the run's own: healthy once it is up and registered (60 s was
+        # overrun with a second `make test` beside this one).
+        joiner = ServerProcess(model_dir, tmp_path, "--join", str(run), "--kv-cache-tokens", "4096", timeout=300)
         seen: dict[str, set[str]] = {}
         served = 0
         while proc.poll() is None:  # bounded by the run's own end (and the timeout below)

@@ -212,7 +212,9 @@ def test_failing_evaluation_rewards_count_as_wrong(tmp_path, model_dir):
 
 
 def test_ctrl_c_during_a_hanging_evaluation(tmp_path, model_dir):
-    """A reward that hangs in the first evaluation no longer blocks Ctrl-C."""
+    """A reward that hangs in the first evaluation no longer blocks Ctrl-C. Blocked, the run would
+    end only when the 120 s reward timeout let the evaluation go: ending within 60 s is the check
+    (the run's own shutdown took 5.3 s with a second `make test` beside it)."""
     cfg = write_config(tmp_path, model_dir, rollout={"reward": "tests.rollout.rewards:eval_hang_reward"},
                        task={"reward_timeout_s": 120.0})
     run = Watched(cfg)
@@ -224,7 +226,7 @@ def test_ctrl_c_during_a_hanging_evaluation(tmp_path, model_dir):
         rc = run.finish()
         took = time.monotonic() - sent
         print(f"Ctrl-C in a hanging evaluation: exit {rc} after {took:.1f}s")
-        assert rc == 130 and took < 5
+        assert rc == 130 and took < 60
         assert "Traceback" not in run.text()
         assert "No checkpoint was saved" in run.text()
     finally:
