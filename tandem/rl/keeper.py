@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 
 from tandem.launch.process import LaunchedProcess
@@ -47,6 +46,7 @@ class ServerKeeper:
         self.replacements = 0
         self._budget = MAX_REPLACEMENTS_PER_SERVER * len(handles)
         self._lock = threading.Lock()
+        self._exit_told = threading.Condition(self._lock)  # notified as each exit is reported
         self._closed = False
         self._addresses: dict[str, str] = {}  # process name -> server URL
         self._told: set[str] = set()  # process names whose exit was reported
@@ -74,9 +74,11 @@ class ServerKeeper:
                 self._budget -= 1
         if address is None:
             return
-        self._told.add(proc.name)
         logger.error("%s (%s) exited (%s); it leaves the fleet (log %s)", proc.name, address, status, proc.log_path)
         self.controller.fleet.evict(address, f"the process exited ({status})")
+        with self._exit_told:
+            self._told.add(proc.name)
+            self._exit_told.notify_all()
         if replace:
             self._dead.put(proc.name)
 
@@ -102,17 +104,16 @@ class ServerKeeper:
         logger.info("%s replaces %s at %s (%s)", handle.name, dead, url, state)
 
     def close(self) -> None:
-        deadline = time.monotonic() + EXIT_REPORT_WAIT_S
-        while self._evicted_but_untold() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with self._lock:
+        with self._exit_told:
+            self._exit_told.wait_for(lambda: not self._evicted_but_untold(), EXIT_REPORT_WAIT_S)
             self._closed = True
         self._watcher.close()
         self._dead.put(None)
         self._replacer.join(5)
 
     def _evicted_but_untold(self) -> bool:
-        """A launched server the fleet evicted whose exit has not been reported (yet)."""
+        """A launched server the fleet evicted whose exit has not been reported (yet). Under the
+        lock (then the membership's)."""
         membership = self.controller.fleet.membership
         for proc in self.scheduler.processes:
             address = self._addresses.get(proc.name)
