@@ -33,11 +33,15 @@ test: test-deps lint
 # installed when missing; where that is impossible (not root, no package mirror) the reason goes to
 # $(SLURM_FAILED) and those tests skip printing it.
 SLURM_FAILED := .slurm.failed
+# A second `make test` on a fresh machine (another clone) installs at the same time: wait for its
+# dpkg lock instead of failing at once (seen: "Could not get lock /var/lib/dpkg/lock-frontend").
+APT_WAIT := -o DPkg::Lock::Timeout=600
 slurm-deps:
 	@rm -f $(SLURM_FAILED)
 	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
 	 || ( export DEBIAN_FRONTEND=noninteractive; \
-	      apt-get install -y -q slurm-wlm munge || { apt-get update -q && apt-get install -y -q slurm-wlm munge; } \
+	      apt-get $(APT_WAIT) install -y -q slurm-wlm munge \
+	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q slurm-wlm munge; } \
 	    ) > .slurm-install.log 2>&1 \
 	 || { echo "apt-get install slurm-wlm munge failed (see .slurm-install.log): $$(tail -n 2 .slurm-install.log | tr '\n' ' ')" > $(SLURM_FAILED); \
 	      cat $(SLURM_FAILED); }
