@@ -2,7 +2,7 @@
 rewards spread over generated tokens, GAE with a critic, and DAPO's dynamic filtering.
 
 Per-sequence tensors are in *input alignment* (position t describes token t, as in
-`tandem.train.batch`): `loss_mask[t] = 1` on generated tokens. Everything here runs once per
+`tandem.data.batch`): `loss_mask[t] = 1` on generated tokens. Everything here runs once per
 batch, without grad, on the controller (or any rank: it is deterministic).
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tandem.algo.config import LEVELS, AdvantageConfig
+from tandem.data.batch import LOSS_MASK, SequenceBatch
 from tandem.errors import ConfigError
-from tandem.train.batch import LOSS_MASK, SequenceBatch
 
 GroupIds = Sequence[Hashable] | torch.Tensor
 

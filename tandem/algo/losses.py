@@ -34,8 +34,7 @@ import torch
 
 from tandem.algo.config import PPOConfig
 from tandem.algo.rewards import kl_estimate
-from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
-from tandem.train.losses import count_loss_tokens
+from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
 
 BEHAVE_LOGPROBS = "logprobs"
 PROX_LOGPROBS = "prox_logprobs"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.algo.losses import BEHAVE_LOGPROBS, PROX_LOGPROBS, VERSIONS
-from tandem.train.batch import LOSS_MASK, SequenceBatch
+from tandem.data.batch import LOSS_MASK, SequenceBatch
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 

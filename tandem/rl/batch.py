@@ -21,8 +21,8 @@ from tandem.algo.advantages import add_advantages, dynamic_filter
 from tandem.algo.config import AlgoConfig
 from tandem.algo.losses import BEHAVE_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
 from tandem.algo.rewards import kl_estimate, shape_rewards
+from tandem.data.batch import LOSS_MASK, SequenceBatch
 from tandem.data.trajectory import Trajectory
-from tandem.train.batch import LOSS_MASK, SequenceBatch
 from tandem.train.routes import fill_missing_routes
 
 KL_REWARDS = "kl_rewards"  # the per-token reward term `add_advantages` adds before GAE

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.data.balance import imbalance, karmarkar_karp, sequence_cost
-from tandem.train.batch import SequenceBatch
+from tandem.data.batch import SequenceBatch
 
 
 def split_for_ranks(

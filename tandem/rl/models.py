@@ -19,13 +19,13 @@ from pathlib import Path
 
 from tandem.algo.losses import OLD_VALUES, REF_LOGPROBS, to_input_alignment
 from tandem.config.alloc import parse_allocation_of_kind
+from tandem.data.batch import SequenceBatch
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.rl.batch import TrainingBatch, add_training_advantages
 from tandem.rl.checkpoints import CRITIC
 from tandem.rl.cluster import start_workers
 from tandem.rl.config import TandemConfig
 from tandem.rl.dispatch import split_for_ranks
-from tandem.train.batch import SequenceBatch
 from tandem.train.config import TrainEngineConfig
 from tandem.train.controller import TrainController
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.loader import to_yaml
+from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
 from tandem.launch.config import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
@@ -24,7 +25,6 @@ from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.trial import run_dir_of
 from tandem.rollout.reward import RewardRunner
-from tandem.train.batch import SequenceBatch
 
 
 def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:

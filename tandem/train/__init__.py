@@ -11,14 +11,14 @@ from tandem.lazy import lazy_attributes
 # Loaded on first use: `TrainEngineConfig` is the run config's `actor` section, whose loading
 # (`show-config`, the checks before a run) must not import torch.
 _LAZY = {
-    "MicroBatch": "tandem.train.batch", "SequenceBatch": "tandem.train.batch",
-    "shift_to_next_token": "tandem.train.batch",
+    "MicroBatch": "tandem.data.batch", "SequenceBatch": "tandem.data.batch",
+    "shift_to_next_token": "tandem.data.batch",
     "MicroBatchConfig": "tandem.train.config", "OptimizerConfig": "tandem.train.config",
     "TrainEngineConfig": "tandem.train.config",
     "TrainController": "tandem.train.controller",
     "TokenOutputs": "tandem.train.engine", "TrainEngine": "tandem.train.engine",
     "LossFn": "tandem.train.losses", "LossWeightFn": "tandem.train.losses",
-    "count_loss_tokens": "tandem.train.losses", "loss_mask_of": "tandem.train.losses", "sft_loss": "tandem.train.losses",
+    "count_loss_tokens": "tandem.data.batch", "loss_mask_of": "tandem.data.batch", "sft_loss": "tandem.train.losses",
     "plan_micro_batches": "tandem.train.microbatch", "restore_order": "tandem.train.microbatch",
     "LRSchedule": "tandem.train.optim", "build_optimizer": "tandem.train.optim", "clip_grad_norm": "tandem.train.optim",
     "TrainWorker": "tandem.train.worker",

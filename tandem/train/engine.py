@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config.fields import validate
+from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
 from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
 from tandem.models.common.moe import Routing, load_balancing_loss
@@ -30,11 +31,10 @@ from tandem.models.value_head import config_for_head
 from tandem.parallel import ParallelDims, fsdp_units
 from tandem.parallel.tensor_parallel import sum_partial_grads
 from tandem.train import checkpoint as ckpt
-from tandem.train.batch import LOSS_MASK, MicroBatch, SequenceBatch
 from tandem.train.config import TrainEngineConfig, parse_dtype
 from tandem.train.dist import all_reduce_sum, init_distributed, resolve_device, seed_everything
 from tandem.train.logprobs import LogprobModel, ValueModel
-from tandem.train.losses import LossFn, LossWeightFn, ValueLossFn, count_loss_tokens
+from tandem.train.losses import LossFn, LossWeightFn, ValueLossFn
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
@@ -42,11 +42,11 @@ from tandem.train.routes import agreement_of, check_moe_options, routing_for, st
 from tandem.train.sharded_load import load_hf_weights_sharded
 from tandem.train.weight_export import (
     SAVE_BUCKET_BYTES,
-    Alloc,
     export_nbytes,
     iter_weight_buckets,
     local_parameters,
 )
+from tandem.weights.source import Alloc
 
 logger = logging.getLogger(__name__)
 

@@ -17,19 +17,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from tandem.data.batch import next_token_labels
 from tandem.models.common import positions_from_cu_seqlens
 from tandem.models.common.moe import Routing
 from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from tandem.parallel.tensor_parallel import TensorParallelInfo
 from tandem.train.context_split import ContextSplit
-
-
-def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(labels `[T]`, valid `[T]` bool): labels[t] = input_ids[t+1] where t is not a sequence end."""
-    labels = torch.roll(input_ids, shifts=-1)
-    valid = torch.ones_like(input_ids, dtype=torch.bool)
-    valid[cu_seqlens[1:].long() - 1] = False
-    return torch.where(valid, labels, torch.zeros_like(labels)), valid
 
 
 def _chunk_logprobs_entropy(

@@ -19,27 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.train.batch import LOSS_MASK, MicroBatch
+from tandem.data.batch import MicroBatch, loss_mask_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], torch.Tensor]
 # A value model's loss: the micro-batch's values (`[T]`, float32, with grad; prediction alignment,
 # computed at the loss tokens) and the micro-batch; the same sum-and-normalise contract.
 ValueLossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 LossWeightFn = Callable[[MicroBatch], float | torch.Tensor]
-
-
-def loss_mask_of(mb: MicroBatch) -> torch.Tensor:
-    """The micro-batch's loss mask as float; every predicted token counts when it has none."""
-    if LOSS_MASK in mb.tokens:
-        return mb.tokens[LOSS_MASK].float()
-    from tandem.train.logprobs import next_token_labels
-
-    return next_token_labels(mb.input_ids, mb.cu_seqlens)[1].float()
-
-
-def count_loss_tokens(mb: MicroBatch) -> torch.Tensor:
-    """Default weight: the number of tokens that get a loss."""
-    return loss_mask_of(mb).sum()
 
 
 def sft_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.data.balance import ffd_pack, karmarkar_karp, part_loads
-from tandem.train.batch import MicroBatch, SequenceBatch, pack_sequences
+from tandem.data.batch import MicroBatch, SequenceBatch, pack_sequences
 from tandem.train.config import MicroBatchConfig
 
 T = TypeVar("T")

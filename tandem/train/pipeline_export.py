@@ -29,7 +29,8 @@ from tandem.models import build_model
 from tandem.models.qwen.pipeline import parameter_stage
 from tandem.models.state_dict_adapter import Piece, piece_shape
 from tandem.parallel.pipeline import PipelineLayout
-from tandem.train.weight_export import Alloc, _destinations, gather_bucket
+from tandem.train.weight_export import _destinations, gather_bucket
+from tandem.weights.source import Alloc
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from tandem.data.batch import MicroBatch
 from tandem.parallel import ParallelDims, ParallelizeConfig, fsdp_units
 from tandem.parallel.pipeline import (
     PipelineLayout,
@@ -34,7 +35,6 @@ from tandem.parallel.pipeline import (
     sum_tied_grads,
     tied_weight_groups,
 )
-from tandem.train.batch import MicroBatch
 from tandem.train.config import MicroBatchConfig
 from tandem.train.logprobs import next_token_outputs
 from tandem.train.losses import LossFn

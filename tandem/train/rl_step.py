@@ -22,7 +22,7 @@ from tandem.algo.losses import (
     summarize_stats,
 )
 from tandem.algo.mismatch import batch_logprob_mismatch
-from tandem.train.batch import SequenceBatch
+from tandem.data.batch import SequenceBatch
 from tandem.train.dist import all_reduce_sum
 from tandem.train.routes import PROX_ROUTES, ROUTED_EXPERTS
 

@@ -27,7 +27,7 @@ names, `local_parameters` and `export_nbytes` are all in HF pieces.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tandem.models.state_dict_adapter import Piece, piece_shape
+from tandem.weights.source import Alloc
 
 
 def hf_parameter_names(model: nn.Module) -> list[tuple[str, list[Piece], nn.Parameter]]:
@@ -81,11 +82,6 @@ def iter_hf_tensors_from_model(
     Collective: consume it on every rank."""
     for bucket in iter_weight_buckets(model, bucket_bytes, dtype, dst=dst):
         yield from bucket
-
-
-# Where a bucket's full tensors go: (HF names, shapes, dtype, device), one per HF tensor (piece) ->
-# one tensor per name to write into, or None to let the export allocate them.
-Alloc = Callable[[list[str], list[torch.Size], torch.dtype, torch.device], "list[torch.Tensor] | None"]
 
 
 def iter_weight_buckets(

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.algo.config import AlgoConfig
+    from tandem.data.batch import SequenceBatch
     from tandem.fleet.protocol import Fleet
-    from tandem.train.batch import SequenceBatch
     from tandem.train.config import TrainEngineConfig
     from tandem.train.engine import TokenOutputs, TrainEngine
     from tandem.weights.meta import WeightUpdateMeta

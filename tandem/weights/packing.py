@@ -14,17 +14,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.fleet.ops import ParamSpec, ShmBucket
 from tandem.weights.group import dtype_from_name
 from tandem.weights.shm import tensor_views
-from tandem.weights.source import Bucket, WeightSource
-
-if TYPE_CHECKING:
-    from tandem.train.weight_export import Alloc
+from tandem.weights.source import Alloc, Bucket, WeightSource
 
 
 @dataclass

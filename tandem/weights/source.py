@@ -5,16 +5,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.train.weight_export import Alloc
-
 Bucket = list[tuple[str, torch.Tensor]]
+
+# Where a bucket's full tensors go: (HF names, shapes, dtype, device), one per HF tensor (piece) ->
+# one tensor per name to write into, or None to let the export allocate them.
+Alloc = Callable[[list[str], list[torch.Size], torch.dtype, torch.device], "list[torch.Tensor] | None"]
 
 
 class WeightSource(Protocol):

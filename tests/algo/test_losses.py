@@ -20,8 +20,8 @@ from tandem.algo import (
     summarize_stats,
     value_loss,
 )
+from tandem.data.batch import pack_sequences
 from tandem.train import MicroBatch, SequenceBatch
-from tandem.train.batch import pack_sequences
 
 LN2, LN10 = math.log(2.0), math.log(10.0)
 

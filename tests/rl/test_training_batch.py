@@ -97,8 +97,8 @@ def test_dispatch_balances_tokens_and_shares_the_sequences():
     """Catches: an unbalanced split, a sequence lost or duplicated, and shards holding copies (the
     reference's logprobs and the critic's values are attached through the shards). Lengths 9, 5, 1, 5
     on two ranks: the contiguous split loads 14 / 6 (imbalance 1.4); the balanced one {9, 1} / {5, 5}."""
+    from tandem.data.batch import SequenceBatch
     from tandem.rl.dispatch import split_for_ranks
-    from tandem.train.batch import SequenceBatch
 
     batch = SequenceBatch([{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long)}
                            for n in (9, 5, 1, 5)])

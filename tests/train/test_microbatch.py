@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tandem.config.fields import validate
+from tandem.data.batch import pack_sequences, shift_to_next_token
 from tandem.errors import ConfigError
 from tandem.train import MicroBatchConfig, SequenceBatch, plan_micro_batches, restore_order
-from tandem.train.batch import pack_sequences, shift_to_next_token
 from tandem.train.microbatch import build_micro_batches
 from tests.train.helpers import make_batch
 

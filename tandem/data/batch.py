@@ -1,4 +1,4 @@
-"""The training engine's batch types.
+"""Batch types shared by the trainer and the algorithms (`tandem.train`, `tandem.algo`).
 
 A `SequenceBatch` is a list of variable-length sequences, each a dict:
 - `input_ids`: `[L]` integer token ids (required, L >= 1);
@@ -137,3 +137,23 @@ def pack_sequences(batch: SequenceBatch, indices: Sequence[int]) -> MicroBatch:
             tokens[key] = torch.cat(values)
     input_ids = torch.cat([s[INPUT_IDS] for s in seqs]).long()
     return MicroBatch(list(indices), input_ids, cu_seqlens, tokens, scalars)
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels `[T]`, valid `[T]` bool): labels[t] = input_ids[t+1] where t is not a sequence end."""
+    labels = torch.roll(input_ids, shifts=-1)
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    valid[cu_seqlens[1:].long() - 1] = False
+    return torch.where(valid, labels, torch.zeros_like(labels)), valid
+
+
+def loss_mask_of(mb: MicroBatch) -> torch.Tensor:
+    """The micro-batch's loss mask as float; every predicted token counts when it has none."""
+    if LOSS_MASK in mb.tokens:
+        return mb.tokens[LOSS_MASK].float()
+    return next_token_labels(mb.input_ids, mb.cu_seqlens)[1].float()
+
+
+def count_loss_tokens(mb: MicroBatch) -> torch.Tensor:
+    """The default loss weight: the number of tokens that get a loss."""
+    return loss_mask_of(mb).sum()
