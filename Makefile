@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps
+.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps review
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -109,3 +109,10 @@ agent: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis
+
+# What a reviewer reads instead of a size rule: the largest modules and functions, the tandem imports
+# not at module level (each with its reason), and what the uncommitted change repeats (when the
+# `duplicates` command is installed).
+review: $(STAMP)
+	$(PY) tools/review.py
+	@command -v duplicates >/dev/null && duplicates --change || true

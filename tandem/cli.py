@@ -17,7 +17,18 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
+from tandem import __version__
+from tandem.config.alloc import parse_allocation
+from tandem.config.keys_doc import keys_markdown
+from tandem.config.loader import to_yaml
 from tandem.errors import ConfigError, TandemError
+from tandem.fleet.run_file import ControllerClient, read_controller_file
+from tandem.launch.affinity import apply_cpu_affinity_from_env
+from tandem.launch.scheduler import ENV_SERVE_API_KEY
+from tandem.rl.console import CONTROLLER_LOG, setup_console
+
+# A sub-command imports its heavy rooms (torch, transformers) when it runs, so that `tandem --help`,
+# `show-config` and `alloc` answer at once; each such import says what it defers.
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -46,8 +57,6 @@ LAUNCHER_FLAGS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tandem.launch.affinity import apply_cpu_affinity_from_env
-
     apply_cpu_affinity_from_env()  # launched servers may be pinned to their cores
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -106,8 +115,6 @@ def _leave_without_finalizing(code: int) -> NoReturn:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from tandem import __version__
-
     parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL for LLMs, PyTorch-native.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -170,7 +177,7 @@ def config_from_args(args: argparse.Namespace, command: str = "train"):
     """The validated run config of `tandem <command>` (train or sft): schema checks
     (`load_run_config`), then the flags given to launched servers (`rollout.server_args`), which
     only this module's `serve` parser knows."""
-    from tandem.rl.config import load_run_config
+    from tandem.rl.config import load_run_config  # OmegaConf and every schema: ~0.4 s
 
     items = list(args.config)
     path = items.pop(0) if items and "=" not in items[0] else None
@@ -206,20 +213,14 @@ def require_model_path(cfg) -> None:
 
 
 def _cmd_alloc(args: argparse.Namespace) -> int:
-    from tandem.config.alloc import parse_allocation
-
     mode = parse_allocation(args.spec)
     print(json.dumps(mode.to_json(), indent=2) if args.json else mode.explain())
     return 0
 
 
 def _cmd_show_config(args: argparse.Namespace) -> int:
-    from tandem.config.loader import to_yaml
-
     cfg = config_from_args(args)
     if args.keys:
-        from tandem.config.keys_doc import keys_markdown
-
         print(keys_markdown(type(cfg), cfg))
     else:
         print(to_yaml(cfg), end="")
@@ -232,8 +233,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     cfg = config_from_args(args)
     require_model_path(cfg)
-    from tandem.rl.console import CONTROLLER_LOG, setup_console
-    from tandem.rl.trial import plan_trial, relaunch_plan
+    from tandem.rl.trial import plan_trial, relaunch_plan  # the run config: ~0.4 s
 
     plan = plan_trial(cfg)  # refuses at once a launch that would mix or discard runs
     setup_console()
@@ -263,11 +263,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, "sft")
     require_model_path(cfg)
-    from tandem.rl.console import setup_console
 
     setup_console()
     with interrupts_held():
-        from tandem.rl.sft import run_sft
+        from tandem.rl.sft import run_sft  # torch, transformers: seconds
 
     out, result = run_sft(cfg)
     evaluated = f"eval accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "not evaluated"
@@ -276,7 +275,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    from tandem.models.tiny import init_model
+    from tandem.models.tiny import init_model  # torch, tokenizers: ~1 s
 
     overrides: dict[str, int | bool] = {}
     if args.layers is not None:
@@ -293,7 +292,7 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from tandem.models import load_model
+    from tandem.models import load_model  # torch: ~1 s
 
     model = load_model(args.path)
     n_params = sum(p.numel() for p in model.parameters())
@@ -307,8 +306,6 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from tandem.launch.scheduler import ENV_SERVE_API_KEY
-
     p.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--host-towards", default=None, metavar="ADDR",
@@ -343,8 +340,6 @@ FLEET_KEYS = ("address", "pid", "state", "version", "in_flight", "tokens_served"
 
 
 def _cmd_fleet(args: argparse.Namespace) -> int:
-    from tandem.fleet.run_file import ControllerClient, read_controller_file
-
     members = ControllerClient(read_controller_file(args.run_dir)).members()
     servers = [{k: s.get(k) for k in FLEET_KEYS} for s in members["servers"]]
     if args.json:
@@ -365,10 +360,10 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.inference.server import ServerArgs, serve
+    from tandem.inference.server import ServerArgs, serve  # torch, the engine: ~1.5 s
 
     if args.host_towards:  # a scheduler on another host: bind the address the controller reaches
-        from tandem.net import address_towards
+        from tandem.net import address_towards  # torch (TCPStore): ~1 s
 
         args.host = address_towards(args.host_towards)
     return serve(ServerArgs.from_namespace(args))

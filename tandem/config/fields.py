@@ -8,6 +8,8 @@ import math
 from dataclasses import field
 from typing import Any
 
+from tandem.errors import ConfigError
+
 _BOUNDS = ("min", "gt", "max", "lt")
 
 
@@ -55,8 +57,6 @@ def check_field_metadata(section: Any, prefix: str = "") -> None:
     """Enforce `choices` and bounds on a section's own fields (not its sub-sections), and refuse
     NaN and infinities in float fields; raises `ConfigError` naming the field, its allowed values
     and how to fix it. `validate` applies it to every section."""
-    from tandem.errors import ConfigError
-
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):

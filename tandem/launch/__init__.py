@@ -21,7 +21,7 @@ from tandem.lazy import lazy_attributes
 _LAZY = {
     "LocalScheduler": "tandem.launch.local", "ManagedProcess": "tandem.launch.process",
     "SlurmScheduler": "tandem.launch.slurm", "RayScheduler": "tandem.launch.ray_cluster",
-    "ProcessScheduler": "tandem.launch.process_scheduler", "make_scheduler": "tandem.launch.config",
+    "ProcessScheduler": "tandem.launch.process_scheduler", "make_scheduler": "tandem.launch.factory",
     "GroupBrokenError": "tandem.launch.rpc_errors", "RemoteError": "tandem.launch.rpc_errors",
     "RPCError": "tandem.launch.rpc_errors", "RPCTimeoutError": "tandem.launch.rpc_errors",
     "WorkerCrashedError": "tandem.launch.rpc_errors",

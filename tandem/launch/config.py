@@ -1,17 +1,12 @@
-"""The `scheduler` section: where a run's processes are started (local, Ray, Slurm), and the
-factory that turns it into a `Scheduler`. See docs/launch.md for the worked examples."""
+"""The `scheduler` section: where a run's processes are started (local, Ray, Slurm); `make_scheduler`
+(`tandem.launch.factory`) turns it into a scheduler. See docs/launch.md for the worked examples."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tandem.launch.process_scheduler import ProcessScheduler
 
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -67,19 +62,3 @@ class SchedulerConfig:
             if missing:
                 raise ConfigError(f"{prefix}type=slurm needs Slurm's commands on PATH ({', '.join(missing)} not "
                                   f"found): run on a Slurm login or compute node")
-
-
-def make_scheduler(config: SchedulerConfig, run_dir: str | Path, *, host: str = "127.0.0.1") -> ProcessScheduler:
-    """The scheduler `config` names, logging to `run_dir/logs`; `host` is the controller's address
-    as the processes reach it (`cluster.host_ip`)."""
-    if config.type == "ray":
-        from tandem.launch.ray_cluster import RayScheduler
-
-        return RayScheduler(run_dir, config.ray, host=host)
-    if config.type == "slurm":
-        from tandem.launch.slurm import SlurmScheduler
-
-        return SlurmScheduler(run_dir, config.slurm, host=host)
-    from tandem.launch.local import LocalScheduler
-
-    return LocalScheduler(run_dir)

@@ -184,7 +184,11 @@ def join_controller(controller: str, authkey: bytes, rank: int, where: str = "")
     set). Returns the connection; say `READY` on it once the process group is joined."""
     from multiprocessing.connection import Client
 
-    from tandem.net import address_towards, interface_of, reserve_store_port
+    from tandem.net import (  # torch; the controller side needs none
+        address_towards,
+        interface_of,
+        reserve_store_port,
+    )
 
     host, _, port = controller.rpartition(":")
     host = host.strip("[]")

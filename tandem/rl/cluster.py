@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config.alloc import Component, parse_allocation_of_kind
+from tandem.launch import vllm
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
@@ -84,8 +85,6 @@ def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str,
                 api_key: str) -> InferenceServers:
     """`count` vLLM servers (`rollout.vllm`), each requiring `api_key` on its OpenAI routes
     (VLLM_API_KEY, in the environment); the model's dtype is the trainer's."""
-    from tandem.launch import vllm
-
     v = cfg.rollout.vllm
     env = {"VLLM_API_KEY": api_key, **({ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else {})}
     specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype,

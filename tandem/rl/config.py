@@ -20,6 +20,7 @@ from tandem.algo.config import RECIPES, AlgoConfig, recipe
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
+from tandem.data.tasks import TaskError, available_tasks, get_task
 from tandem.errors import ConfigError
 from tandem.launch.config import SchedulerConfig
 from tandem.rl.config_checks import (
@@ -161,8 +162,6 @@ class TaskConfig:
     reward_workers: int = _f(2, "Processes that compute rewards, off the controller's event loop.", min=1)
 
     def check(self, prefix: str) -> None:
-        from tandem.data.tasks import TaskError, available_tasks, get_task
-
         if self.name not in available_tasks():
             raise ConfigError(f"{prefix}name: unknown task {self.name!r}; available: {', '.join(available_tasks())}")
         try:  # builds the task (cheap: data is generated or read later), which checks every option

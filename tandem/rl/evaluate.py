@@ -21,6 +21,7 @@ from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflows.rlvr import reward_fields
+from tandem.user_code import UserFunction
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:
     when the config was loaded), as a `UserFunction` that pickles by its spec into the reward
     workers (a function from a file could not be pickled by reference), else the task's own."""
     if cfg.rollout.reward:
-        from tandem.user_code import UserFunction
-
         return cast(RewardFn, UserFunction(cfg.rollout.reward))
     return task.reward_fn()
 

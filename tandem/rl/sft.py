@@ -14,7 +14,7 @@ from typing import Any
 from tandem.config.loader import to_yaml
 from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
-from tandem.launch.config import make_scheduler
+from tandem.launch.factory import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.rl.cluster import start_workers
 from tandem.rl.config import SFTRunConfig

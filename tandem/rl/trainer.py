@@ -34,7 +34,7 @@ from tandem.fleet import ops
 from tandem.fleet.protocol import call
 from tandem.fleet.routes import RouteLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
-from tandem.launch.config import make_scheduler
+from tandem.launch.factory import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch

@@ -17,6 +17,7 @@ from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
 from tandem.fleet.routes import RouteLayout
 from tandem.launch.affinity import parse_cpus
+from tandem.launch.vllm import default_vllm_python
 from tandem.rollout.agent.config import AgentConfig
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
@@ -57,8 +58,6 @@ class VLLMLaunchConfig:
     def interpreter(self) -> str:
         """`python`, else `.venv-vllm/bin/python` in the working directory; ConfigError naming
         the key when neither exists."""
-        from tandem.launch.vllm import default_vllm_python
-
         found = self.python or default_vllm_python()
         if found is None:
             raise ConfigError("rollout.vllm.python is not set and there is no .venv-vllm/bin/python here; run "

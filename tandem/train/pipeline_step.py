@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from tandem.data.batch import MicroBatch
+from tandem.models.qwen.pipeline import tied_copies
 from tandem.parallel import ParallelDims, ParallelizeConfig, fsdp_units
 from tandem.parallel.pipeline import (
     PipelineLayout,
@@ -39,6 +40,7 @@ from tandem.train.config import MicroBatchConfig
 from tandem.train.logprobs import next_token_outputs
 from tandem.train.losses import LossFn
 from tandem.train.optim import clip_grads, grads_by_layout, total_grad_norm
+from tandem.train.pipeline_export import export_plan, iter_pipeline_buckets, plan_nbytes
 
 
 def _lcm(a: int, b: int) -> int:
@@ -205,21 +207,15 @@ class PipelineRunner:
     def export_buckets(self, mesh: DeviceMesh, bucket_bytes: int, dtype: torch.dtype | None, alloc=None,
                        dst: int | None = None):
         """Full HF tensors of the whole model in buckets (see `tandem.train.pipeline_export`). Collective."""
-        from tandem.train.pipeline_export import iter_pipeline_buckets
-
         return iter_pipeline_buckets(self.model, self._plan(), mesh, bucket_bytes, dtype, alloc, dst)
 
     def export_nbytes(self, dtype: torch.dtype | None) -> int:
-        from tandem.train.pipeline_export import plan_nbytes
-
         return plan_nbytes(self._plan(), dtype)
 
     def num_parameters(self) -> int:
         return sum(e.shape.numel() for e in self._plan())
 
     def _plan(self):
-        from tandem.train.pipeline_export import export_plan
-
         if self.export_plan is None:
             self.export_plan = export_plan(self.model, self.layout)
         return self.export_plan
@@ -233,8 +229,6 @@ class PipelineRunner:
 
     def sync_tied(self) -> None:
         """Sum the tied weight's gradient over its copies (first and last stage). Collective."""
-        from tandem.models.qwen.pipeline import tied_copies
-
         if self.model.args.tie_word_embeddings:
             holders = {self.layout.stage_rank(0), self.layout.stage_rank(self.layout.n_stages - 1)}
             if self.pp_rank in holders:

@@ -16,7 +16,8 @@ A rank holds one engine per role: the `actor` (the policy every run trains), and
 Roles share the rank's process group; each engine has its own device mesh.
 
 Importing this module is cheap (no engine, no model code): the controller imports it to name the
-methods it calls.
+methods it calls, so the engine, the steps and the weight updater are imported inside the methods
+that run them, on the ranks only.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class TrainWorker:
 
     def initialize(self, config: TrainEngineConfig, role: EngineRole = "actor") -> EngineInfo:
         """Build the `TrainEngine` of `role` (a critic's holds a value model). Collective."""
-        from tandem.train.engine import TrainEngine
+        from tandem.train.engine import TrainEngine  # ranks only
 
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
@@ -125,21 +126,21 @@ class TrainWorker:
         """Decoupled PPO on this rank's shard (`tandem.train.rl_step.ppo_update`): proximal
         logprobs with the weights of `version`, then `n_minibatches` optimizer steps. Stats are
         reduced over all ranks. Collective."""
-        from tandem.train.rl_step import ppo_update
+        from tandem.train.rl_step import ppo_update  # ranks only
 
         return ppo_update(self._engine(), shard, algo, version, temperature, n_minibatches)
 
     def value_update(self, shard: SequenceBatch, algo: AlgoConfig, n_minibatches: int) -> dict[str, float]:
         """The critic's clipped-value-loss update on this rank's shard (`tandem.train.rl_step.value_update`);
         stats reduced over the critic's ranks. Collective."""
-        from tandem.train.rl_step import value_update
+        from tandem.train.rl_step import value_update  # ranks only
 
         return value_update(self._engine("critic"), shard, algo, n_minibatches)
 
     def sft_step(self, shard: SequenceBatch) -> dict[str, float]:
         """One supervised optimizer step, loss on the shard's loss-mask tokens (the completion).
         Collective."""
-        from tandem.train.losses import sft_loss
+        from tandem.train.losses import sft_loss  # ranks only
 
         return self._engine().train_batch(shard, sft_loss)
 
@@ -165,7 +166,7 @@ class TrainWorker:
     def init_weight_update(self, meta: WeightUpdateMeta, fleet: Fleet | None, **opts: Any) -> None:
         """Prepare weight updates to the servers: `fleet` is rank 0's way to them (None on the
         other ranks), `opts` are `WeightUpdater`'s keyword options (`verify`, ...). Collective."""
-        from tandem.weights.updater import WeightUpdater
+        from tandem.weights.updater import WeightUpdater  # ranks only
 
         self.close_weight_update()
         self.updater = WeightUpdater(self._engine(), fleet, meta, **opts)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None, worker_type: type[TrainWorker] = TrainWo
                         format=f"%(asctime)s trainer-rank{os.environ.get('RANK', '?')} %(name)s %(levelname)s %(message)s")
 
     def build() -> TrainWorker:
-        from tandem.train.dist import default_backend, init_from_env, resolve_device
+        from tandem.train.dist import default_backend, init_from_env, resolve_device  # ranks only
 
         device = resolve_device(args.device)
         backend = args.backend or default_backend(device)

@@ -12,6 +12,7 @@ import torch
 from tandem.fleet import ops
 from tandem.fleet.protocol import Fleet, call
 from tandem.fleet.results import FleetError, ServerChecksums, ServerResult
+from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.group import dtype_from_name
 
 
@@ -46,8 +47,6 @@ class UpdateVerifier:
                 sums[name] = tensor_checksum(t.to(dtype))
 
     def add_checkpoint(self, path: Path) -> None:
-        from tandem.models.hf_checkpoint import iter_hf_tensors
-
         self.add(list(iter_hf_tensors(path)))
 
     def check(self) -> None:

@@ -5,7 +5,7 @@ mixes into its worker class when started with
 
 (`tandem.launch.vllm` passes it and puts this package on the server's PYTHONPATH). Its methods are
 called through vLLM's `/collective_rpc` route (VLLM_SERVER_DEV_MODE=1) by the vLLM adapter
-(`tandem.fleet.vllm_adapter.VLLMAdapter(extension=True)`), so vLLM servers take the same two-phase
+(`tandem.fleet.adapters.VLLMAdapter(extension=True)`), so vLLM servers take the same two-phase
 update as `tandem serve`:
 
 - `tandem_join_group`: join the trainer's transfer group (`tandem.weights.group`, gloo on CPU,

@@ -16,10 +16,9 @@ import torch
 import transformers
 
 from tandem.fleet import ops
-from tandem.fleet.adapters import UnsupportedOperation
+from tandem.fleet.adapters import UnsupportedOperation, VLLMAdapter
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.http import HttpFleet
-from tandem.fleet.vllm_adapter import VLLMAdapter
 from tandem.models import load_model
 from tandem.models.tied_head import write_tied_output_head
 from tandem.rollout.client import ClientConfig, InferenceClient

@@ -16,10 +16,10 @@ import torch
 import transformers
 
 from tandem.fleet import ops
+from tandem.fleet.adapters import VLLMAdapter
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.http import HttpFleet
 from tandem.fleet.results import FleetResult
-from tandem.fleet.vllm_adapter import VLLMAdapter
 from tandem.models import load_model
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.version import WeightVersion

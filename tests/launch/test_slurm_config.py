@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem.launch import LaunchError, LocalScheduler
-from tandem.launch.config import make_scheduler
+from tandem.launch.factory import make_scheduler
 from tandem.launch.slurm import SlurmScheduler
 from tandem.rl.config import load_run_config
 from tests.launch.helpers import CPU, HELPERS

@@ -110,7 +110,7 @@ class Task(ABC):
 
     def reward_fn(self) -> Callable[..., float]:
         """This task's reward with the rollout signature; picklable (for the reward worker pool)."""
-        from tandem.data.tasks.rewards import TaskReward
+        from tandem.data.tasks.rewards import TaskReward  # rewards.py builds on this module
 
         return TaskReward(self)
 

@@ -135,7 +135,7 @@ class QwenModel(nn.Module):
 
     @property
     def spec(self) -> ModelSpec:
-        from tandem.models.registry import get_model_spec
+        from tandem.models.registry import get_model_spec  # the registry imports this family
 
         return get_model_spec(self.model_type)
 

@@ -80,6 +80,7 @@ def init_model(
 ) -> Path:
     """Write a randomly initialised `arch` model of size `preset` with its tokenizer to `out_dir`;
     `overrides`: config values to change (see `hf_config_for`)."""
+    # torch and the tokenizer trainer: reading the presets (`tandem show-config`) needs neither.
     from tandem.models import build_model, save_model
     from tandem.models.tiny.tokenizer import build_tokenizer, save_tokenizer, special_token_ids
 
