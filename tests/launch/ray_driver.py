@@ -18,7 +18,7 @@ import ray
 from ray.util import placement_group_table
 
 from tandem.launch.ray_cluster import RayScheduler
-from tandem.launch.rpc_errors import WorkerCrashedError
+from tandem.launch.rpc import WorkerCrashedError
 from tandem.rl.config import load_run_config
 from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import alive
