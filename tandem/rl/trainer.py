@@ -42,13 +42,13 @@ from tandem.rl.checkpoints import TRAINER, LoopState, latest_checkpoint, save_ch
 from tandem.rl.cluster import InferenceServers, start_servers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
-from tandem.rl.data import CursorLoader, load_task_data
+from tandem.rl.data import CursorLoader, TaskData, load_task_data
 from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
 from tandem.rl.metrics import MetricsLogger
-from tandem.rl.models import TrainerModels, start_models
+from tandem.rl.models import start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
@@ -115,7 +115,7 @@ def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
 def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     """Run (or resume) the trial `plan` describes (default: `plan_trial(cfg)`); raises
     `RunInterrupted` on Ctrl-C after everything it started is gone."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: seconds
 
     start_time = time.monotonic()
     plan = plan or plan_trial(cfg)
@@ -124,7 +124,6 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     attach_run_log(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
-    totals = {"generation": 0.0, "train": 0.0, "sync": 0.0}
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
                           timeout_key="task.reward_timeout_s")
     metrics: MetricsLogger | None = None
@@ -135,12 +134,13 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         data = load_task_data(cfg, tokenizer)
         reward_fn = reward_function(cfg, data.task)
         workflow = build_workflow(cfg, tokenizer, reward_fn, runner)  # before anything starts
+        task = RunTask(data, tokenizer, reward_fn, runner, workflow)
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                                 run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
             try:
-                _run(cfg, plan, scheduler, data, tokenizer, reward_fn, workflow, runner, metrics, summary, totals)
+                _train(Run(cfg, plan, scheduler, task, summary), metrics)
             except Exception:
                 scheduler.log_exits()  # a role that died says so, with its log
                 raise
@@ -151,83 +151,174 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         if metrics is not None:
             metrics.close()
     summary.seconds = time.monotonic() - start_time
-    summary.time_split = totals
     if cfg.stats.plot:
         plot_run(metrics.path, run_dir / "plot.png", title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
     (run_dir / "summary.txt").write_text(summary.describe() + "\n")
     return summary
 
 
-def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: Any, tokenizer: Any,
-         reward_fn: RewardFn, workflow: RolloutWorkflow, runner: RewardRunner, metrics: MetricsLogger,
-         summary: RunSummary, totals: dict[str, float]) -> None:
-    start_step = plan.start_step
-    meta = weight_update_meta(cfg, plan.run_dir)
-    Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
-    servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
-    models = start_models(cfg, scheduler)
-    trainer = models.actor
-    if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed
-        meta = dataclasses.replace(meta, master_address=trainer.group.hosts[0])
-    for role, where in scheduler.placement():
-        logger.info("placement: %s -> %s", role, where)
-    # Trainer rank 0 reaches the callback server from wherever the scheduler placed it.
-    callback_host = cfg.cluster.host_ip if cfg.scheduler.remote else cfg.rollout.callback_host
-    rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key,
-                                      callback_host=callback_host)
-    frontier = plan.loop.frontier
-    loader = CursorLoader(data.train, cursor=frontier.next_index, skip=frontier.resolved)
+def _train(run: Run, metrics: MetricsLogger) -> None:
+    """The loop: evaluate; each step, log, then evaluate and checkpoint on their timers (evaluation
+    also after the last step); then `finish`."""
+    cfg, summary = run.cfg, run.summary
+    with run:
+        last_eval = run.evaluate(summary.start_step)
+        summary.eval_before = last_eval.get("eval/accuracy")
+        if not metrics.has_step(summary.start_step):  # a resumed trial keeps the row it had for this step
+            metrics.log(summary.start_step, last_eval)
+        with Progress(cfg.train.total_steps, summary.start_step, enabled=cfg.stats.progress) as progress:
+            for step in range(summary.start_step, cfg.train.total_steps):
+                stats = run.step(step)
+                done = summary.end_step = step + 1
+                last = done == cfg.train.total_steps
+                if last or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+                    last_eval = run.evaluate(done)
+                    stats.update(last_eval)
+                metrics.log(done, stats)
+                progress.update(stats, last_eval.get("eval/accuracy"))
+                if cfg.train.save_every and (last or done % cfg.train.save_every == 0):
+                    run.checkpoint(done)
+        summary.eval_after = last_eval.get("eval/accuracy")
+        run.finish()
 
-    eval_agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)
 
-    def run_eval(step: int, controller: RolloutController) -> dict[str, float]:
-        began = time.monotonic()
-        # An agent (the run's, or a tool task's own) is evaluated greedily through its proxy, on its reward.
-        agent = workflow if isinstance(workflow, AgentWorkflow) else eval_agent
-        if agent is not None:
-            stats = evaluate_agent(controller.pool, data.eval, agent, client_config=rollout_cfg.client_config())
+@dataclass
+class RunTask:
+    """What a run learns from, loaded before anything starts."""
+
+    data: TaskData
+    tokenizer: Any
+    reward_fn: RewardFn
+    runner: RewardRunner
+    workflow: RolloutWorkflow
+
+
+class Run:
+    """One launched run. Entering it starts the servers, the trainer models and the rollout
+    controller (every resource in one `ExitStack`, released in reverse on exit) and brings the
+    fleet to the trainer's version; then `evaluate`, `step`, `checkpoint` and `finish` drive it."""
+
+    def __init__(self, cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, task: RunTask,
+                 summary: RunSummary):
+        self.cfg, self.plan, self.scheduler, self.task, self.summary = cfg, plan, scheduler, task, summary
+        self._stack = contextlib.ExitStack()
+        frontier = plan.loop.frontier
+        self.loader = CursorLoader(task.data.train, cursor=frontier.next_index, skip=frontier.resolved)
+        self.eval_agent = task_agent(task.data.task, task.tokenizer, cfg.gen.max_new_tokens)
+        summary.time_split = {"generation": 0.0, "train": 0.0, "sync": 0.0}
+
+    def __enter__(self) -> Run:
+        with self._stack as stack:
+            self._start(stack)
+            self._stack = stack.pop_all()  # started: the resources now live until __exit__
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _start(self, stack: contextlib.ExitStack) -> None:
+        cfg, plan, scheduler = self.cfg, self.plan, self.scheduler
+        meta = weight_update_meta(cfg, plan.run_dir)
+        Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
+        servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
+        self.models = start_models(cfg, scheduler)
+        self.trainer = self.models.actor
+        if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed
+            meta = dataclasses.replace(meta, master_address=self.trainer.group.hosts[0])
+        for role, where in scheduler.placement():
+            logger.info("placement: %s -> %s", role, where)
+        # Trainer rank 0 reaches the callback server from wherever the scheduler placed it.
+        callback_host = cfg.cluster.host_ip if cfg.scheduler.remote else cfg.rollout.callback_host
+        self.rollout_cfg = dataclasses.replace(cfg.rollout, servers=servers.addresses, api_key=servers.api_key,
+                                               callback_host=callback_host)
+        # Released in reverse: the workflow (an agent workflow's proxies stop while their loops still
+        # run), the controller file, the keeper, then the controller, which cancels and awaits
+        # in-flight episodes and their reward calls before the reward pool closes.
+        self.controller = stack.enter_context(RolloutController(self.rollout_cfg, route_layout=route_layout(cfg)))
+        stack.enter_context(_keep_servers(cfg, scheduler, self.controller, servers))
+        stack.enter_context(controller_file(plan.run_dir, ControllerFile(
+            self.controller.callback_address(), self.controller.join_token, servers.api_key, os.getpid())))
+        stack.enter_context(contextlib.closing(self.task.workflow))
+        self.trainer.init_weight_update(meta, self.controller.callback(), verify=cfg.train.verify_weights)
+        if plan.resume_from is not None:
+            self._resume(plan.resume_from, plan.start_step)
         else:
-            stats = evaluate(controller.pool, data.eval, reward_fn, runner, tokenizer,
-                             max_new_tokens=cfg.gen.max_new_tokens, client_config=rollout_cfg.client_config())
+            call(self.controller, ops.SET_VERSION, ops.SetVersion(0))
+
+    def _resume(self, checkpoint: Path, step: int) -> None:
+        began = time.monotonic()
+        self.models.load(checkpoint / TRAINER)
+        self.trainer.update_weights(step)  # the fleet serves the resumed weights, before any rollout
+        frontier = self.plan.loop.frontier
+        self.controller.recover_version(step, frontier)
+        logger.info("resumed at step %d from %s in %.1f s (the stream continues at item %d)", step,
+                    checkpoint, time.monotonic() - began, frontier.next_index)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Eval accuracy of the weights of `step`; an agent (the run's, or a tool task's own) is
+        evaluated greedily through its proxy, on its reward."""
+        began = time.monotonic()
+        task, client_config = self.task, self.rollout_cfg.client_config()
+        agent = task.workflow if isinstance(task.workflow, AgentWorkflow) else self.eval_agent
+        if agent is not None:
+            stats = evaluate_agent(self.controller.pool, task.data.eval, agent, client_config=client_config)
+        else:
+            stats = evaluate(self.controller.pool, task.data.eval, task.reward_fn, task.runner, task.tokenizer,
+                             max_new_tokens=self.cfg.gen.max_new_tokens, client_config=client_config)
         if stats:
             logger.info("step %d: eval accuracy %.3f on %d items (%.1f s)", step, stats["eval/accuracy"],
                         int(stats["eval/n"]), time.monotonic() - began)
         return stats
 
-    # Shut down before the reward pool closes: in-flight episodes and their reward calls are
-    # cancelled and awaited first, so the run ends without stray tasks.
-    with RolloutController(rollout_cfg, route_layout=route_layout(cfg)) as controller, _keep_servers(cfg, scheduler, controller, servers), \
-            controller_file(plan.run_dir, ControllerFile(controller.callback_address(), controller.join_token,
-                                                         servers.api_key, os.getpid())), \
-            contextlib.closing(workflow):  # an agent workflow's proxies stop while their loops still run
-        trainer.init_weight_update(meta, controller.callback(), verify=cfg.train.verify_weights)
-        if plan.resume_from is not None:
-            began = time.monotonic()
-            models.load(plan.resume_from / TRAINER)
-            trainer.update_weights(start_step)  # the fleet serves the resumed weights, before any rollout
-            controller.recover_version(start_step, frontier)
-            logger.info("resumed at step %d from %s in %.1f s (the stream continues at item %d)", start_step,
-                        plan.resume_from, time.monotonic() - began, frontier.next_index)
+    def step(self, step: int) -> dict[str, float]:
+        """One step; returns its stats. `step` is the weight version the trainer holds before it."""
+        cfg, controller, models, trainer = self.cfg, self.controller, self.models, self.trainer
+        dp = max(trainer.dp_size, models.critic.dp_size if models.critic is not None else 1)
+        t0 = time.monotonic()
+        kill_point("rollout", step + 1, delay_s=0.05)
+        trajs = controller.prepare_batch(self.loader, self.task.workflow)
+        t1 = time.monotonic()
+        batch, stats = build_training_batch(trajs, cfg.algo, version=step)
+        stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
+        if batch is None or len(batch) < dp:
+            # Everything was filtered out (e.g. every group solved): no gradient this step, but the
+            # version still advances so the staleness accounting stays exact.
+            _SKIPS.log("skip", f"step {step + 1}: {0 if batch is None else len(batch)} sequences left after "
+                               f"filtering (fewer than the {dp} trainer rank(s)); skipping the update")
+            stats["train/skipped"] = 1.0
         else:
-            call(controller, ops.SET_VERSION, ops.SetVersion(0))
-        first = run_eval(start_step, controller)
-        summary.eval_before = first.get("eval/accuracy")
-        if not metrics.has_step(start_step):  # a resumed trial keeps the row it had for this step
-            metrics.log(start_step, first)
-        last_eval = first
-        with Progress(cfg.train.total_steps, start_step, enabled=cfg.stats.progress) as progress:
-            for step in range(start_step, cfg.train.total_steps):
-                stats = _rl_step(cfg, controller, models, workflow, loader, step, totals)
-                done = summary.end_step = step + 1
-                if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.total_steps:
-                    last_eval = run_eval(done, controller)
-                    stats.update(last_eval)
-                metrics.log(done, stats)
-                progress.update(stats, last_eval.get("eval/accuracy"))
-                if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == cfg.train.total_steps):
-                    _save_checkpoint(cfg, plan.run_dir, models, controller, done)
-        summary.eval_after = last_eval.get("eval/accuracy")
-        trainer.close_weight_update()
+            kill_point("train", step + 1, delay_s=0.05)
+            stats.update(models.update(batch, cfg, step))
+        t2 = time.monotonic()
+        kill_point("sync", step + 1, delay_s=0.02)
+        report = trainer.update_weights(step + 1)
+        t3 = time.monotonic()
+        times = {"generation": t1 - t0, "train": t2 - t1, "sync": t3 - t2}
+        for key, value in times.items():
+            self.summary.time_split[key] += value
+        stats.update({f"time/{k}": v for k, v in times.items()})
+        stats.update({"sync/seconds": report.seconds, "sync/gb_per_s": report.gb_per_s, "version": float(step + 1)})
+        stats.update({f"rollout/{k}": float(v) for k, v in controller.stats().items() if isinstance(v, int | float)})
+        stats.update(controller.step_metrics())
+        stats.update({"sync/servers": float(len(report.servers)), "sync/attempts": float(report.attempts)})
+        return stats
+
+    def finish(self) -> None:
+        """After the last step: the trainer ranks release their weight-update group."""
+        self.trainer.close_weight_update()
+
+    def checkpoint(self, step: int) -> None:
+        """The trained models' state (DCP: the actor's, the critic's) and the loop's (step = weight
+        version, the stream's frontier), written whole, then made LATEST (`tandem.rl.checkpoints`)."""
+        began = time.monotonic()
+        state = LoopState(step, self.controller.frontier(), self.cfg.experiment.seed)
+
+        def save_trainer(directory: Path) -> None:
+            self.models.save(directory)
+            kill_point("checkpoint", step)  # fault injection: a save cut short after the trainer's part
+
+        path = save_checkpoint(self.plan.run_dir, state, save_trainer, keep=self.cfg.train.keep_checkpoints)
+        logger.info("step %d: checkpoint %s (%.1f s)", step, path, time.monotonic() - began)
 
 
 def route_layout(cfg: TandemConfig) -> RouteLayout | None:
@@ -249,56 +340,6 @@ def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: Ro
     return ServerKeeper(scheduler, controller, servers.handles, model_path=cfg.actor.path,
                         server_args=servers.server_args, device=cfg.experiment.device, api_key=servers.api_key,
                         replace_dead=cfg.rollout.replace_dead)
-
-
-def _rl_step(cfg: TandemConfig, controller: RolloutController, models: TrainerModels, workflow: RolloutWorkflow,
-             loader: CursorLoader, step: int, totals: dict[str, float]) -> dict[str, float]:
-    """One step; returns its stats. `step` is the weight version the trainer holds before it."""
-    trainer = models.actor
-    dp = max(trainer.dp_size, models.critic.dp_size if models.critic is not None else 1)
-    t0 = time.monotonic()
-    kill_point("rollout", step + 1, delay_s=0.05)
-    trajs = controller.prepare_batch(loader, workflow)
-    t1 = time.monotonic()
-    batch, stats = build_training_batch(trajs, cfg.algo, version=step)
-    stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
-    if batch is None or len(batch) < dp:
-        # Everything was filtered out (e.g. every group solved): no gradient this step, but the
-        # version still advances so the staleness accounting stays exact.
-        _SKIPS.log("skip", f"step {step + 1}: {0 if batch is None else len(batch)} sequences left after filtering "
-                           f"(fewer than the {dp} trainer rank(s)); skipping the update")
-        stats["train/skipped"] = 1.0
-    else:
-        kill_point("train", step + 1, delay_s=0.05)
-        stats.update(models.update(batch, cfg, step))
-    t2 = time.monotonic()
-    kill_point("sync", step + 1, delay_s=0.02)
-    report = trainer.update_weights(step + 1)
-    t3 = time.monotonic()
-    times = {"generation": t1 - t0, "train": t2 - t1, "sync": t3 - t2}
-    for key, value in times.items():
-        totals[key] += value
-    stats.update({f"time/{k}": v for k, v in times.items()})
-    stats.update({"sync/seconds": report.seconds, "sync/gb_per_s": report.gb_per_s, "version": float(step + 1)})
-    stats.update({f"rollout/{k}": float(v) for k, v in controller.stats().items() if isinstance(v, int | float)})
-    stats.update(controller.step_metrics())
-    stats.update({"sync/servers": float(len(report.servers)), "sync/attempts": float(report.attempts)})
-    return stats
-
-
-def _save_checkpoint(cfg: TandemConfig, run_dir: Path, models: TrainerModels, controller: RolloutController,
-                     step: int) -> None:
-    """The trained models' state (DCP: the actor's, the critic's) and the loop's (step = weight
-    version, the stream's frontier), written whole, then made LATEST (`tandem.rl.checkpoints`)."""
-    began = time.monotonic()
-    state = LoopState(step, controller.frontier(), cfg.experiment.seed)
-
-    def save_trainer(directory: Path) -> None:
-        models.save(directory)
-        kill_point("checkpoint", step)  # fault injection: a save cut short after the trainer's part
-
-    path = save_checkpoint(run_dir, state, save_trainer, keep=cfg.train.keep_checkpoints)
-    logger.info("step %d: checkpoint %s (%.1f s)", step, path, time.monotonic() - began)
 
 
 def _resume_hint(cfg: TandemConfig, run_dir: Path, step: int) -> str:
