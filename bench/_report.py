@@ -1,4 +1,5 @@
-"""Append a dated, machine-stamped section to docs/benchmarks.md; shared by the benchmarks here.
+"""Add a dated, machine-stamped run to its benchmark's section of docs/benchmarks.md; shared by the
+benchmarks here.
 
 Usage from a script in bench/: `from _report import append_benchmark` (the script's folder is on
 sys.path when run as `python bench/<name>.py`).
@@ -28,13 +29,27 @@ def machine_line() -> str:
     return ", ".join(parts)
 
 
+def insert_run(text: str, title: str, run_markdown: str) -> str:
+    """`text` with `run_markdown` placed last in the section headed `## <title>`, or in a new section
+    of that title at the end when there is none."""
+    lines = text.rstrip("\n").split("\n")
+    heading = f"## {title}"
+    if heading not in lines:
+        return "\n".join([*lines, "", heading, "", run_markdown.strip(), ""])
+    start = lines.index(heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    while end > start + 1 and not lines[end - 1].strip():
+        end -= 1
+    return "\n".join([*lines[:end], "", run_markdown.strip(), *lines[end:], ""])
+
+
 def append_benchmark(title: str, body_markdown: str, path: Path = BENCHMARKS_MD) -> Path:
-    """Append `## <title> — <ISO date> — <machine>` and the body; create the file if missing."""
+    """Add `### <ISO date> — <machine>` and the body as the last run of the `## <title>` section
+    (a new section at the end when the benchmark has none); create the file if missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         path.write_text("# Benchmarks\n")
     today = datetime.date.today().isoformat()
-    section = f"\n## {title} — {today} — {machine_line()}\n\n{body_markdown.strip()}\n"
-    with path.open("a") as f:
-        f.write(section)
+    run = f"### {today} — {machine_line()}\n\n{body_markdown.strip()}\n"
+    path.write_text(insert_run(path.read_text(), title, run))
     return path

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from current import record, this_command
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -377,6 +378,9 @@ def main() -> None:
     if not args.no_append:
         path = append_benchmark("Async vs sync RL (trained samples/s)", text)
         print(f"appended to {path}")
+        sync, asyn = (median_of(runs[s], "samples_per_s") for s in (0, args.staleness))
+        record("async_vs_sync", f"{asyn:.2f} trained samples/s at staleness {args.staleness}",
+               f"{sync:.2f} at staleness 0 (sync)", f"{ratio:.2f}x", this_command())
 
 
 if __name__ == "__main__":

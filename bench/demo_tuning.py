@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from current import record, this_command  # bench/ is on sys.path when run as a script
 
 from tandem.algo import (
     add_advantages,
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-every", type=int, default=10)
     a("--eval-seed", type=int, default=1234, help="which eval problems (fixed across runs by default)")
     a("--json", default=None, help="write settings + rows to this file")
+    a("--record", action="store_true",
+      help="write the summary to the demo_tuning row of docs/benchmarks.md's Current figures table")
     return p.parse_args(argv)
 
 
@@ -291,6 +294,10 @@ def run(args: argparse.Namespace) -> dict:
     result = {"args": vars(args), "rows": rows, "summary": summary}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.record:
+        record("demo_tuning", f"greedy eval accuracy {acc_start:.3f} after SFT -> {acc_end:.3f} after "
+               f"{args.rl_steps} RL steps (gain {acc_end - acc_start:+.3f}), {wall:.0f} s", f"after SFT {acc_start:.3f}",
+               "", this_command())
     return result
 
 

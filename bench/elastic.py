@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from current import record, this_command
 
 from tandem.fleet.run_file import ControllerClient, ControllerFileError, read_controller_file
 
@@ -170,6 +171,11 @@ def main() -> None:
     print(body)
     if not args.no_append:
         append_benchmark("Elastic fleet: kill one of three servers, join one", body)
+        detect = f"kill detected in {detected:.2f} s" if detected is not None else "kill not seen"
+        rejoin = (f"rejoined {joined - registered:.1f} s after registration ({joined - join_started:.1f} s after start)"
+                  if joined and registered and join_started else "no rejoin within the run")
+        record("elastic", f"{detect}; {rejoin}; {int(last['rollout/lost_total'])} samples lost",
+               f"none (the monitor's bound: {bound} s)", "", this_command())
 
 
 if __name__ == "__main__":

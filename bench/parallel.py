@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from current import record, this_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.distributed import run_distributed
@@ -104,11 +105,13 @@ def _worker(rank: int, world_size: int, path: str, layout: dict, steps: int) -> 
     return {"tokens_per_s": n_tokens / statistics.median(times), "peak_mib": peak / 1024}
 
 
-def bench(presets: list[str], layouts: list[str], steps: int) -> str:
+def bench(presets: list[str], layouts: list[str], steps: int) -> tuple[str, dict[str, dict[str, dict[str, float]]]]:
+    """The table, and the results that ran: preset -> layout -> tokens_per_s, peak_mib."""
     from tandem.models.tiny import init_model
 
     rows = ["| preset | layout | ranks | tokens/s | vs d1 | peak memory per rank (MiB) | vs d1 |",
             "|---|---|---|---|---|---|---|"]
+    results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             path = str(init_model(Path(tmp) / preset, preset=preset, seed=0,
@@ -123,6 +126,7 @@ def bench(presets: list[str], layouts: list[str], steps: int) -> str:
                     rows.append(f"| {preset} | {name} | {world} | failed | | | |")
                     continue
                 result = {"tokens_per_s": per_rank[0]["tokens_per_s"], "peak_mib": max(r["peak_mib"] for r in per_rank)}
+                results.setdefault(preset, {})[name] = result
                 ref = ref or (result if name == "d1" else None)
                 speed = f"{result['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
                 memory = f"{result['peak_mib'] / ref['peak_mib']:.2f}x" if ref else ""
@@ -130,7 +134,23 @@ def bench(presets: list[str], layouts: list[str], steps: int) -> str:
                         f"{result['peak_mib']:.1f} | {memory} |")
                 print(line, flush=True)
                 rows.append(line)
-    return "\n".join(rows)
+    return "\n".join(rows), results
+
+
+def record_current(results: dict[str, dict[str, dict[str, float]]]) -> None:
+    """The Current figures row: the last preset's fastest layout and smallest peak memory against d1."""
+    preset, runs = list(results.items())[-1]
+    d1 = runs.get("d1")
+    if d1 is None:
+        return  # nothing to compare with
+    fast = max(runs, key=lambda n: runs[n]["tokens_per_s"])
+    small = min(runs, key=lambda n: runs[n]["peak_mib"])
+    record("parallel",
+           f"{preset} {fast} {runs[fast]['tokens_per_s']:.0f} tok/s; peak memory per rank down to "
+           f"{runs[small]['peak_mib']:.1f} MiB ({small})",
+           f"d1 (one rank): {d1['tokens_per_s']:.0f} tok/s, {d1['peak_mib']:.1f} MiB",
+           f"{runs[fast]['tokens_per_s'] / d1['tokens_per_s']:.2f}x tok/s; "
+           f"{runs[small]['peak_mib'] / d1['peak_mib']:.2f}x memory", this_command())
 
 
 def main() -> None:
@@ -143,7 +163,7 @@ def main() -> None:
     if "d1" not in args.layouts:
         args.layouts.insert(0, "d1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    table = bench(args.presets, args.layouts, args.steps)
+    table, results = bench(args.presets, args.layouts, args.steps)
     print(table)
     if not args.no_append:
         body = (f"Untied Qwen3 presets, fp32, {N_SEQS} sequences of {MIN_LEN}..{MAX_LEN} tokens per step, "
@@ -152,6 +172,7 @@ def main() -> None:
                 "resident set a rank reached while building the engine and training, above its resident set "
                 "before (largest rank).\n\n" + table)
         append_benchmark("Parallel layouts: tokens/s and peak memory per rank", body)
+        record_current(results)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from _report import append_benchmark
+from current import record, this_command
 
 from tandem.algo.mismatch import logprob_mismatch
 from tandem.data.trajectory import Trajectory
@@ -149,6 +150,13 @@ def main() -> None:
     print("\n" + body)
     if not args.no_append:
         print(f"appended to {append_benchmark('Routing replay (R3): route agreement and logprob mismatch', body)}")
+        by = {(dtype, replay): r for dtype, replay, r in rows}
+        live, r3 = by["bfloat16", "off"], by["bfloat16", "r3"]
+        record("router_replay",
+               f"r3 replay, bf16: route agreement {r3['agree_used']:.4f}, logprob mismatch mean {r3['mean']:.3e}, "
+               f"max {r3['max']:.3e}",
+               f"live routing: {live['agree_used']:.4f}, {live['mean']:.3e}, {live['max']:.3e}",
+               f"mismatch mean {r3['mean'] / live['mean']:.2f}x, max {r3['max'] / live['max']:.2f}x", this_command())
 
 
 if __name__ == "__main__":

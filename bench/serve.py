@@ -41,6 +41,7 @@ import aiohttp
 import torch
 import transformers
 from _report import append_benchmark
+from current import record, this_command
 
 from tandem.launch import vllm as vllm_launch
 from tandem.launch.process import free_port
@@ -167,8 +168,10 @@ def run_hf(model, work: Work, batch: int, device: str, order: str) -> tuple[int,
     return tokens, time.perf_counter() - start
 
 
-def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str) -> tuple[list[str], list[str]]:
-    """One preset and dtype: returns (transformers table row(s), vLLM table row(s))."""
+def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
+                 ) -> tuple[list[str], list[str], dict[str, float]]:
+    """One preset and dtype: returns (transformers table row(s), vLLM table row(s), tokens/s by side:
+    srv, arrival, sorted, vllm)."""
     model_dir = init_model(tmp / preset, arch="qwen3", preset=preset, seed=0)
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
     work = workload(0, vocab)
@@ -233,7 +236,7 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str) -
         print(row, flush=True)
     print(f"  {preset} {dtype} seconds per repetition: "
           + ", ".join(f"{k} {[round(t, 2) for _, t in r]}" for k, r in runs.items()), flush=True)
-    return hf_rows, vllm_rows
+    return hf_rows, vllm_rows, tps
 
 
 def main() -> None:
@@ -265,10 +268,11 @@ def main() -> None:
     vllm_rows = ["| preset | dtype | params | tandem serve tok/s | vLLM tok/s | **Tandem / vLLM** | output tokens "
                  "| tandem s | vLLM s |",
                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rates: dict[tuple[str, str], dict[str, float]] = {}  # (dtype, preset) -> tokens/s by side
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             for preset in args.presets:
-                h, v = bench_preset(args, Path(tmp), preset, dtype)
+                h, v, rates[dtype, preset] = bench_preset(args, Path(tmp), preset, dtype)
                 hf_rows += h
                 vllm_rows += v
     tables = ([("\n".join(hf_rows))] if args.hf else []) + ([("\n".join(vllm_rows))] if args.vllm_python else [])
@@ -295,6 +299,26 @@ def main() -> None:
     title = "Inference server throughput (tandem serve vs " + " and ".join(
         (["transformers"] if args.hf else []) + (["vLLM"] if args.vllm_python else [])) + ")"
     append_benchmark(title, body)
+    record_current(args, rates)
+
+
+def record_current(args: argparse.Namespace, rates: dict[tuple[str, str], dict[str, float]]) -> None:
+    """The Current figures rows: `serve` (vs transformers, arrival order), `serve --vllm` (vs vLLM)."""
+    def figures(side: str) -> str:
+        return "; ".join(f"{d} " + " / ".join(f"{rates[d, p][side]:,.0f}" for p in args.presets)
+                         for d in args.dtypes) + " tok/s"
+
+    def ratios(side: str) -> str:
+        return "; ".join(f"{d} " + " / ".join(f"{rates[d, p]['srv'] / rates[d, p][side]:.2f}x" for p in args.presets)
+                         for d in args.dtypes)
+
+    presets = " / ".join(args.presets)
+    if args.hf:
+        record("serve", f"tandem serve ({presets}) {figures('srv')}", f"transformers, arrival order: {figures('arrival')}",
+               ratios("arrival"), this_command())
+    if args.vllm_python:
+        record("serve --vllm", f"tandem serve ({presets}) {figures('srv')}", f"vLLM CPU build: {figures('vllm')}",
+               ratios("vllm"), this_command())
 
 
 if __name__ == "__main__":

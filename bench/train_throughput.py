@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from current import record, this_command
 
 N_SEQS, MIN_LEN, MAX_LEN = 16, 32, 512
 MB_TOKENS = 1024
@@ -116,8 +117,9 @@ def main() -> None:
         f"Tandem fwd+bwd, <= {MB_TOKENS} tokens/mb | ratio | Tandem train_batch tok/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    results = {}
     for preset in args.presets:
-        r = bench_preset(preset, args.warmup, args.iters)
+        r = results[preset] = bench_preset(preset, args.warmup, args.iters)
         rows.append(
             f"| {preset} | {r['tokens']} ({r['padded']}) | {r['tandem']:.0f} | {r['hf']:.0f} | "
             f"{r['tandem'] / r['hf']:.2f}x | {r['tandem_mb']:.0f} | {r['tandem_mb'] / r['hf']:.2f}x | "
@@ -135,6 +137,10 @@ def main() -> None:
     print("\n" + body)
     if not args.no_append:
         append_benchmark("train_throughput", body)
+        record("train_throughput",
+               "Tandem fwd+bwd " + ", ".join(f"{r['tandem']:.0f} tok/s {p}" for p, r in results.items()),
+               "transformers " + " / ".join(f"{r['hf']:.0f}" for r in results.values()) + " tok/s",
+               " / ".join(f"{r['tandem'] / r['hf']:.2f}x" for r in results.values()), this_command())
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from current import record, this_command
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 TASK_OPTIONS = {"difficulty": "add1", "instruction": False}
@@ -377,6 +378,7 @@ def main() -> None:
         return
     t_start = time.monotonic()
     rows, agg_rows, notes, versions = [], [], [], {}
+    reached: list[tuple[str, int, float, float | None, float | None]] = []  # preset, staleness, threshold, Tandem / TRL median s
     stalenesses = [int(x) for x in args.staleness.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
 
@@ -435,6 +437,7 @@ def main() -> None:
                 tan_all = [tan[st, seed] for seed in seeds]
                 m_tan = median_reach(tan_all, threshold)
                 ratio = f"{m_trl / m_tan:.2f}x" if m_tan and m_trl else "n/a"
+                reached.append((preset, st, threshold, m_tan, m_trl))
                 agg_rows.append(
                     f"| {preset}, staleness {st} | {len(seeds)} | {threshold:.3f} "
                     f"| {', '.join(fmt_reach(reach(x, threshold)) for x in tan_all)} "
@@ -480,6 +483,23 @@ def main() -> None:
     if not args.no_append:
         path = append_benchmark("Tandem vs TRL GRPOTrainer (CPU)", body)
         print(f"appended to {path}")
+        record_current(reached, len(seeds))
+
+
+def record_current(reached: list[tuple[str, int, float, float | None, float | None]], n_seeds: int) -> None:
+    """The Current figures row: median training time to the reward threshold, Tandem and TRL."""
+    def secs(value: float | None) -> str:
+        return f"{value:.0f} s" if value else "not reached"
+
+    presets = dict.fromkeys(p for p, *_ in reached)
+    figure = "; ".join(
+        f"{p}, training time to reward {next(t for q, _, t, _, _ in reached if q == p):.3f} (median of {n_seeds} "
+        "seeds): " + ", ".join(f"{secs(m)} at staleness {st}" for q, st, _, m, _ in reached if q == p)
+        for p in presets)
+    reference = "TRL GRPOTrainer " + "; ".join(
+        f"{p} {secs(next(m for q, _, _, _, m in reached if q == p))}" for p in presets)
+    ratio = " / ".join(f"{trl / tan:.2f}x" if tan and trl else "n/a" for _, _, _, tan, trl in reached) + " less time"
+    record("vs_trl", figure, reference, ratio, this_command())
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from _report import append_benchmark
+from current import record, this_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.inference.server_utils
 
@@ -434,7 +435,22 @@ def main() -> None:
     print(text)
     if not args.no_report:
         append_benchmark("Weight sync: serial vs pipelined broadcast vs disk vs shm", text)
+        record_current(rows, args.trainer_world)
 
+
+def record_current(rows: list[dict], trainer_world: int) -> None:
+    """The Current figures row: the largest model's update times and every size's ratios."""
+    big = rows[-1]
+    sizes = " / ".join(r["size"] for r in rows)
+    shm = " / ".join(f"{r['pipelined'] / r['shm']:.2f}x" for r in rows)
+    of_raw = " / ".join(f"{r['raw_gloo'] / r['pipelined'] * 100:.0f}%" for r in rows)
+    of_serial = " / ".join(f"{r['serial'] / r['pipelined']:.2f}x" for r in rows)
+    world = f", trainer world size {trainer_world}" if trainer_world > 1 else ""
+    record("weight_sync",
+           f"{big['size']} pipelined update {big['pipelined']:.2f} s, shm {big['shm']:.2f} s{world}; "
+           f"shm / pipelined {shm} ({sizes})",
+           f"raw gloo broadcast {big['raw_gloo']:.2f} s ({big['size']})",
+           f"pipelined / raw gloo {of_raw}; pipelined / serial {of_serial}", this_command())
 
 if __name__ == "__main__":
     main()
