@@ -4,6 +4,7 @@ printed and appended to docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -38,6 +39,9 @@ def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-append", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args()
     rows = [
         "| n | k | round-robin | greedy (LPT) | KK | KK equal-size | chunked LDM | LPT equal-size "
         "| lower bound | KK / bound |",
@@ -81,6 +85,8 @@ def main() -> None:
     print(table)
     print()
     print(timing)
+    if args.no_append:
+        return
     path = append_benchmark("balance", body)
     print(f"\nappended to {path}")
     n, k = CASES[-1]  # the largest case, whose figures are the loop's last
