@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,9 +25,7 @@ from tandem.models.common import (
     positions_from_cu_seqlens,
 )
 from tandem.models.qwen.args import QwenArgs
-
-if TYPE_CHECKING:
-    from tandem.models.registry import ModelSpec
+from tandem.models.registry import ModelSpec, get_model_spec
 
 
 class AttentionBackend(Protocol):
@@ -135,8 +133,6 @@ class QwenModel(nn.Module):
 
     @property
     def spec(self) -> ModelSpec:
-        from tandem.models.registry import get_model_spec  # the registry imports this family
-
         return get_model_spec(self.model_type)
 
     def tie_weights(self) -> None:
