@@ -24,7 +24,7 @@ from tandem.inference.sampler import logprob_temperature, sample, top_logprobs
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.scheduler import Scheduler
 from tandem.inference.sequence import Sequence
-from tandem.inference.weights import Key, get_weight, stage_weights, swap_weights
+from tandem.inference.weight_swap import Key, get_weight, stage_weights, swap_weights
 from tandem.models import load_model, read_hf_config
 
 

@@ -16,12 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.inference.server import generate_route, memory_routes, openai_routes, routes, weight_sync
+from tandem.inference.server import faults, generate_route, memory_routes, openai_routes, routes
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
 from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, register_when_ready
 from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
+from tandem.inference.server.weights import routes as weight_routes
 from tandem.net import is_loopback
 from tandem.openai_compat import OpenAIRequestError
 
@@ -50,7 +51,7 @@ def build_app(args: ServerArgs) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop = EngineLoop(args, asyncio.get_running_loop())
-        app.state.tandem = ServerState(args, engine_loop)
+        app.state.tandem = ServerState(args, engine_loop, injector)
         engine_loop.start()
         joining = None
         if args.join is not None:
@@ -64,8 +65,9 @@ def build_app(args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for r in (routes.router, generate_route.router, weight_sync.router, memory_routes.router, openai_routes.router):
+    for r in (routes.router, generate_route.router, weight_routes.router, memory_routes.router, openai_routes.router):
         app.include_router(r)
+    injector = faults.install(app)  # tests only: None unless TANDEM_FAULT_INJECTION=1
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

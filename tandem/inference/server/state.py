@@ -9,7 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 
@@ -18,12 +18,10 @@ from tandem.inference.outputs import ABORT_BEFORE_PREFILL, RequestOutput
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
+from tandem.inference.server.faults import FaultInjector
 from tandem.inference.server.protocol import ApiError
-from tandem.inference.server.weight_paths import allowed_weight_dirs
-from tandem.inference.server.weight_receiver import WeightReceiver
-
-if TYPE_CHECKING:  # faults.py imports the routes, which import this module
-    from tandem.inference.server.faults import Fault
+from tandem.inference.server.weights.paths import allowed_weight_dirs
+from tandem.inference.server.weights.receiver import WeightReceiver
 
 
 class ClientGone(Exception):
@@ -31,7 +29,7 @@ class ClientGone(Exception):
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, engine_loop: EngineLoop):
+    def __init__(self, args: ServerArgs, engine_loop: EngineLoop, faults: FaultInjector | None = None):
         self.args, self.engine_loop = args, engine_loop
         self.paused = False
         self.released: set[str] = set()  # memory tags released: "kv_cache", "weights"
@@ -41,7 +39,7 @@ class ServerState:
         self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
         self.weights: WeightReceiver = WeightReceiver(engine_loop, lambda: "weights" in self.released)
         self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
-        self.faults: dict[str, Fault] = {}  # route -> injected fault (tests; see faults.py)
+        self.faults = faults  # fault injection (tests only; see faults.py); None in production
         self.started = time.time()
 
     # ------------------------------------------------------------------ status
