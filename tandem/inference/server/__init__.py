@@ -1,7 +1,7 @@
 """`tandem serve`: the inference engine behind SGLang's HTTP protocol (plus OpenAI routes).
 
 Modules: `args` (command line), `engine_loop` (the one thread that owns the engine, bridged to
-asyncio), `protocol` (request parsing, response shapes, errors), `routes` (generation and control),
+asyncio), `http_api` (request parsing, response shapes, errors), `routes` (generation and control),
 `openai_routes`, the package `weights` (weight-update routes, requests, receiver, staging, the
 directories disk updates may read), `faults` (fault injection, tests only), `memory_routes`
 (memory release; engine side in `memory`), `app` (FastAPI app, auth, uvicorn). See

@@ -19,8 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tandem.inference.server import faults, generate_route, memory_routes, openai_routes, routes
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
+from tandem.inference.server.http_api import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, register_when_ready
-from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
 from tandem.inference.server.weights import routes as weight_routes
 from tandem.net import is_loopback

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from tandem.inference.server.protocol import ApiError, check_fields, control_response, get_field, read_json
+from tandem.inference.server.http_api import ApiError, check_fields, control_response, get_field, read_json
 
 FAULT_ENV = "TANDEM_FAULT_INJECTION"
 FAULT_ROUTES = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",

@@ -18,7 +18,7 @@ from tandem.inference.errors import RequestError
 from tandem.inference.outputs import RequestOutput
 from tandem.inference.request import GenerationRequest
 from tandem.inference.sampler import logprob_temperature
-from tandem.inference.server.protocol import (
+from tandem.inference.server.http_api import (
     ApiError,
     error_body,
     generate_response,

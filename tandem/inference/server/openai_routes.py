@@ -23,7 +23,7 @@ from tandem.inference.outputs import RequestOutput
 from tandem.inference.request import GenerationRequest
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.engine_loop import PendingRequest
-from tandem.inference.server.protocol import error_body, read_json
+from tandem.inference.server.http_api import error_body, read_json
 from tandem.inference.server.routes import sampling_params, state_of
 from tandem.inference.server.state import ClientGone, ServerState, failure
 from tandem.openai_compat import (

@@ -19,7 +19,7 @@ from tandem.inference.request import GenerationRequest
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
 from tandem.inference.server.faults import FaultInjector
-from tandem.inference.server.protocol import ApiError
+from tandem.inference.server.http_api import ApiError
 from tandem.inference.server.weights.paths import allowed_weight_dirs
 from tandem.inference.server.weights.receiver import WeightReceiver
 

@@ -22,7 +22,7 @@ import torch
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import WeightUpdateError
 from tandem.inference.server.engine_loop import EngineLoop
-from tandem.inference.server.protocol import ApiError, ControlError
+from tandem.inference.server.http_api import ApiError, ControlError
 from tandem.inference.server.weights.requests import (
     DiskUpdate,
     DistributedBucket,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tandem.inference.server.protocol import check_fields, control_response, get_field, get_version, read_json
+from tandem.inference.server.http_api import check_fields, control_response, get_field, get_version, read_json
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.weights.receiver import Applied
 from tandem.inference.server.weights.requests import (
