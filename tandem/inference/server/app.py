@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import socket
@@ -14,8 +13,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem.http_auth import BearerAuth
 from tandem.inference.server import faults, generate_route, memory_routes, openai_routes, routes
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
@@ -27,24 +26,7 @@ from tandem.net import is_loopback
 from tandem.openai_compat import OpenAIRequestError
 
 log = logging.getLogger("tandem.serve")
-OPEN_PATHS = {"/health"}
-
-
-class BearerAuth:
-    """Pure ASGI middleware (keeps streaming and disconnect detection intact): every route but
-    /health needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_response("missing or wrong API key; send 'Authorization: Bearer <key>'", 401)(
-                    scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+OPEN_PATHS = {"/health"}  # answered without the API key
 
 
 def build_app(args: ServerArgs) -> FastAPI:
@@ -96,7 +78,8 @@ def build_app(args: ServerArgs) -> FastAPI:
         return error_response(f"no route {request.method} {request.url.path}", 404)
 
     if args.api_key:
-        app.add_middleware(BearerAuth, api_key=args.api_key)
+        denied = error_response("missing or wrong API key; send 'Authorization: Bearer <key>'", 401)
+        app.add_middleware(BearerAuth, token=args.api_key, denied=denied, open_paths=OPEN_PATHS)
     return app
 
 
