@@ -8,10 +8,12 @@ native model so returned logprobs are the ones the trainer recomputes. See docs/
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, RequestError, WeightUpdateError
 from tandem.inference.outputs import RequestOutput, TokenDelta
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampling_params import SamplingParams
 
 __all__ = [
     "EngineBusyError",
+    "GenerationRequest",
     "LLMEngine",
     "RequestError",
     "RequestOutput",

@@ -20,11 +20,12 @@ from tandem.inference.block_manager import BlockManager
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.model_runner import ModelRunner
 from tandem.inference.outputs import ABORT_BEFORE_PREFILL, Detokenizer, RequestOutput, TokenDelta, make_output
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampler import logprob_temperature, sample, top_logprobs
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.scheduler import Scheduler
 from tandem.inference.sequence import Sequence
-from tandem.inference.weights import Key, get_weight, stage_weights, swap_weights
+from tandem.inference.weight_swap import Key, get_weight, stage_weights, swap_weights
 from tandem.models import load_model, read_hf_config
 
 
@@ -58,30 +59,27 @@ class LLMEngine:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     # --------------------------------------------------------------------------- requests
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | None = None,
-                    return_logprob: bool = False, stream: bool = False, return_routed_experts: bool = False,
-                    top_logprobs_num: int = 0, logprob_start_len: int = -1) -> None:
-        """Queue a request. `return_routed_experts` (MoE models): its outputs carry the experts
-        each token was routed to (`RequestOutput.routed_experts`). `top_logprobs_num` k (with
-        return_logprob): each output token also carries the k most likely tokens' logprobs.
-        `logprob_start_len` >= 0 (with return_logprob): the output carries the prompt's logprobs
-        from that position (`prompt_logprobs`, computed now, with the weights that admit it)."""
-        params = params or SamplingParams()
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue `request` (its fields: `GenerationRequest`). With `logprob_start_len` >= 0 its
+        prompt's logprobs are computed now, with the weights that admit it. RequestError when it
+        cannot run (a rid in flight, a prompt too long, routed experts from a dense model...)."""
+        rid, input_ids, params = request.rid, request.input_ids, request.params
         if rid in self._live:
             raise RequestError(f"request id {rid!r} is already in flight")
         self.check_request(input_ids, params)
-        if return_routed_experts and not self.routes_experts:
+        if request.return_routed_experts and not self.routes_experts:
             raise RequestError(f"return_routed_experts needs a mixture-of-experts model; {self.model_path} "
                                f"({type(self.model.args).__name__}) routes no experts: drop the flag")
         seeds = [params.seed + i if params.seed is not None else self._draw_seed() for i in range(params.n)]
-        seq = Sequence(rid, list(input_ids), params, self._generator(seeds[0]), return_logprob,
-                       return_routed_experts=return_routed_experts, sibling_seeds=seeds[1:],
-                       arrival_time=time.monotonic(), top_logprobs_num=top_logprobs_num if return_logprob else 0)
-        if return_logprob and logprob_start_len >= 0:
+        seq = Sequence(rid, list(input_ids), params, self._generator(seeds[0]), request.return_logprob,
+                       return_routed_experts=request.return_routed_experts, sibling_seeds=seeds[1:],
+                       arrival_time=time.monotonic(),
+                       top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0)
+        if request.return_logprob and request.logprob_start_len >= 0:
             seq.input_logprobs, seq.input_top_logprobs = self.prompt_logprobs(
-                input_ids, logprob_start_len, logprob_temperature(params), seq.top_logprobs_num)
+                input_ids, request.logprob_start_len, logprob_temperature(params), seq.top_logprobs_num)
         self._live[rid] = [seq]
-        if stream:
+        if request.stream:
             self._streaming.add(rid)
         self.scheduler.add(seq)
 
@@ -181,7 +179,8 @@ class LLMEngine:
             raise EngineBusyError("generate() needs an idle engine; requests are in flight")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         for i, (ids, p) in enumerate(zip(prompts, plist, strict=True)):
-            self.add_request(f"generate-{i}", ids, p, return_logprob, return_routed_experts=return_routed_experts)
+            self.add_request(GenerationRequest(f"generate-{i}", ids, p, return_logprob,
+                                               return_routed_experts=return_routed_experts))
         outputs: list[RequestOutput] = []
         while self.has_unfinished():
             outputs += self.step()

@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import threading
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from tandem.aio import new_event_loop
 from tandem.fleet.http import normalize_address
 from tandem.fleet.ops import OPS, FleetOp
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.fleet.wire import WireError, from_json, to_json
+from tandem.http_auth import BearerAuth
 from tandem.rollout.asgi_server import EventServer, listen_socket
 from tandem.rollout.workers import EPISODE_ROUTE, READY_ROUTE
 
@@ -137,7 +137,8 @@ def build_app(ctl: RolloutController) -> ASGIApp:
     async def bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
         return JSONResponse({"success": False, "message": str(exc)}, 400)
 
-    return _BearerAuth(app, ctl.secret, ctl.join_token)
+    denied = JSONResponse({"success": False, "message": "missing or wrong callback secret"}, 401)
+    return BearerAuth(app, ctl.secret, denied, also=dict.fromkeys(_JOIN_TOKEN_ROUTES, ctl.join_token))
 
 
 MEMBERS_ROUTE = "/fleet/members"
@@ -147,26 +148,6 @@ _JOIN_TOKEN_ROUTES = {MEMBERS_ROUTE, JOIN_ROUTE}
 
 class _BadRequest(Exception):
     pass
-
-
-class _BearerAuth:
-    """Every route needs `Authorization: Bearer <secret>`, the join-token routes take `Bearer
-    <join token>` too (constant-time comparisons); 401 otherwise."""
-
-    def __init__(self, app: ASGIApp, secret: str, join_token: str):
-        self.app, self.expected, self.join = app, f"Bearer {secret}".encode(), f"Bearer {join_token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            ok = hmac.compare_digest(given, self.expected)
-            if scope["path"] in _JOIN_TOKEN_ROUTES:
-                ok = hmac.compare_digest(given, self.join) or ok
-            if not ok:
-                response = JSONResponse({"success": False, "message": "missing or wrong callback secret"}, 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class CallbackServer:

@@ -8,6 +8,7 @@ import torch
 
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, RequestError
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampling_params import SamplingParams
 from tests.inference.conftest import OVERFLOW_TOKEN, prompts
 
@@ -38,7 +39,7 @@ def test_many_mixed_requests_leak_no_blocks(engine):
     for i, ids in enumerate(prompts(lengths, seed=5)):
         n = 1 + i % 3
         max_new = int(torch.randint(1, 30, (1,), generator=gen))
-        engine.add_request(f"mix-{i}", ids, SamplingParams(max_new_tokens=max_new, n=n, seed=i), return_logprob=True)
+        engine.add_request(GenerationRequest(f"mix-{i}", ids, SamplingParams(max_new_tokens=max_new, n=n, seed=i), return_logprob=True))
         if i % 4 == 0:
             outs.update({(o.rid, o.index): o for o in engine.step()})  # join a running batch
         if i % 10 == 9:
@@ -52,7 +53,7 @@ def test_many_mixed_requests_leak_no_blocks(engine):
 def test_n_samples_share_the_prompt_blocks(engine):
     ids = prompts([37], seed=6)[0]  # 4 full blocks of 8 + a partial one
     engine.flush_cache()
-    engine.add_request("grp", ids, SamplingParams(max_new_tokens=4, n=4, seed=11, ignore_eos=True))
+    engine.add_request(GenerationRequest("grp", ids, SamplingParams(max_new_tokens=4, n=4, seed=11, ignore_eos=True)))
     engine.step()  # prefill once, fork into 4 samples
     assert engine.stats()["running"] == 4
     assert engine.block_manager.num_used_blocks == 5  # not 4 * 5
@@ -91,11 +92,11 @@ def test_preemption_by_recompute_matches_a_large_cache(qwen3_dir, engine):
 
 def test_abort_while_queued_and_while_running(engine):
     ids = prompts([12], seed=9)[0]
-    engine.add_request("run-1", ids, GREEDY, return_logprob=True)
+    engine.add_request(GenerationRequest("run-1", ids, GREEDY, return_logprob=True))
     engine.step()
     engine.step()
     engine.step()  # prefill + 2 decodes: 3 tokens
-    engine.add_request("queued-1", ids, SamplingParams(n=2), return_logprob=True)
+    engine.add_request(GenerationRequest("queued-1", ids, SamplingParams(n=2), return_logprob=True))
     assert sorted(engine.abort(abort_all=True)) == ["queued-1", "run-1"]
     outs = {(o.rid, o.index): o for o in engine.step()}
     running = outs["run-1", 0]
@@ -110,7 +111,7 @@ def test_abort_while_queued_and_while_running(engine):
 
 def test_abort_by_rid_prefix(engine):
     for rid in ("a-1", "a-2", "b-1"):
-        engine.add_request(rid, [11, 12, 13], GREEDY)
+        engine.add_request(GenerationRequest(rid, [11, 12, 13], GREEDY))
     assert sorted(engine.abort("a-")) == ["a-1", "a-2"]
     outs = run(engine)
     assert outs["b-1", 0].finish_reason == {"type": "length", "length": 16}
@@ -169,8 +170,8 @@ def test_seeded_sampling_is_reproducible(engine):
 
 @pytest.mark.parametrize("top", [0, 3])
 def test_streaming_deltas_add_up_to_the_output(engine, top):
-    engine.add_request("s", [20, 21, 22], GREEDY, return_logprob=True, stream=True, top_logprobs_num=top)
-    engine.add_request("quiet", [20, 21], GREEDY)
+    engine.add_request(GenerationRequest("s", [20, 21, 22], GREEDY, return_logprob=True, stream=True, top_logprobs_num=top))
+    engine.add_request(GenerationRequest("quiet", [20, 21], GREEDY))
     tokens, logprobs, tops, final = [], [], [], None
     while engine.has_unfinished():
         for o in engine.step():
@@ -189,16 +190,16 @@ def test_streaming_deltas_add_up_to_the_output(engine, top):
 def test_request_checks(engine):
     limit = engine.max_total_num_tokens
     with pytest.raises(RequestError, match="exceeds the context limit"):
-        engine.add_request("long", [5] * (limit - 10), SamplingParams(max_new_tokens=11))
+        engine.add_request(GenerationRequest("long", [5] * (limit - 10), SamplingParams(max_new_tokens=11)))
     with pytest.raises(RequestError, match="input_ids"):
-        engine.add_request("oov", [engine.vocab_size], GREEDY)
+        engine.add_request(GenerationRequest("oov", [engine.vocab_size], GREEDY))
     with pytest.raises(RequestError, match="empty"):
-        engine.add_request("empty", [], GREEDY)
+        engine.add_request(GenerationRequest("empty", [], GREEDY))
     with pytest.raises(RequestError, match="n=17 exceeds max_num_seqs"):
-        engine.add_request("many", [5], SamplingParams(n=17))
-    engine.add_request("dup", [5, 6], GREEDY)
+        engine.add_request(GenerationRequest("many", [5], SamplingParams(n=17)))
+    engine.add_request(GenerationRequest("dup", [5, 6], GREEDY))
     with pytest.raises(RequestError, match="already in flight"):
-        engine.add_request("dup", [5, 6], GREEDY)
+        engine.add_request(GenerationRequest("dup", [5, 6], GREEDY))
     with pytest.raises(EngineBusyError):
         engine.flush_cache()
     run(engine)

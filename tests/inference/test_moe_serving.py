@@ -20,6 +20,7 @@ from tandem.fleet.generation import GenerationParams
 from tandem.fleet.routes import RouteLayout, decode_routed_experts
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import RequestError
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampling_params import SamplingParams
 from tandem.models import load_model
 from tandem.models.common.moe import Routing
@@ -98,7 +99,7 @@ def test_engine_bf16_serves_moe_with_routes(moe_dir):
 def test_dense_engine_refuses_routed_experts(qwen3_dir):
     engine = LLMEngine(qwen3_dir, kv_cache_tokens=256, block_size=BLOCK)
     with pytest.raises(RequestError, match="return_routed_experts needs a mixture-of-experts model"):
-        engine.add_request("r", [11, 12], return_routed_experts=True)
+        engine.add_request(GenerationRequest("r", [11, 12], return_routed_experts=True))
 
 
 # -------------------------------------------------------------------------------- server

@@ -10,7 +10,13 @@ import torch
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import WeightUpdateError
 from tandem.inference.sampling_params import SamplingParams
-from tandem.inference.weights import ADOPTED, mark_adoptable, stage_weights, swap_weights, weight_checksums
+from tandem.inference.weight_swap import (
+    ADOPTED,
+    mark_adoptable,
+    stage_weights,
+    swap_weights,
+    weight_checksums,
+)
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.train.weight_export import hf_parameter_names
 from tandem.weights.shm import layout, tensor_views

@@ -13,7 +13,7 @@ import torch
 from tandem.fleet.adapters import UnsupportedOperation, adapter_for
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.routes import RouteLayout, decode_routed_experts, splice_routes
-from tandem.inference.server.protocol import encode_routed_experts
+from tandem.inference.server.http_api import encode_routed_experts
 from tandem.rollout.client import ClientConfig
 
 LAYOUT = RouteLayout(num_layers=3, top_k=2, moe_layers=(0, 2))

@@ -282,7 +282,7 @@ def test_per_tensor_broadcast_for_fleets_without_flat_buckets(server, model_dir)
 
 
 def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
-    from tandem.inference.weights import ADOPTED, mark_adoptable, stage_weights, swap_weights
+    from tandem.inference.weight_swap import ADOPTED, mark_adoptable, stage_weights, swap_weights
     from tandem.train.weight_export import hf_parameter_names
 
     model = load_model(init_model(tmp_path / "m", arch="qwen3", preset="tiny"))

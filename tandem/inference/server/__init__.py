@@ -1,11 +1,11 @@
 """`tandem serve`: the inference engine behind SGLang's HTTP protocol (plus OpenAI routes).
 
 Modules: `args` (command line), `engine_loop` (the one thread that owns the engine, bridged to
-asyncio), `protocol` (request parsing, response shapes, errors), `routes` (generation and control),
-`openai_routes`, `weight_sync` (weight-update routes: requests in `weight_requests`, the work and
-state in `weight_receiver` and `weight_staging`, the directories disk updates may read in
-`weight_paths`, fault injection in `faults`), `memory_routes` (memory release; engine side in
-`memory`), `app` (FastAPI app, auth, uvicorn). See docs/inference.md, "HTTP server".
+asyncio), `http_api` (request parsing, response shapes, errors), `routes` (generation and control),
+`openai_routes`, the package `weights` (weight-update routes, requests, receiver, staging, the
+directories disk updates may read), `faults` (fault injection, tests only), `memory_routes`
+(memory release; engine side in `memory`), `app` (FastAPI app, auth, uvicorn). See
+docs/inference.md, "HTTP server".
 """
 
 from tandem.inference.server.app import build_app, serve

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import socket
@@ -14,43 +13,27 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.inference.server import generate_route, memory_routes, openai_routes, routes, weight_sync
+from tandem.http_auth import BearerAuth
+from tandem.inference.server import faults, generate_route, memory_routes, openai_routes, routes
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
+from tandem.inference.server.http_api import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.join import EXIT_JOIN_FAILED, prepare_join, register_when_ready
-from tandem.inference.server.protocol import ApiError, ControlError, control_response, error_response
 from tandem.inference.server.state import ServerState
+from tandem.inference.server.weights import routes as weight_routes
 from tandem.net import is_loopback
 from tandem.openai_compat import OpenAIRequestError
 
 log = logging.getLogger("tandem.serve")
-OPEN_PATHS = {"/health"}
-
-
-class BearerAuth:
-    """Pure ASGI middleware (keeps streaming and disconnect detection intact): every route but
-    /health needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_response("missing or wrong API key; send 'Authorization: Bearer <key>'", 401)(
-                    scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+OPEN_PATHS = {"/health"}  # answered without the API key
 
 
 def build_app(args: ServerArgs) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop = EngineLoop(args, asyncio.get_running_loop())
-        app.state.tandem = ServerState(args, engine_loop)
+        app.state.tandem = ServerState(args, engine_loop, injector)
         engine_loop.start()
         joining = None
         if args.join is not None:
@@ -64,8 +47,9 @@ def build_app(args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for r in (routes.router, generate_route.router, weight_sync.router, memory_routes.router, openai_routes.router):
+    for r in (routes.router, generate_route.router, weight_routes.router, memory_routes.router, openai_routes.router):
         app.include_router(r)
+    injector = faults.install(app)  # tests only: None unless TANDEM_FAULT_INJECTION=1
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -94,7 +78,8 @@ def build_app(args: ServerArgs) -> FastAPI:
         return error_response(f"no route {request.method} {request.url.path}", 404)
 
     if args.api_key:
-        app.add_middleware(BearerAuth, api_key=args.api_key)
+        denied = error_response("missing or wrong API key; send 'Authorization: Bearer <key>'", 401)
+        app.add_middleware(BearerAuth, token=args.api_key, denied=denied, open_paths=OPEN_PATHS)
     return app
 
 

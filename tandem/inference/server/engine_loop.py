@@ -22,7 +22,7 @@ import torch
 
 from tandem.inference.engine import LLMEngine
 from tandem.inference.outputs import RequestOutput, TokenDelta
-from tandem.inference.sampling_params import SamplingParams
+from tandem.inference.request import GenerationRequest
 from tandem.inference.server.args import ServerArgs
 
 log = logging.getLogger("tandem.serve")
@@ -68,19 +68,16 @@ class EngineLoop:
         self._push(fn, fut)
         return fut
 
-    def add(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-            stream: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
-            logprob_start_len: int = -1) -> tuple[PendingRequest, asyncio.Future]:
-        """Queue a request. -> (its PendingRequest, a future that fails with RequestError if the
+    def add(self, request: GenerationRequest) -> tuple[PendingRequest, asyncio.Future]:
+        """Queue `request`. -> (its PendingRequest, a future that fails with RequestError if the
         engine rejects it and resolves to None once it is in). Enqueued synchronously, so a caller
         that does not await in between keeps its order against other commands."""
-        pending = PendingRequest(rid, params.n, self.loop.create_future(), asyncio.Queue() if stream else None)
+        pending = PendingRequest(request.rid, request.params.n, self.loop.create_future(),
+                                 asyncio.Queue() if request.stream else None)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(rid, input_ids, params, return_logprob=return_logprob, stream=stream,
-                               return_routed_experts=return_routed_experts, top_logprobs_num=top_logprobs_num,
-                               logprob_start_len=logprob_start_len)
-            self._pending[rid] = pending
+            engine.add_request(request)
+            self._pending[request.rid] = pending
 
         return pending, self.call(add)
 

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import RequestError
 from tandem.inference.outputs import RequestOutput
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampler import logprob_temperature
-from tandem.inference.sampling_params import SamplingParams
-from tandem.inference.server.protocol import (
+from tandem.inference.server.http_api import (
     ApiError,
     error_body,
     generate_response,
@@ -33,24 +33,18 @@ from tandem.inference.server.state import ClientGone, ServerState, failure
 router = APIRouter()
 
 
-@dataclass
-class GenerateRequest:
-    """One parsed SGLang /generate request (docs/inference.md, "SGLang fields")."""
+@dataclass(frozen=True)
+class SglangGenerate:
+    """One parsed SGLang /generate request (docs/inference.md, "SGLang fields"): what the engine
+    runs (`request`, handed on unchanged) and what only shapes the answer."""
 
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    logprob_start_len: int  # -1: no prompt logprobs
-    top_logprobs_num: int
+    request: GenerationRequest
     return_text_in_logprobs: bool
-    return_routed_experts: bool
     routed_experts_start_len: int
-    stream: bool
     prefill_only: bool  # max_new_tokens 0: no token is generated (SGLang allows it)
 
 
-def parse_generate(state: ServerState, raw: dict[str, Any]) -> GenerateRequest:
+def parse_generate(state: ServerState, raw: dict[str, Any]) -> SglangGenerate:
     body = check_generate(raw)
     rid = get_field(body, "rid", (str, list)) or state.new_rid()
     if isinstance(rid, list):
@@ -93,16 +87,18 @@ def parse_generate(state: ServerState, raw: dict[str, Any]) -> GenerateRequest:
         raise ApiError("return_text_in_logprobs needs a tokenizer; the model directory has none: drop the field")
     if prefill_only and stream:
         raise ApiError("sampling_params.max_new_tokens = 0 with stream: true is not supported; send stream: false")
-    return GenerateRequest(rid, input_ids, params, return_logprob, start, top_n, text_logprobs, routes, routes_start,
-                           stream, prefill_only)
+    request = GenerationRequest(rid, input_ids, params, return_logprob, stream, return_routed_experts=routes,
+                                top_logprobs_num=top_n, logprob_start_len=start)
+    return SglangGenerate(request, text_logprobs, routes_start, prefill_only)
 
 
-def respond(state: ServerState, req: GenerateRequest, out: RequestOutput) -> dict[str, Any]:
-    """The SGLang answer for one finished sample of `req`."""
-    if req.routed_experts_start_len and out.routed_experts is not None:
-        out = dataclasses.replace(out, routed_experts=out.routed_experts[req.routed_experts_start_len:])
+def respond(state: ServerState, call: SglangGenerate, out: RequestOutput) -> dict[str, Any]:
+    """The SGLang answer for one finished sample of `call`."""
+    req = call.request
+    if call.routed_experts_start_len and out.routed_experts is not None:
+        out = dataclasses.replace(out, routed_experts=out.routed_experts[call.routed_experts_start_len:])
     detok = state.engine.detokenizer
-    text_of = (lambda t: detok.decode([t], False)) if req.return_text_in_logprobs else None
+    text_of = (lambda t: detok.decode([t], False)) if call.return_text_in_logprobs else None
     extra = {"text_of": text_of} if text_of is not None else {}
     return generate_response(out, req.rid, req.return_logprob, req.params.n, prompt_ids=req.input_ids, **extra)
 
@@ -111,27 +107,26 @@ def respond(state: ServerState, req: GenerateRequest, out: RequestOutput) -> dic
 async def generate(request: Request) -> Response:
     state = state_of(request)
     state.check_ready()
-    req = parse_generate(state, await read_json(request, allow_empty=False))
-    if req.prefill_only:
-        outs = await _prefill_only(state, req)
-    elif req.stream:
-        return await _stream(state, req)
+    call = parse_generate(state, await read_json(request, allow_empty=False))
+    if call.prefill_only:
+        outs = await _prefill_only(state, call.request)
+    elif call.request.stream:
+        return await _stream(state, call)
     else:
         try:
-            outs = await state.run_request(request, req.rid, req.input_ids, req.params, req.return_logprob,
-                                           req.return_routed_experts, req.top_logprobs_num, req.logprob_start_len)
+            outs = await state.run_request(request, call.request)
         except ClientGone:
             return Response(status_code=499)
-    items = [respond(state, req, o) for o in outs]
-    return JSONResponse(items if req.params.n > 1 else items[0])
+    items = [respond(state, call, o) for o in outs]
+    return JSONResponse(items if call.request.params.n > 1 else items[0])
 
 
-async def _prefill_only(state: ServerState, req: GenerateRequest) -> list[RequestOutput]:
+async def _prefill_only(state: ServerState, req: GenerationRequest) -> list[RequestOutput]:
     """max_new_tokens 0 (SGLang: score the prompt, generate nothing): after the gate, the prompt's
     logprobs on the engine thread; finish reason length 0 for each of the n samples."""
     if req.return_routed_experts:
         raise ApiError("return_routed_experts with max_new_tokens 0 is not supported; generate at least one token")
-    held = await state.wait_gate(req.rid, req.params, req.return_logprob, req.input_ids)
+    held = await state.wait_gate(req)
     if held is not None:
         return held
     temperature = logprob_temperature(req.params)
@@ -157,18 +152,17 @@ async def _prefill_only(state: ServerState, req: GenerateRequest) -> list[Reques
             for i in range(req.params.n)]
 
 
-async def _stream(state: ServerState, req: GenerateRequest) -> Response:
+async def _stream(state: ServerState, call: SglangGenerate) -> Response:
     """SSE events; with return_routed_experts only each sample's final event carries the routes,
     and top logprobs and prompt logprobs come in each sample's final event only."""
+    req = call.request
     rid, input_ids, params, return_logprob = req.rid, req.input_ids, req.params, req.return_logprob
-    submitted = await state.submit(rid, input_ids, params, return_logprob, stream=True,
-                                   return_routed_experts=req.return_routed_experts,
-                                   top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+    submitted = await state.submit(req)
     if isinstance(submitted, list):  # aborted while held at the gate
 
         async def held():
             for out in submitted:
-                yield _sse(respond(state, req, out))
+                yield _sse(respond(state, call, out))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(held(), media_type="text/event-stream")
@@ -181,7 +175,7 @@ async def _stream(state: ServerState, req: GenerateRequest) -> Response:
                 yield _sse(error_body(failed, 500))  # the status (200) went out with the first byte
                 break
             if kind == "final":
-                yield _sse(respond(state, req, item))
+                yield _sse(respond(state, call, item))
                 continue
             ids, lps = so_far.setdefault(item.index, ([], []))
             ids += item.token_ids

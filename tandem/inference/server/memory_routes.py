@@ -9,8 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tandem.inference.errors import EngineBusyError
-from tandem.inference.server.memory import MEMORY_TAGS, release_memory, resume_memory
-from tandem.inference.server.protocol import (
+from tandem.inference.server.http_api import (
     ApiError,
     ControlError,
     check_fields,
@@ -18,6 +17,7 @@ from tandem.inference.server.protocol import (
     get_field,
     read_json,
 )
+from tandem.inference.server.memory import MEMORY_TAGS, release_memory, resume_memory
 from tandem.inference.server.routes import state_of
 from tandem.inference.server.state import ServerState
 

@@ -20,9 +20,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.inference.outputs import RequestOutput
+from tandem.inference.request import GenerationRequest
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.server.engine_loop import PendingRequest
-from tandem.inference.server.protocol import error_body, read_json
+from tandem.inference.server.http_api import error_body, read_json
 from tandem.inference.server.routes import sampling_params, state_of
 from tandem.inference.server.state import ClientGone, ServerState, failure
 from tandem.openai_compat import (
@@ -57,6 +58,11 @@ class Job:
     params: SamplingParams
     logprobs: bool
     top_logprobs: int
+
+    def requests(self, stream: bool) -> list[GenerationRequest]:
+        """One engine request per prompt (rid `<id>-<prompt>`), as the engine takes it."""
+        return [GenerationRequest(f"{self.rid}-{i}", ids, self.params, return_logprob=self.logprobs, stream=stream,
+                                  top_logprobs_num=self.top_logprobs) for i, ids in enumerate(self.prompts)]
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,8 +140,7 @@ async def models(request: Request) -> Response:
 
 async def _run(request: Request, state: ServerState, job: Job) -> list[ChoiceOutput] | None:
     """Every prompt to completion -> the choices; None when the client went away (all aborted)."""
-    tasks = [state.run_request(request, f"{job.rid}-{i}", ids, job.params, job.logprobs,
-                               top_logprobs_num=job.top_logprobs) for i, ids in enumerate(job.prompts)]
+    tasks = [state.run_request(request, req) for req in job.requests(stream=False)]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):
@@ -147,9 +152,8 @@ async def _run(request: Request, state: ServerState, job: Job) -> list[ChoiceOut
 
 
 async def _stream(state: ServerState, job: Job, stream: StreamBase) -> Response:
-    results = await asyncio.gather(*[state.submit(f"{job.rid}-{i}", ids, job.params, job.logprobs, True,
-                                                  top_logprobs_num=job.top_logprobs)
-                                     for i, ids in enumerate(job.prompts)], return_exceptions=True)
+    results = await asyncio.gather(*[state.submit(req) for req in job.requests(stream=True)],
+                                   return_exceptions=True)
     if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
         state.engine_loop.abort(job.rid, abort_all=False)  # those that got in, by prefix
         raise error

@@ -12,7 +12,7 @@ import tandem
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.sampling_params import SamplingParams
-from tandem.inference.server.protocol import (
+from tandem.inference.server.http_api import (
     ApiError,
     ControlError,
     check_fields,

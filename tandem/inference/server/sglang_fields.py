@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tandem.inference.server.protocol import ApiError
+from tandem.inference.server.http_api import ApiError
 
 HONOURED_GENERATE = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",

@@ -9,21 +9,19 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 
 from tandem.inference.errors import RequestError
 from tandem.inference.outputs import ABORT_BEFORE_PREFILL, RequestOutput
-from tandem.inference.sampling_params import SamplingParams
+from tandem.inference.request import GenerationRequest
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop, PendingRequest
-from tandem.inference.server.protocol import ApiError
-from tandem.inference.server.weight_paths import allowed_weight_dirs
-from tandem.inference.server.weight_receiver import WeightReceiver
-
-if TYPE_CHECKING:  # faults.py imports the routes, which import this module
-    from tandem.inference.server.faults import Fault
+from tandem.inference.server.faults import FaultInjector
+from tandem.inference.server.http_api import ApiError
+from tandem.inference.server.weights.paths import allowed_weight_dirs
+from tandem.inference.server.weights.receiver import WeightReceiver
 
 
 class ClientGone(Exception):
@@ -31,7 +29,7 @@ class ClientGone(Exception):
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, engine_loop: EngineLoop):
+    def __init__(self, args: ServerArgs, engine_loop: EngineLoop, faults: FaultInjector | None = None):
         self.args, self.engine_loop = args, engine_loop
         self.paused = False
         self.released: set[str] = set()  # memory tags released: "kv_cache", "weights"
@@ -41,7 +39,7 @@ class ServerState:
         self.host_memory: dict[str, Any] = {}  # what /release_memory_occupation set aside
         self.weights: WeightReceiver = WeightReceiver(engine_loop, lambda: "weights" in self.released)
         self.weight_dirs = allowed_weight_dirs(args)  # where /update_weights_from_disk may read
-        self.faults: dict[str, Fault] = {}  # route -> injected fault (tests; see faults.py)
+        self.faults = faults  # fault injection (tests only; see faults.py); None in production
         self.started = time.time()
 
     # ------------------------------------------------------------------ status
@@ -82,54 +80,49 @@ class ServerState:
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    async def wait_gate(self, rid: str, params: SamplingParams, return_logprob: bool,
-                        input_ids: list[int], return_routed_experts: bool = False) -> list[RequestOutput] | None:
+    async def wait_gate(self, req: GenerationRequest) -> list[RequestOutput] | None:
         """Hold a new request while generation is paused or memory released. -> None when it may
         go on, or its abort outputs when `/abort_request` hit it while waiting."""
         if self.gate.is_set():
             return None
         aborted = asyncio.get_running_loop().create_future()
-        self.waiting[rid] = aborted
+        self.waiting[req.rid] = aborted
         try:
             while not self.gate.is_set():
                 gate = asyncio.ensure_future(self.gate.wait())
                 await asyncio.wait({gate, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 gate.cancel()
                 if aborted.done():
-                    routes = self.engine.unknown_routes(len(input_ids) - 1) if return_routed_experts else None
-                    return [_queued_abort(rid, i, len(input_ids), self.engine.weight_version, return_logprob,
-                                          routes) for i in range(params.n)]
+                    prompt = len(req.input_ids)
+                    routes = self.engine.unknown_routes(prompt - 1) if req.return_routed_experts else None
+                    return [_queued_abort(req.rid, i, prompt, self.engine.weight_version, req.return_logprob,
+                                          routes) for i in range(req.params.n)]
         finally:
-            self.waiting.pop(rid, None)
+            self.waiting.pop(req.rid, None)
         return None
 
-    async def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
-                     stream: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
-                     logprob_start_len: int = -1) -> PendingRequest | list[RequestOutput]:
+    async def submit(self, req: GenerationRequest) -> PendingRequest | list[RequestOutput]:
         """Gate, then add to the engine. -> the PendingRequest, or final outputs (aborted at the gate).
         RequestError becomes a 400."""
-        if rid in self.waiting:
-            raise ApiError(f"request id {rid!r} is already in flight")
-        held = await self.wait_gate(rid, params, return_logprob, input_ids, return_routed_experts)
+        if req.rid in self.waiting:
+            raise ApiError(f"request id {req.rid!r} is already in flight")
+        held = await self.wait_gate(req)
         if held is not None:
             return held
-        pending, added = self.engine_loop.add(rid, input_ids, params, return_logprob, stream, return_routed_experts,
-                                              top_logprobs_num, logprob_start_len)
+        pending, added = self.engine_loop.add(req)
         try:
             await added
         except RequestError as exc:
             raise ApiError(str(exc)) from exc
         return pending
 
-    async def run_request(self, request: Request, rid: str, input_ids: list[int], params: SamplingParams,
-                          return_logprob: bool, return_routed_experts: bool = False, top_logprobs_num: int = 0,
-                          logprob_start_len: int = -1) -> list[RequestOutput]:
-        """Run one (non-streaming) request to completion; abort it if the client disconnects. A
-        request the engine failed (its logits were not finite) raises ApiError 500."""
+    async def run_request(self, request: Request, req: GenerationRequest) -> list[RequestOutput]:
+        """Run one non-streaming request (`req.stream` false) to completion; abort it if the client
+        disconnects. A request the engine failed (its logits were not finite) raises ApiError 500."""
+        rid = req.rid
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
-            submit = asyncio.ensure_future(self.submit(rid, input_ids, params, return_logprob, False,
-                                                       return_routed_experts, top_logprobs_num, logprob_start_len))
+            submit = asyncio.ensure_future(self.submit(req))
             await asyncio.wait({submit, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not submit.done():  # gone while held at the gate
                 submit.cancel()

@@ -1,4 +1,4 @@
-"""Request parsing and response shapes of the SGLang protocol (docs/inference.md, HTTP server).
+"""The SGLang HTTP API's request parsing and response shapes (docs/inference.md, HTTP server).
 
 Errors: `ApiError` answers `{"object":"error","message":...,"type":...,"code":...}`; `ControlError`
 answers a control route's `{"success": false, "message": ...}` with 400.

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from tandem.inference.server.protocol import ApiError, ControlError, check_fields, get_field, get_version
-from tandem.inference.server.weight_paths import check_weights_path
+from tandem.inference.server.http_api import ApiError, ControlError, check_fields, get_field, get_version
+from tandem.inference.server.weights.paths import check_weights_path
 from tandem.weights import WeightGroupError, dtype_from_name
 
 DEFAULT_GROUP = "weight_update_group"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.inference.server.protocol import ControlError
+from tandem.inference.server.http_api import ControlError
 
 
 @dataclass

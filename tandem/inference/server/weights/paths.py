@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from tandem.inference.server.args import ServerArgs
-from tandem.inference.server.protocol import ApiError
+from tandem.inference.server.http_api import ApiError
 
 
 def allowed_weight_dirs(args: ServerArgs) -> list[Path]:

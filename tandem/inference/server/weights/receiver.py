@@ -22,16 +22,16 @@ import torch
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import WeightUpdateError
 from tandem.inference.server.engine_loop import EngineLoop
-from tandem.inference.server.protocol import ApiError, ControlError
-from tandem.inference.server.weight_requests import (
+from tandem.inference.server.http_api import ApiError, ControlError
+from tandem.inference.server.weights.requests import (
     DiskUpdate,
     DistributedBucket,
     GroupJoin,
     SharedBucket,
     Stage,
 )
-from tandem.inference.server.weight_staging import Staging, byte_window
-from tandem.inference.weights import mark_adoptable, stage_weights, weight_checksums
+from tandem.inference.server.weights.staging import Staging, byte_window
+from tandem.inference.weight_swap import mark_adoptable, stage_weights, weight_checksums
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, init_weight_group
 from tandem.weights.receive import receive, receive_flat

@@ -1,8 +1,9 @@
 """Weight routes: updates from disk, over a distributed group and from shared memory, staged
 multi-bucket updates, group lifecycle, checksums (docs/weight-sync.md has the protocol). Each
-route checks its body into a typed request (`weight_requests.py`), hands it to the server's
-`WeightReceiver` and answers `{"success", "message", ...}`; fault injection for tests comes from
-`faults.py`, whose route is part of this module's `router`.
+route checks its body into a typed request (`requests.py`), hands it to the server's
+`WeightReceiver` (`receiver.py`) and answers `{"success", "message", ...}`. Only when the server
+runs with fault injection (tests; `tandem.inference.server.faults`) is `state.faults` set and
+consulted first.
 """
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tandem.inference.server import faults
-from tandem.inference.server.faults import fault_point
-from tandem.inference.server.protocol import check_fields, control_response, get_field, get_version, read_json
+from tandem.inference.server.http_api import check_fields, control_response, get_field, get_version, read_json
 from tandem.inference.server.routes import state_of
-from tandem.inference.server.weight_receiver import Applied
-from tandem.inference.server.weight_requests import (
+from tandem.inference.server.weights.receiver import Applied
+from tandem.inference.server.weights.requests import (
     DEFAULT_GROUP,
     parse_disk,
     parse_distributed,
@@ -24,7 +23,6 @@ from tandem.inference.server.weight_requests import (
 )
 
 router = APIRouter()
-router.include_router(faults.router)  # POST /_fault (only with TANDEM_FAULT_INJECTION=1)
 
 
 def _answer(applied: Applied) -> Response:
@@ -38,7 +36,8 @@ async def update_weights_from_disk(request: Request) -> Response:
     """Load an HF checkpoint directory (inside `--model` or a `--weights-dir`, else 403); with
     `"commit": false` it is checked and staged for `/commit_staged_weights`."""
     state = state_of(request)
-    await fault_point(request, "update_weights_from_disk")
+    if state.faults is not None:
+        await state.faults.hit("update_weights_from_disk")
     state.check_ready()
     update = parse_disk(await read_json(request, allow_empty=False), state.weight_dirs)
     return _answer(await state.weights.load_from_disk(update))
@@ -49,7 +48,8 @@ async def init_weights_update_group(request: Request) -> Response:
     """Join the trainer's weight group as rank `rank_offset`; answers once the group is formed.
     `timeout_s` (optional, tandem extension) bounds forming the group and each receive."""
     state = state_of(request)
-    await fault_point(request, "init_weights_update_group")
+    if state.faults is not None:
+        await state.faults.hit("init_weights_update_group")
     state.check_ready()
     join = parse_join(await read_json(request, allow_empty=False), state.engine.device.type,
                       state.args.weight_sync_timeout)
@@ -65,7 +65,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     complete at commit. When the metadata is wrong but well-formed, the tensors are still received (and dropped)
     so the group stays in step with the trainer; then the answer is `success: false`."""
     state = state_of(request)
-    fault = await fault_point(request, "update_weights_from_distributed")
+    fault = await state.faults.hit("update_weights_from_distributed") if state.faults is not None else None
     state.check_ready()
     bucket = parse_distributed(await read_json(request, allow_empty=False))
     kill_after = fault.after_tensors if fault is not None else None
@@ -82,7 +82,8 @@ async def update_weights_from_shm(request: Request) -> Response:
     while this server serves from it, so the bucket is mapped copy-on-write and, at commit, the
     parameters become views of it; otherwise it is copied out while the request is answered."""
     state = state_of(request)
-    await fault_point(request, "update_weights_from_shm")
+    if state.faults is not None:
+        await state.faults.hit("update_weights_from_shm")
     state.check_ready()
     bucket = parse_shared(await read_json(request, allow_empty=False), state.engine.device.type)
     return _answer(await state.weights.take_shared(bucket))
@@ -92,7 +93,8 @@ async def update_weights_from_shm(request: Request) -> Response:
 async def commit_staged_weights(request: Request) -> Response:
     """Swap in the staged update (it must be a full set) and set `weight_version` (tandem extension)."""
     state = state_of(request)
-    await fault_point(request, "commit_staged_weights")
+    if state.faults is not None:
+        await state.faults.hit("commit_staged_weights")
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"weight_version", "abort_all_requests", "flush_cache"})
@@ -106,7 +108,8 @@ async def discard_staged_weights(request: Request) -> Response:
     """Drop the staged update, if any (tandem extension). Does not wait for a bucket in flight: that
     bucket is refused when it arrives."""
     state = state_of(request)
-    await fault_point(request, "discard_staged_weights")
+    if state.faults is not None:
+        await state.faults.hit("discard_staged_weights")
     state.check_ready()
     check_fields(await read_json(request), set())
     had = state.weights.discard()
@@ -130,7 +133,8 @@ async def get_weights_checksum(request: Request) -> Response:
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> Response:
     state = state_of(request)
-    await fault_point(request, "destroy_weights_update_group")
+    if state.faults is not None:
+        await state.faults.hit("destroy_weights_update_group")
     state.check_ready()
     body = await read_json(request)
     check_fields(body, {"group_name"})
