@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from tandem.inference.server.http_api import check_fields, control_response, get_field, get_version, read_json
 from tandem.inference.server.routes import state_of
+from tandem.inference.server.state import ServerState
 from tandem.inference.server.weights.receiver import Applied
 from tandem.inference.server.weights.requests import (
     DEFAULT_GROUP,
@@ -25,6 +26,16 @@ from tandem.inference.server.weights.requests import (
 router = APIRouter()
 
 
+async def _ready(request: Request, route: str) -> ServerState:
+    """The server's state for weight route `route`, once its injected fault (tests only) has had
+    its turn and the server is ready."""
+    state = state_of(request)
+    if state.faults is not None:
+        await state.faults.hit(route)
+    state.check_ready()
+    return state
+
+
 def _answer(applied: Applied) -> Response:
     if applied.weight_version is None:
         return control_response(True, applied.message)
@@ -35,10 +46,7 @@ def _answer(applied: Applied) -> Response:
 async def update_weights_from_disk(request: Request) -> Response:
     """Load an HF checkpoint directory (inside `--model` or a `--weights-dir`, else 403); with
     `"commit": false` it is checked and staged for `/commit_staged_weights`."""
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("update_weights_from_disk")
-    state.check_ready()
+    state = await _ready(request, "update_weights_from_disk")
     update = parse_disk(await read_json(request, allow_empty=False), state.weight_dirs)
     return _answer(await state.weights.load_from_disk(update))
 
@@ -47,10 +55,7 @@ async def update_weights_from_disk(request: Request) -> Response:
 async def init_weights_update_group(request: Request) -> Response:
     """Join the trainer's weight group as rank `rank_offset`; answers once the group is formed.
     `timeout_s` (optional, tandem extension) bounds forming the group and each receive."""
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("init_weights_update_group")
-    state.check_ready()
+    state = await _ready(request, "init_weights_update_group")
     join = parse_join(await read_json(request, allow_empty=False), state.engine.device.type,
                       state.args.weight_sync_timeout)
     return control_response(True, await state.weights.join(join))
@@ -81,10 +86,7 @@ async def update_weights_from_shm(request: Request) -> Response:
     the other routes. `zero_copy: true` (segments only): the trainer will not write the segment
     while this server serves from it, so the bucket is mapped copy-on-write and, at commit, the
     parameters become views of it; otherwise it is copied out while the request is answered."""
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("update_weights_from_shm")
-    state.check_ready()
+    state = await _ready(request, "update_weights_from_shm")
     bucket = parse_shared(await read_json(request, allow_empty=False), state.engine.device.type)
     return _answer(await state.weights.take_shared(bucket))
 
@@ -92,10 +94,7 @@ async def update_weights_from_shm(request: Request) -> Response:
 @router.post("/commit_staged_weights")
 async def commit_staged_weights(request: Request) -> Response:
     """Swap in the staged update (it must be a full set) and set `weight_version` (tandem extension)."""
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("commit_staged_weights")
-    state.check_ready()
+    state = await _ready(request, "commit_staged_weights")
     body = await read_json(request)
     check_fields(body, {"weight_version", "abort_all_requests", "flush_cache"})
     version = get_version(body, "weight_version")
@@ -107,10 +106,7 @@ async def commit_staged_weights(request: Request) -> Response:
 async def discard_staged_weights(request: Request) -> Response:
     """Drop the staged update, if any (tandem extension). Does not wait for a bucket in flight: that
     bucket is refused when it arrives."""
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("discard_staged_weights")
-    state.check_ready()
+    state = await _ready(request, "discard_staged_weights")
     check_fields(await read_json(request), set())
     had = state.weights.discard()
     return control_response(True, "discarded the staged update" if had else "nothing was staged")
@@ -132,10 +128,7 @@ async def get_weights_checksum(request: Request) -> Response:
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> Response:
-    state = state_of(request)
-    if state.faults is not None:
-        await state.faults.hit("destroy_weights_update_group")
-    state.check_ready()
+    state = await _ready(request, "destroy_weights_update_group")
     body = await read_json(request)
     check_fields(body, {"group_name"})
     name = get_field(body, "group_name", str, DEFAULT_GROUP)
