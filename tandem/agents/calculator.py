@@ -1,21 +1,12 @@
 """The calculator agent: the built-in agent of the `calculator` task (`tandem.data.tasks.calculator`).
 
-    rollout:
-      workflow: agent
-      agent: {entry: tandem.agents.calculator:run}
-    task: {name: calculator}
+    rollout: {workflow: agent, agent: {entry: tandem.agents.calculator:run}}
 
-It is ordinary agent code: it sees the policy only through the OpenAI client it is given, whose
-server (the rollout controller's proxy) renders the conversation with the chat template, samples
-with the run's settings and records the tokens for training. So it sends only `model`, `messages`
-and `tools`. Each turn: ask the model; run every tool call it makes with the task's calculator and
-send the results back as `tool` messages; stop when it answers without a tool call, or after
-`MAX_TURNS` requests. The reward is the task's, of the answer: the text of the assistant message
-without tool calls (computed here: it is cheap and safe); a model still calling tools after
-`MAX_TURNS` requests has not answered, and is scored on an empty answer. A call of an unknown
-tool or with malformed arguments gets an error text as its result, for the model to read; it
-never raises.
-"""
+Ordinary agent code over the OpenAI client it is given (sends only `model`, `messages`, `tools`):
+each turn it runs the model's tool calls with the task's calculator and sends the results back,
+until the model answers without a tool call or after `MAX_TURNS` requests (then the answer is
+empty). The reward is the task's, of that answer. A bad tool call gets an error text as its
+result; it never raises."""
 
 from __future__ import annotations
 

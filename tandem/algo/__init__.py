@@ -1,15 +1,6 @@
 """RL algorithms: reward shaping, advantages and PPO-family losses with the decoupled objective.
-
-    cfg = recipe("grpo", max_head_offpolicyness=2)
-    r = shape_rewards([t.reward for t in trajs], cfg.reward, [t.num_generated for t in trajs])
-    add_advantages(batch, cfg.advantage, group_ids=[t.group_id for t in trajs], rewards=r)
-    set_prox_logprobs(batch, engine.forward_logprobs(batch, loss_tokens_only=True).logprobs)
-    stats = {}
-    engine.train_batch(batch, make_policy_loss(cfg.ppo, version=v, stats=stats), policy_loss_weight)
-    summarize_stats(stats)
-
-See docs/algorithms.md.
-"""
+Entry points: `recipe`, `shape_rewards`, `add_advantages`, `set_prox_logprobs`, `make_policy_loss`
+with `policy_loss_weight`, `summarize_stats`; one step's calls in order: docs/algorithms.md."""
 
 from tandem.lazy import lazy_attributes
 

@@ -1,29 +1,11 @@
-"""PPO-family losses for `TrainEngine.train_batch`: the decoupled PPO policy loss and a clipped
-value loss.
+"""PPO-family losses for `TrainEngine.train_batch`: the decoupled PPO policy loss
+(`make_policy_loss` -> `PolicyLoss`) and a clipped value loss (`value_loss`, `ValueLoss`).
 
-The policy loss reads, from the micro-batch in prediction alignment (`mb.tokens[k][t]` describes
-token t+1, the token `logprobs[t]` is about):
-
-- `loss_mask`: 1 on generated tokens;
-- `logprobs`: behaviour logprobs (what the inference server returned when it sampled the token);
-- `prox_logprobs`: proximal logprobs, recomputed by the trainer at the start of the step
-  (`prox_logp="recompute"`; store them with `set_prox_logprobs`), or
-  `versions` (`prox_logp="loglinear"`): the weight version that generated each token;
-- `advantages`;
-- `ref_logprobs` (with `kl_ctl > 0` and `kl_in_loss`): the reference model's logprobs.
-
-Per token, with `A` the advantage:
-
-    r  = exp(logp_theta - logp_prox)                         (per sequence for GSPO)
-    pg = max(-A r, -A clip(r, 1 - eps, 1 + eps_high))
-    pg = min(pg, c |A|)                    where A < 0, with dual clip c
-    w  = exp(logp_prox - logp_behave)                        (detached; per sequence optionally)
-    loss = pg * w   with w -> 0 above the cap (mask) or w -> cap (clamp)
-    loss += kl_ctl * KL(logp_theta, logp_ref)     with kl_in_loss (every loss token, not weighted by w)
-
-It returns the SUM over loss tokens; `policy_loss_weight` (the loss-token count) makes the engine
-divide by the global number of loss tokens: a token mean over the whole batch.
-"""
+The policy loss reads `mb.tokens` in prediction alignment (position t is about token t+1):
+`loss_mask`, `logprobs` (behaviour), `advantages`, and `prox_logprobs` (recompute; store them with
+`set_prox_logprobs`) or `versions` (loglinear); `ref_logprobs` with `kl_in_loss`. It returns the SUM
+over loss tokens: pass `policy_loss_weight` so the engine takes the token mean over the whole batch.
+Formulas and statistics: docs/algorithms.md, "The decoupled PPO policy loss"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """Allocation mode: how the GPUs are split between inference servers and trainers.
 
-The language is AReaL-compatible, e.g. ``sglang:d4t2+archon:d4p2t2``::
-
-    spec      := group ('+' group)*             '+': separate devices, assigned in order
-    group     := component ('|' component)*     '|': colocated on the first member's devices
-    component := backend ['[' name ']'] ':' (dims | hybrid)
-    dims      := (letter size)+                 any order, each letter once, omitted = 1
-    hybrid    := ['('] 'attn:' dims '|' 'ffn:' dims [')']     MoE layout, archon/megatron only
-
-`|` binds tighter than `+`, and whitespace is ignored anywhere. Letters: d (data), t (tensor),
-p (pipeline), c (context), e (expert) parallel sizes; inference backends take d, t, p; fsdp
-takes d, t, c. Scheduling follows AReaL: every component is "separation" except the members of a
-`|` group after the first, which are "colocation" with `target` = the first member's name (its
-backend when unnamed). Megatron parses, so AReaL strings keep working, but is not launchable.
-"""
+`parse_allocation(spec)` parses the AReaL-compatible language, e.g. `sglang:d4t2+archon:d4p2t2`
+(`+`: separate devices, assigned in order; `|`: colocated, binding tighter), into an
+`AllocationMode`, or raises `AllocationError` with the offending position. Megatron parses but is
+not launchable. Grammar, sizes and scheduling: docs/configuration.md, "Allocation mode"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
-"""Load a config: schema defaults <- YAML file <- `key.sub=value` overrides, then validate.
+"""Load a config: schema defaults <- YAML file <- `key.sub=value` overrides, then validate
+(`load_config(path, overrides, schema=...)`, `to_yaml(cfg)`).
 
-Generic over the schema, a dataclass whose fields are values or nested section dataclasses (the
-run config is `tandem.rl.config.TandemConfig`). OmegaConf does the merging and type conversion.
-Before merging we walk the user's keys against the schema ourselves, so an unknown key is reported
-with its full dotted path and the closest valid keys anywhere in the schema (a user who writes
-`lr=1e-5` at the top level learns about `actor.optimizer.lr`). After merging, field metadata
-(`choices`, bounds) and each section's optional `check()` method validate values
-(`tandem.config.fields.validate`). Every failure is a `ConfigError` naming the field.
-
-Optional hooks on the schema class: `defaults_for(user_data)` builds the defaults from what the
-user wrote (e.g. an algorithm recipe); `DERIVED`, a mapping of dotted keys that the schema's
-`check` fills from other keys to what to set instead: the loader refuses those keys in files and
-overrides, and `to_yaml` leaves them out so that a written config loads again; `MOVED`, a mapping
-of dotted keys that no longer exist to what replaced them, which the loader names when it meets
-one. A field whose metadata has `resolve` (`tandem.config.fields.config_field`) holds relative
-paths: each value is passed through it as it is read, with the directory of the file it came from
-(the working directory for overrides), so the loaded config holds paths that work from anywhere.
-"""
+Generic over a schema dataclass of values and nested sections; every failure is a `ConfigError`
+naming the field (an unknown key also gets the closest valid keys anywhere in the schema). Optional
+hooks on the schema class: `defaults_for(user_data)` builds the defaults from what the user wrote;
+`DERIVED` maps keys the schema's `check` fills to what to set instead (refused in input, left out of
+`to_yaml`); `MOVED` maps keys that no longer exist to their replacement. A field with `resolve`
+metadata holds relative paths, resolved from the directory of the file they came from (the working
+directory for overrides)."""
 
 from __future__ import annotations
 
@@ -45,6 +36,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
     if overrides:
         layers.append(("command-line overrides", _parse_overrides(overrides)))
 
+    # Our own walk before OmegaConf merges: an unknown key gets its full dotted path and the closest
+    # keys anywhere (`lr=1e-5` at the top level learns about `actor.optimizer.lr`).
     for source, data in layers:
         _check_keys(schema, data, prefix="", source=source, root=schema)
     bases = ([Path(path).absolute().parent] if path is not None else []) + ([Path.cwd()] if overrides else [])
@@ -60,7 +53,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, schem
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:  # e.g. an interpolation that names a missing key
         raise ConfigError(f"cannot resolve config: {_first_line(exc)}") from None
-    validate(cfg)
+    validate(cfg)  # field metadata (`choices`, bounds) and each section's `check()`
     return cfg  # type: ignore[return-value]
 
 

@@ -1,16 +1,11 @@
 """Launching processes and carrying RPC to them: the scheduler interface, local processes, RPC.
 
-    from tandem.launch import LocalScheduler
     with LocalScheduler("runs/exp1") as sched:
-        servers = sched.start_servers("tandem:d2", model_path)    # -> [ServerHandle(url=...)]
         group = sched.start_workers("archon:d2", "tandem.train.worker")   # -> WorkerGroup (RPC)
-        group.call(TrainWorker.ping)                               # every rank, results per rank
 
-What a worker process runs is its caller's module (the trainer's: `tandem.train.worker`, driven
-through `tandem.train.TrainController`); launch imports nothing from train, rl or rollout. A
-worker module hands its object to `tandem.launch.rpc_server.serve_from_environment`. See
-docs/launch.md.
-"""
+A worker process runs its caller's module, which hands its object to
+`tandem.launch.rpc_server.serve_from_environment`; launch imports nothing from train, rl or
+rollout. See docs/launch.md."""
 
 from tandem.lazy import lazy_attributes
 

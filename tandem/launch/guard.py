@@ -2,14 +2,10 @@
 
     python -m tandem.launch.guard PARENT_PID -- CMD [ARG ...]
 
-asks Linux to send SIGKILL to this process when its parent dies (`PR_SET_PDEATHSIG`, which
-survives `exec`), checks that the parent is still `PARENT_PID` (it may have died already), then
-replaces itself with CMD. Workers call `die_with_parent` directly instead, and processes started
-by `multiprocessing` (reward pool workers, rollout workers) call `die_with_creator`.
-
-Caveat (Linux semantics): the signal fires when the *thread* that started the child ends, so a
-scheduler should start children from a long-lived thread (normally the main thread).
-"""
+arms `PR_SET_PDEATHSIG` (SIGKILL; survives `exec`), checks the parent is still `PARENT_PID`, then
+execs CMD. Workers call `die_with_parent` instead, `multiprocessing` children `die_with_creator`.
+Linux fires the signal when the *thread* that started the child ends: start children from a
+long-lived thread (normally the main one). See docs/launch.md, "Nothing outlives the controller"."""
 
 from __future__ import annotations
 

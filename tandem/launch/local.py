@@ -1,22 +1,8 @@
 """`LocalScheduler`: inference servers and trainer workers as processes on this machine.
 
-Process layout (see docs/launch.md):
-
-    controller (this process)
-    ├── rollout-0   python -m tandem.launch.guard PID -- python -m tandem.cli serve --port 0 ...
-    ├── rollout-1   ...
-    ├── actor-rank0 python -m tandem.launch.guard PID -- python -m tandem.train.worker   (the module
-    │               the caller names; RANK=0, ...)
-    └── actor-rank1 ...                                                                 (RANK=1, ...)
-
-- Every child starts in its own session, so its process group holds it and anything it spawns;
-  teardown signals whole groups. Children also get SIGKILL from the kernel if the controller
-  dies without tearing down: `tandem.launch.guard` arms that before the child's interpreter
-  imports anything (ranks also check `TANDEM_PARENT_PID` when they start serving).
-- stdout and stderr of each child go to `<run_dir>/logs/<name>.log`; errors quote its last lines.
-- Servers, rendezvous and trainer groups listen on 127.0.0.1. Startup, teardown and signals are
-  `ProcessScheduler`'s.
-"""
+Every child runs under `tandem.launch.guard` in its own session (teardown signals whole groups),
+logs to `<run_dir>/logs/<name>.log`, and listens on 127.0.0.1. Startup, teardown and signals are
+`ProcessScheduler`'s. Process layout and guarantees: docs/launch.md, "LocalScheduler"."""
 
 from __future__ import annotations
 

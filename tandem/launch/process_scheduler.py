@@ -1,18 +1,10 @@
 """`ProcessScheduler`: what every scheduler shares once it can start one process somewhere.
 
-A scheduler subclass says how a role's process is started (`LocalScheduler`: a child of this
-process; `SlurmScheduler`: an `srun` job step; `RayScheduler`: a Ray actor that runs it) and
-hands back `LaunchedProcess` objects. Everything else is here, the same for all of them:
-
-- servers: `tandem serve --port 0` bound where the controller reaches it, its listening line read
-  from its log, then `GET /health` until 200 (a 503 "broken" fails at once);
-- worker groups: the ranks meet the controller at its rendezvous (`tandem.launch.rendezvous`), learn
-  rank 0's address, join their process group, and their connections become a `WorkerGroup`;
-- startup deadlines, failures quoting the log tail, placement (role -> node / job) in the log;
-- teardown (`shutdown()`, also from `atexit` and on SIGINT/SIGTERM): trainer groups get a
-  `shutdown` RPC when idle, every process SIGTERM, SIGKILL after `grace_s`, then the subclass's
-  own cleanup (cancel jobs, kill actors). Idempotent; a second Ctrl-C kills at once.
-"""
+A subclass says how a role's process starts (`_launch_server`, `_launch_ranks`, optionally
+`_cleanup`) and hands back `LaunchedProcess` objects. Here, the same for all: servers healthy on
+return, worker groups met at the rendezvous and wrapped as a `WorkerGroup`, startup deadlines,
+failures quoting the log tail, placement in the log, and an idempotent teardown (`shutdown()`,
+also from `atexit` and SIGINT/SIGTERM). See docs/launch.md, "The scheduler interface", "Teardown"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
-"""`RayScheduler`: every server and trainer rank runs under a Ray actor, in a placement group.
+"""`RayScheduler`: every server and trainer rank runs under a `ProcessHost` Ray actor, one placement
+group (one bundle per process) per `start_*` call.
 
-    controller (this process: the Ray driver)
-    └── per start_* call, a placement group with one bundle per process (scheduler.ray.strategy)
-        ├── ProcessHost actor (bundle 0) -> guard ACTOR_PID -- tandem serve --host-towards HOST ...
-        └── ProcessHost actor (bundle 1) -> guard ACTOR_PID -- python -m tandem.train.worker ...
-
-- A `ProcessHost` actor starts its process on the actor's node (own session, output to
-  `<run_dir>/logs/<name>.log`: the run directory must be on storage every node sees, as for
-  checkpoints) and dies with it: the process gets SIGKILL when the actor's process ends
-  (`tandem.launch.guard`), and Ray ends the actors when the driver does.
-- GPUs per process come from the allocation (`device=cuda`: a server's tp devices, one per rank);
-  Ray sets CUDA_VISIBLE_DEVICES in the actor, which passes it on.
-- The controller sees each process as a `RayProcess`: its sentinel is a pipe a thread writes to
-  when the actor's `wait()` returns (the process exited) or fails (the actor or its node died), so
-  a death ends calls and startups at once, like a local one, with its exit status and log.
-- `scheduler.ray.address`: None starts a private Ray in this process (loopback when
-  `cluster.host_ip` is), 'auto' or HOST:PORT joins a running cluster.
-"""
+The process runs on the actor's node under `tandem.launch.guard` and logs to
+`<run_dir>/logs/<name>.log` (the run directory must be on storage every node sees). The controller
+sees it as a `RayProcess`, whose sentinel fires when the actor's `wait()` returns or fails, so an
+actor's or node's death ends calls at once. `scheduler.ray.address`: None starts a private Ray,
+'auto' or HOST:PORT joins a cluster. See docs/launch.md, "Ray"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """How a scheduler's worker ranks find the controller, and each other, wherever they run.
 
-The controller listens on one address (`RankRendezvous`, 127.0.0.1 for a local run, the
-controller host's address otherwise) and hands every rank it starts that address and the run's
-key (`TANDEM_RPC_CONNECT`, `TANDEM_RPC_AUTHKEY`). Each rank then, in `serve_from_environment`:
-
-1. connects and passes the key's HMAC challenge both ways (a peer without the key gets nothing);
-2. says hello: its rank, the address it reaches the controller from (its host on that network),
-   for rank 0 a port there already listening for the group's store (MASTER_PORT; held open, so
-   no other process can take it before the store does), its pid, host name and where the
-   scheduler placed it;
-3. gets MASTER_ADDR / MASTER_PORT back: rank 0's address and port, once every rank said hello;
-4. joins its process group (`build()`), then says ready; from then on the connection carries RPC.
-
-So no rank needs an address known in advance, and the controller learns every rank's host for
-the placement it prints. While it waits the controller blocks on the listener, the connections and
-each rank's process sentinel together: a rank that dies, or drops its connection, fails the start at
-once, naming it.
-"""
+The controller listens on one address (`RankRendezvous`) and hands every rank it starts that
+address and the run's key (`TANDEM_RPC_CONNECT`, `TANDEM_RPC_AUTHKEY`). Each rank connects, passes
+the HMAC challenge, says hello (rank 0 with a port it already holds for the group's store), gets
+MASTER_ADDR / MASTER_PORT back, joins its process group and says ready; the connection then carries
+RPC. A rank that dies or drops its connection fails the start at once, naming it. See
+docs/launch.md, "The rendezvous"."""
 
 from __future__ import annotations
 
@@ -178,8 +167,8 @@ def _set_io_timeout(fd: int, seconds: float) -> None:
 
 
 def join_controller(controller: str, authkey: bytes, rank: int, where: str = "") -> Connection:
-    """Steps 1-3 of the module docstring, from a worker rank: connect to `controller`
-    ('host:port'), say hello, and put the master's address into this process's environment
+    """A worker rank's side up to joining its group: connect to `controller` ('host:port'), pass
+    the key's challenge, say hello, and put the master's address into this process's environment
     (MASTER_ADDR, MASTER_PORT, and GLOO_SOCKET_IFNAME for the interface that reaches it, unless
     set). Returns the connection; say `READY` on it once the process group is joined."""
     from multiprocessing.connection import Client

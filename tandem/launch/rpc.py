@@ -1,28 +1,12 @@
-"""A small, explicit RPC layer between the controller and an SPMD group of worker processes.
+"""The controller side of a small, explicit RPC layer to an SPMD group of worker processes:
+`WorkerGroup` and the errors its calls raise.
 
-Transport: one `multiprocessing.connection` socket per worker on 127.0.0.1, authenticated with a
-per-run key (HMAC challenge on connect). A message is a header frame (pickle protocol 5) followed
-by one raw frame per tensor: CPU tensors travel as out-of-band buffers, never through JSON and
-never through `torch.save` (`rpc_wire.py`: `dumps`, `Channel`). CUDA tensors are copied to the CPU
-on the way.
-
-Worker side (`rpc_server.py`): `serve(conn, obj)` answers `(call_id, method, args, kwargs)`
-requests by calling `obj.method(*args, **kwargs)` in the worker's main thread, one at a time, and
-replies with the value or with the exception's type, message and formatted traceback;
-`serve_from_environment` is a worker process's whole life.
-
-Controller side (this module): `WorkerGroup.call(Worker.method, ...)` sends the same request to
-every rank and returns the list of results in rank order; `call_per_rank` gives each rank its own
-arguments. A method is named by the function on the worker's class, never by a string, so a typo
-fails in the controller (and in a type checker), not in a worker. Every rank executes every call
-(they are usually collectives), so one call is in flight per group at a time. While waiting, the
-controller blocks in `multiprocessing.connection.wait` on every rank's connection *and* its
-process sentinel (a pidfd), so a worker that dies or drops its connection ends the call at once
-with `WorkerCrashedError` (rank, exit code or signal, log tail) instead of a hang. No polling.
-
-After a crash, a deadline miss, or a rank left behind while another raised, the group is out of
-step and refuses further calls (`GroupBrokenError`); restart it.
-"""
+`WorkerGroup.call(Worker.method, ...)` runs the method on every rank and returns the results in
+rank order (`call_per_rank`: each rank its own arguments); a method is named by the function on
+the worker's class, never by a string. One call is in flight per group. A rank that dies or drops
+its connection ends the call at once with `WorkerCrashedError`; after a crash, a deadline miss or
+a rank left behind the group refuses further calls (`GroupBrokenError`): restart it. Wire format:
+`rpc_wire.py`; worker side: `rpc_server.py`; details: docs/launch.md, "RPC"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """The worker side of the RPC layer: a worker process's life, and serving one object.
 
-`serve_from_environment(build)` is the whole life of a worker process a scheduler started: it
-applies the CPU pinning (`TANDEM_CPUS`), arms the parent-death signal (`TANDEM_PARENT_PID`, when
-the controller is this process's parent), takes the run's RPC key (`TANDEM_RPC_AUTHKEY`) out of the
-environment, joins the controller's rendezvous (`TANDEM_RPC_CONNECT`: connect, hello, learn
-MASTER_ADDR/PORT; `tandem.launch.rendezvous`), calls `build()` (e.g. joining torch.distributed: the
-rank says ready only after it, so a scheduler's start waits for the whole group) and serves the
-object on that connection until the controller disconnects or a method returns `ExitAfterReply`;
-then `os._exit(0)` (interpreter teardown after collectives sometimes aborts; the reply has been
-sent by then).
-
-`serve(conn, obj)` answers the controller's requests with `obj`'s public methods, one at a time,
-in the calling (main) thread. See `rpc.py` for the controller side, `rpc_wire.py` for messages.
-"""
+`serve_from_environment(build)` is the whole life of a worker process a scheduler started: CPU
+pinning, parent-death signal, the run's RPC key taken out of the environment, the rendezvous,
+`build()` (the rank says ready only after it), then serving until the controller disconnects or a
+method returns `ExitAfterReply`, and `os._exit(0)`. `serve(conn, obj)` answers requests with `obj`'s
+public methods, one at a time, in the calling thread. Controller side: `rpc.py`."""
 
 from __future__ import annotations
 
@@ -97,4 +89,5 @@ def serve_from_environment(build: Callable[[], object]) -> NoReturn:
         print(f"{name}: leaving", flush=True)
         sys.stdout.flush()
         sys.stderr.flush()
+        # Not a normal exit: interpreter teardown after collectives sometimes aborts (the reply is sent).
         os._exit(0)

@@ -1,21 +1,10 @@
 """The scheduler interface: start inference servers and trainer worker groups, tear them down.
 
-A `Scheduler` turns allocation components (`tandem:d2` -> two servers, `archon:d2` -> one
-trainer group of two ranks) into running processes and hands back what the controller needs:
-server addresses (`ServerHandle`) and an RPC handle on the worker ranks (`WorkerGroup`). Which
-program a worker rank runs is the caller's: a module whose main hands its object to
-`rpc_server.serve_from_environment` (the trainer's is `tandem.train.worker`, which
-`tandem.train.TrainController.start` names); launch itself knows nothing of training.
-`LocalScheduler` (`tandem.launch.local`) runs everything as processes on 127.0.0.1,
-`SlurmScheduler` (`tandem.launch.slurm`) as `srun` jobs, `RayScheduler` (`tandem.launch.ray_cluster`)
-under Ray actors; all three are `ProcessScheduler`s (`tandem.launch.process_scheduler`).
-
-    with LocalScheduler(run_dir) as sched:
-        servers = sched.start_servers(alloc.inference[0], model_path)
-        trainers = sched.start_workers(alloc.train[0], "tandem.train.worker", args=["--device", "cpu"])
-        trainers.call(TrainWorker.initialize, engine_config)
-    # every process is gone here, also on exceptions and Ctrl-C
-"""
+A `Scheduler` turns allocation components (`tandem:d2` -> two servers, `archon:d2` -> one trainer
+group of two ranks) into running processes and hands back server addresses (`ServerHandle`) and an
+RPC handle on the worker ranks (`WorkerGroup`); which module a worker rank runs is the caller's.
+Implementations: `LocalScheduler`, `SlurmScheduler`, `RayScheduler`, all `ProcessScheduler`s.
+Guarantees and an example: docs/launch.md, "The scheduler interface"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """`SlurmScheduler`: every role is a Slurm job started with `srun` (a job step when the controller
 itself runs inside an allocation, e.g. an `sbatch` script).
 
-    controller (this process, on a login node or inside an sbatch allocation)
-    ├── rollout-0   guard PID -- srun --job-name tandem-<run>-rollout-0 --ntasks 1 ... tandem serve --host-towards HOST
-    ├── rollout-1   (its own job, placed by Slurm or by scheduler.slurm.server_nodes)
-    └── actor       guard PID -- srun --job-name tandem-<run>-actor --ntasks W --label ... python -m tandem.train.worker
-
-- `srun` runs here, as this process's child: its exit is the role's end (a pidfd, no polling), its
-  output (the tasks' stdout and stderr, rank-labelled for a group) is the role's log in
-  `<run_dir>/logs`, and it dies with the controller (`tandem.launch.guard`), which ends its job.
-- Each task first prints `tandem-slurm: job J step S node N task T` and, for worker groups, sets
-  RANK / LOCAL_RANK / WORLD_SIZE from Slurm's task ids; the ranks then meet the controller at
-  `cluster.host_ip` (`tandem.launch.rendezvous`), servers bind the address that reaches it.
-- Job states come from `squeue` (why a role is still waiting: `PENDING (Resources)`) and `scontrol`
-  (how it ended: `CANCELLED`, `TIMEOUT`, `NODE_FAIL`, ...); any end is a dead server or a crashed
-  rank. `scancel` of a server's job evicts it like any dead server; of the trainer's, ends the run
-  naming it. Teardown SIGTERMs every `srun` (Slurm signals the tasks), then `scancel`s the jobs.
-"""
+`srun` runs as this process's child under `tandem.launch.guard`: its exit is the role's end, its
+output the role's log, and it dies with the controller. Worker tasks take RANK / LOCAL_RANK /
+WORLD_SIZE from Slurm's task ids; job states come from `squeue` / `scontrol`, and teardown
+SIGTERMs every `srun`, then `scancel`s the jobs. See docs/launch.md, "Slurm"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""Starting a vLLM server (its CPU or GPU build, in an interpreter of its own) the way Tandem's
-vLLM adapter needs it (docs/engines.md):
-
-- `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU build pulls
-  in modules that are not installed with it);
-- `--logprobs-mode processed_logprobs`: logprobs of the temperature-scaled distribution, which is
-  what Tandem defines (vLLM's default reports T = 1 logprobs whatever the temperature);
-- `--enable-scale-out`: the tokens-in, tokens-out route `/inference/v1/generate` the adapter
-  generates through, whose answers label every token with the weight version that sampled it;
-- `--enforce-eager`: no graph capture or compilation (slow to start, nothing gained for RL on CPU);
-- VLLM_SERVER_DEV_MODE=1: the routes the fleet uses (`/pause`, `/resume`,
-  `/update_weight_version`, `/collective_rpc` for `reload_weights` and the extension's methods);
-- `--worker-extension-cls tandem.weights.vllm_worker.TandemWorkerExtension` (unless
-  `worker_extension=False`): weight updates over a transfer group, staged then committed. The
-  server's interpreter imports it from this Tandem's package, which goes on its PYTHONPATH
-  through a directory holding only a link to the package (never the rest of this environment).
+"""Starting a vLLM server (its CPU or GPU build, in an interpreter of its own) with the flags and
+environment Tandem's vLLM adapter needs (each one's reason: docs/engines.md).
 
 `start` runs one server on its own (tests); `start_servers` runs a fleet of them as processes of a
-`LocalScheduler` (`tandem train` with `rollout.backend=vllm:dN`), which stops them with the run.
-"""
+`LocalScheduler` (`tandem train` with `rollout.backend=vllm:dN`), which stops them with the run."""
 
 from __future__ import annotations
 

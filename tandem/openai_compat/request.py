@@ -1,19 +1,11 @@
 """OpenAI chat and completion request bodies, parsed and checked (pure protocol: no server, no engine).
 
-`parse_chat_request(body)` and `parse_completion_request(body)` turn a JSON body into a typed
-request or raise `OpenAIRequestError` (a 400) naming the field and the fix. Sampling fields come
-out under SGLang's `sampling_params` names, only those the body gave (each server applies its own
-`max_new_tokens` default: `DEFAULT_CHAT_MAX_TOKENS`, `DEFAULT_COMPLETION_MAX_TOKENS`); their ranges
-are checked where they are used (the engine's `SamplingParams`), their JSON types here.
-
-Fields the SDKs send that change nothing here are accepted and ignored (`HARMLESS_FIELDS`:
-`parallel_tool_calls`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`); they come back in `extra`. A field that would change the answer in a way
-this server cannot honour is refused unless it holds its neutral value (null, false, "", [], {}):
-`logit_bias`, the deprecated `functions` / `function_call`, `audio`, `prediction`,
-`web_search_options`, `modalities` other than ["text"], and for completions `echo`, `suffix`,
-`best_of` > 1. Any other field is unknown: a 400 listing the valid ones.
-"""
+`parse_chat_request(body)` and `parse_completion_request(body)` return a typed request or raise
+`OpenAIRequestError` (a 400 naming the field and the fix). Sampling fields come out under SGLang's
+`sampling_params` names, only those the body gave; JSON types are checked here, ranges where they
+are used. `HARMLESS_FIELDS` are accepted and returned in `extra`; fields this server cannot honour
+are refused unless neutral; unknown fields are a 400 listing the valid ones (the lists:
+docs/inference.md, "OpenAI routes")."""
 
 from __future__ import annotations
 
@@ -24,6 +16,7 @@ from typing import Any
 
 from tandem.errors import TandemError
 
+# `max_new_tokens` defaults a server applies itself when a body gives none (parsing leaves it unset).
 DEFAULT_CHAT_MAX_TOKENS = 128
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20

@@ -1,17 +1,7 @@
-"""Activation checkpointing of transformer blocks, keeping parameter names unchanged.
-
-`checkpoint_wrapper` would insert a `_checkpoint_wrapped_module.` level into every parameter name,
-which the HF name mapping, DCP keys and weight export would then all have to strip. Replacing the
-block's bound `forward` with a checkpointed call keeps the module tree as it is, and FSDP hooks
-(which run in `__call__`, outside `forward`) still wrap the recompute.
-
-Modes: `full` (every block), `selective` at layer level (every `every`-th block) or op level
-(every block, saving the outputs of the expensive ops: matmuls and attention, recomputing
-elementwise ops and norms), and `memory_budget` (no wrapping: torch.compile's min-cut partitioner
-decides what to keep under `torch._functorch.config.activation_memory_budget`). Recomputation
-replays the RNG state of the first pass (`preserve_rng_state`), so a recompute of a stochastic op
-equals the original.
-"""
+"""Activation checkpointing of transformer blocks (`apply_activation_checkpointing`), keeping
+parameter names unchanged: a block's bound `forward` is replaced by a checkpointed call, so HF name
+mapping, DCP keys and weight export see the same module tree. Recomputation replays the first
+pass's RNG state, so a recompute of a stochastic op equals the original."""
 
 from __future__ import annotations
 
@@ -48,13 +38,17 @@ def checkpoint_module(module: nn.Module, op_level: bool = False) -> None:
         # Non-reentrant: works with keyword args, autograd-inside-forward and torch.compile.
         return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
+    # Not `checkpoint_wrapper`: it adds a `_checkpoint_wrapped_module.` level to every parameter name.
+    # FSDP's hooks run in `__call__`, outside `forward`, so they still wrap the recompute.
     module.forward = forward  # type: ignore[method-assign]
 
 
 def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], mode: str, every: int = 1,
                                    selective: str = "layer", memory_budget: float = 0.5) -> list[str]:
-    """Checkpoint `blocks` (in order) as `mode` says (see the module docstring). Returns the names
-    of the checkpointed blocks (none for `memory_budget`, which sets compile's budget instead)."""
+    """Checkpoint `blocks` (in order) as `mode` says: `full` (every block), `selective` with
+    `selective="layer"` (every `every`-th block) or `"op"` (every block, keeping `SAVED_OPS` outputs),
+    or `memory_budget` (no wrapping: torch.compile's min-cut partitioner keeps `memory_budget` of
+    the activations). Returns the names of the checkpointed blocks (none for `memory_budget`)."""
     if mode == "none":
         return []
     if mode == "memory_budget":

@@ -1,23 +1,12 @@
-"""Ulysses context parallelism: attention over a token stream split across the ranks of a CP group.
+"""Ulysses context parallelism: attention over a token stream split across the ranks of a CP group
+(`ulysses_attention`), plus the token gather the trainer uses (`gather_tokens`).
 
-Each of the `cp` ranks holds a contiguous slice of `T_local` tokens of one packed micro-batch (the
-same `T_local` on every rank: the caller pads the stream to a multiple of `cp`) and computes its
-q/k/v for ALL heads (after projections, norms and RoPE with the tokens' true positions). Attention
-needs every key of a document, so one `all_to_all_single` per tensor swaps the split: afterwards
-each rank holds ALL `cp * T_local` tokens for `1/cp` of the heads, runs ordinary packed causal
-attention over the whole stream (with the micro-batch's full `cu_seqlens`, so document boundaries
-stay where they are, wherever the slices cut), and a second all-to-all swaps back to its own
-tokens with all heads. Exact (the same arithmetic per head as one rank), differentiable (the
-autograd all-to-all sends gradients back the way the activations came).
-
-Grouped-query attention: rank r attends with query heads `[r*H/cp, (r+1)*H/cp)`, which read key/
-value heads `[r*H_kv/cp, ...)` when `cp` divides `H_kv`. When it does not (e.g. 2 KV heads at
-cp=4), each KV head is repeated `f` times so that there are `lcm(H_kv, cp)` of them: the smallest
-count that `cp` divides and that still divides `H` (both `cp` and `H_kv` do), so every query head
-keeps reading (a copy of) its own KV head, and k/v traffic grows by `f` only, not to full MHA.
-
-This module has no model imports: the attention kernel (bound to the full `cu_seqlens`) is passed in.
-"""
+Each rank holds a contiguous `T_local` slice (the same on every rank: the caller pads to a multiple
+of `cp`) with q/k/v for all heads; one all-to-all per tensor gives it all tokens for `1/cp` of the
+heads, the passed-in kernel (bound to the full `cu_seqlens`) attends over the whole stream, and a
+second all-to-all swaps back. Exact and differentiable; KV heads are repeated up to
+`lcm(H_kv, cp)` when `cp` does not divide them. No model imports. See docs/training.md,
+"Context parallelism"."""
 
 from __future__ import annotations
 

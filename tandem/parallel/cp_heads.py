@@ -23,4 +23,6 @@ def check_heads(n_heads: int, n_kv_heads: int, cp: int, key: str = "actor.backen
 def kv_repeats(n_heads: int, n_kv_heads: int, cp: int) -> int:
     """How often each KV head is repeated so that `cp` divides the KV head count (1 when it does)."""
     check_heads(n_heads, n_kv_heads, cp)
+    # lcm: the fewest KV heads that cp divides and that still divide H (cp and H_kv both do), so each
+    # query head keeps reading (a copy of) its own KV head and k/v traffic grows by the repeat only.
     return math.lcm(n_kv_heads, cp) // n_kv_heads

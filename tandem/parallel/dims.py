@@ -1,22 +1,11 @@
-"""Parallel dimensions of a training job and the device mesh they describe.
+"""Parallel dimensions of a training job (`ParallelDims`) and the device mesh they describe
+(`build_mesh`), laid out outermost to innermost as `pp, dp_replicate, dp_shard, cp, tp`
+(torchtitan's order: TP stays inside a node, PP spans nodes).
 
-The mesh is laid out outermost to innermost as `pp, dp_replicate, dp_shard, cp, tp` (torchtitan's
-order: the innermost dims get the fastest links, so TP stays inside a node and PP spans nodes).
-Each parallelize step takes its submesh from here (`fsdp_mesh`, `tp_mesh`, `cp_mesh`,
-`pp_mesh`, and for MoE experts `ep_mesh`, `expert_fsdp_mesh`, `etp_mesh`); batch-level
-reductions use `dp_group`.
-
-Experts (ep > 1): the ep ranks are carved out of `dp_shard x cp`, innermost: `dp_shard` is built
-as two dims `dp_shard_mod_ep x dp_shard_in_ep` and the ep mesh is `dp_shard_in_ep x cp` (so cp
-must divide ep). The experts' other copies, `edp = world / (ep * etp * pp)` of them, are the
-`dp_replicate x dp_shard_mod_ep` ranks (FSDP shards the experts over those, the expert FSDP
-mesh) times the tp ranks when etp == 1 (each TP rank then runs the MoE on its own sequence
-shard with whole experts; their gradients are summed over the TP group like other partial
-gradients). With etp == tp the experts are tensor-parallel over the attention's TP group.
-
-Which dims a model family can apply is its `parallelize` function's business (it refuses the
-others by name).
-"""
+Each parallelize step takes its submesh from here (`fsdp_mesh`, `tp_mesh`, `cp_mesh`, `pp_mesh`;
+for experts `ep_mesh`, `expert_fsdp_mesh`, `etp_mesh`); batch-level reductions use `dp_group`.
+The ep ranks are carved out of `dp_shard x cp`, innermost (docs/parallelism.md, "Mixture-of-experts
+layouts"). Which dims a model family applies is its `parallelize` function's business."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """Expert parallelism (EP) and expert tensor parallelism (ETP): the collectives of a MoE layer.
 
-Under EP each rank of an ep group of size P holds `E / P` consecutive experts (rank q: experts
-`[q * E/P, (q+1) * E/P)`). A MoE layer sorts its (token, slot) assignments by expert and hands them
-to `expert_parallel_dispatch`, which
-1. counts the rows for every destination rank and exchanges the per-expert counts (all-to-all),
-2. sends every row to the rank holding its expert (`all_to_all_single` with uneven splits; a split
-   may be empty, and so may a rank's whole input),
-3. re-sorts the received rows by local expert and computes them grouped (`compute`),
-4. sends the outputs back (the reverse all-to-all), in the order the rows came in.
-Every step is differentiable: the backward of an all-to-all is the all-to-all with the splits
-swapped, so an expert's gradient sums the contributions of every ep rank's tokens.
-
-Under ETP (`etp == tp`) every TP rank holds a slice of each of its experts' hidden units: w1/w3 by
-their output rows, w2 by its input columns, so a rank's expert output is a partial sum over the
-TP group. The MoE block then runs on all `T` tokens of the TP group (`gather_tokens`: all-gather
-of the sequence shards, reduce-scatter in backward) and its partial output is summed back onto
-the shards (`reduce_scatter_tokens`: reduce-scatter, all-gather in backward).
-
-Plain `torch.distributed` calls, so it runs on gloo (CPU) and NCCL alike.
-"""
+`expert_parallel_dispatch` takes a layer's assignments sorted by expert, sends each row to the
+rank holding its expert (rank q of P holds experts `[q * E/P, (q+1) * E/P)`; uneven, possibly empty
+all-to-all splits), computes them grouped there and returns the outputs in the order the rows came.
+Under ETP (`etp == tp`) the block runs on the TP group's tokens (`gather_tokens`) and sums its
+partial output back onto the sequence shards (`reduce_scatter_tokens`). Everything is
+differentiable (an expert's gradient sums every ep rank's tokens) and plain `torch.distributed`,
+so gloo (CPU) and NCCL alike."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""Log-probabilities and entropy from vocabulary-sharded logits, without gathering them.
+"""Log-probabilities and entropy from vocabulary-sharded logits, without gathering them
+(`vocab_parallel_logprobs_entropy`; each TP rank holds the logits of its vocabulary slice).
 
-Each TP rank holds the logits of its slice `[start, start + V_local)` of the vocabulary. Per token:
-  m       = max over ranks of the local max logit           (all-reduce MAX; a constant shift)
-  S       = sum over ranks of sum_v exp(z_v - m)            \
-  Z1      = sum over ranks of sum_v exp(z_v - m) * (z_v - m) } one all-reduce SUM of three values
-  z_label = the label's logit, from the rank that holds it  /
-  log p(label) = z_label - (m + log S),   entropy = log S - Z1 / S
-(the entropy from shifted logits: no cancellation between two terms of the logits' magnitude).
-The sums are differentiable with an identity backward (`sum_forward_only`): every TP rank computes
-the same loss from them, so each receives exactly its slice's gradient; the head's input gradient
-is then summed by the head's own tensor-parallel backward.
-"""
+Per token, with `m` the all-reduced max logit and one all-reduce SUM of `S = sum exp(z - m)`,
+`Z1 = sum exp(z - m) (z - m)` and the label's logit: `log p = z_label - (m + log S)`,
+`entropy = log S - Z1 / S` (from shifted logits: no cancellation of two large terms). The sums pass
+their gradient straight through (every TP rank computes the same loss), so each rank receives
+exactly its slice's gradient."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Pipeline parallelism, model-agnostic parts: schedules, the stage layout, packed micro-batches
 stacked for `torch.distributed.pipelining`, and the gradient/norm reductions a pipeline needs.
 
-Layout. `pp` ranks run `n_stages = pp * stages_per_rank` stages. `1F1B` runs one stage per rank;
-the looped schedules (`Interleaved1F1B`, `InterleavedZeroBubble`) put stage s on rank s % pp;
-`ZBVZeroBubble` runs exactly two stages per rank in a V: rank r holds stages r and 2*pp-1-r, so
-rank 0 holds both the first and the last stage.
-
-Micro-batches. The trainer's micro-batches are packed variable-length sequences (`[T]` tokens +
-`cu_seqlens`). The schedules split their inputs along dim 0, so each micro-batch is padded to the
-longest one and stacked (`stack_packed`): one row per micro-batch, with its real token and
-sequence counts in `sizes`, so a stage computes on exactly the real tokens (`unpad_row`).
-"""
+`pp` ranks run `pp * stages_per_rank` stages (`1F1B`: one per rank; looped schedules: stage s on
+rank s % pp; `ZBVZeroBubble`: rank r holds stages r and 2*pp-1-r). The schedules split inputs on
+dim 0, so `stack_packed` pads each packed micro-batch to the longest and stacks them, with the real
+counts in `sizes`; a stage computes on the real tokens only (`unpad_row`). See docs/parallelism.md."""
 
 from __future__ import annotations
 

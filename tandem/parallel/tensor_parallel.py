@@ -1,16 +1,8 @@
-"""Generic tensor-parallel (TP) helpers; a model family's plan (which layer gets which DTensor
-style) lives with the model, e.g. `tandem.models.qwen.tensor_plan`.
-
-What a TP plan leaves behind for the trainer is a `TensorParallelInfo` on the model (attribute
-`tensor_parallel`):
-- the output head is vocab-sharded: each TP rank's head returns the logits of its own slice of
-  the vocabulary (`vocab_range`), and log-probs / entropy are computed loss-parallel (see
-  `tandem.parallel.loss_parallel`), never gathering full-vocabulary logits;
-- some parameters stay plain (replicated) tensors although each TP rank only sees part of their
-  inputs (Qwen3's per-head `q_norm` / `k_norm`, applied to the rank's own heads): their gradients
-  are partial sums, and `sum_partial_grads` adds them up over the TP group before the optimizer
-  (or grad-norm clipping) reads them.
-"""
+"""Generic tensor-parallel (TP) helpers; a model family's plan lives with the model (e.g.
+`tandem.models.qwen.tensor_plan`). A plan leaves a `TensorParallelInfo` on the model (attribute
+`tensor_parallel`): the head's `vocab_range` (its logits are a vocabulary slice; log-probs go
+through `tandem.parallel.loss_parallel`) and the `partial_grad_params` whose gradients
+`sum_partial_grads` adds up over the TP group before the optimizer or grad-norm clipping reads them."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """Splitting one packed micro-batch over the ranks of a context-parallel (CP) group.
 
-All CP ranks of a data-parallel shard receive the same micro-batches (`T` tokens, `cu_seqlens`).
-The stream is padded to `T_pad`, the next multiple of `cp`, and rank r runs the model on tokens
-`[r*T_pad/cp, (r+1)*T_pad/cp)` only: its input ids and their TRUE positions (computed from the full
-`cu_seqlens` before slicing, so a document cut by a slice boundary keeps counting). Attention is
-Ulysses (`tandem.parallel.context_parallel`) over the full `cu_seqlens`; padding tokens sit after
-the last document and only attend among themselves. Everything that compares a token with its
-successor (next-token labels, loss positions) is computed on the full stream before slicing,
-since position t predicts t+1, which may live on the next rank.
-
-Only the per-token log-probs and entropy (`[T_pad/cp]` floats) are gathered back, so every CP rank
-returns the full `[T]` results and runs the (cheap) loss on the whole micro-batch, exactly as one
-rank would: any loss works unchanged, per-sequence ones included, and the loss normaliser and
-statistics are counted once per DP shard, not once per CP rank. `gather_tokens` averages the loss
-gradient over the CP ranks and each rank back-propagates its own tokens' share; FSDP then sums the
-parameter gradients over `dp_shard x cp`, which yields the single-rank gradient.
-"""
+The stream is padded to a multiple of `cp` and rank r runs the model on its contiguous slice: input
+ids with their TRUE positions (from the full `cu_seqlens`). Next-token labels and loss positions are
+computed on the full stream before slicing (t predicts t+1, which may live on the next rank); only
+the per-token log-probs and entropy are gathered back, so every CP rank returns the full `[T]`
+results and runs any loss unchanged, counted once per DP shard. See docs/training.md, "Context
+parallelism"."""
 
 from __future__ import annotations
 

@@ -2,16 +2,12 @@
 
     trainer = TrainController.start(scheduler, "archon:d2", device="cpu")
     trainer.initialize(engine_config)
-    stats = trainer.ppo_update(shards, algo, version=3, temperature=1.0, n_minibatches=1)
     critic = trainer.colocated("critic")        # a second engine on the same ranks
-    critic.initialize(critic_config)            # pure data parallel over all of them
 
-Control plane only: it names `TrainWorker` methods (never strings) over a `WorkerGroup` and
-imports neither the engine nor model code. Methods that take `shards` give rank r `shards[r]`
-(one per data-parallel rank, e.g. from `tandem.rl.dispatch.split_for_ranks`): a rank's TP, CP and
-PP peers get the same shard. The others send every rank the same arguments. Every call runs on every rank, and errors are the RPC layer's (`RemoteError`,
-`WorkerCrashedError`, ...).
-"""
+Control plane only: it names `TrainWorker` methods (never strings) over a `WorkerGroup` and imports
+neither engine nor model code. Every call runs on every rank; methods that take `shards` give rank
+r `shards[r]` (one per data-parallel rank: TP, CP and PP peers get the same shard). Errors are the
+RPC layer's (`RemoteError`, `WorkerCrashedError`, ...). See docs/launch.md, "The trainer ranks"."""
 
 from __future__ import annotations
 

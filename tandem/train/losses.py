@@ -1,17 +1,12 @@
-"""The loss-function contract of `TrainEngine.train_batch`, and two simple instances.
+"""The loss-function contract of `TrainEngine.train_batch` (`LossFn`, `LossWeightFn`; a value
+model's `ValueLossFn`) and one instance, `sft_loss`.
 
-A loss function gets the micro-batch's next-token `logprobs` and `entropy` (`[T]`, float32, with
-grad) and the micro-batch in *prediction alignment* (`MicroBatch.next_token_view()`: position t
-of every per-token value describes token t+1, the token `logprobs[t]` is about; last tokens 0).
-It returns the SUM of its per-token (or per-sequence) losses over the micro-batch. When the batch
-has a loss mask, `logprobs` and `entropy` are computed only where it is set (0 elsewhere): the
-output head is skipped on prompt tokens, so a loss must not read other positions.
-
-A loss-weight function returns the micro-batch's share of the normaliser (default: the number of
-loss tokens). The engine divides every micro-batch's loss sum by the weights summed over all
-micro-batches and all data-parallel ranks, so the optimised loss is a global token mean no matter
-how the batch was split.
-"""
+A loss function gets the next-token `logprobs` and `entropy` (`[T]`, float32, with grad; with a loss
+mask only its positions are computed, so a loss must not read others) and the micro-batch in
+*prediction alignment* (`MicroBatch.next_token_view()`), and returns the SUM of its losses. A
+loss-weight function returns the micro-batch's share of the normaliser (default: its loss tokens);
+the engine divides by the weights summed over all micro-batches and DP ranks: a global token mean
+however the batch was split. See docs/training.md, "Training and losses"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Full HF tensors out of a pipeline-parallel model, in buckets, gathered per stage.
 
-Every rank knows the whole model's parameter list (names, shapes, and which pipeline rank holds
-each) from a meta copy of the model, so every rank walks the same buckets in the same order. A
-bucket holds parameters of one pipeline rank only (a new bucket starts where the owner changes).
-For each bucket only the owner's ranks gather (FSDP shards over their data-parallel group, with
-`weight_export.gather_bucket`); the full tensors then go where they are needed:
-- `dst` given (weight sync, save): the owner-stage rank in `dst`'s pipeline group receives the
-  gathered tensors and sends them point to point to `dst` (nothing to do when it is `dst`);
-  every other rank gets `[]`. No rank ever holds more than one bucket of another stage.
-- `dst` None: the owner's ranks all-gather and broadcast over their pipeline group, so every
-  rank gets every bucket.
-A tied embedding/output weight is exported once, from the first stage, under the embedding's name.
-Buckets are planned by parameter and carry HF pieces (a stacked expert parameter is gathered once
-and travels as its per-expert HF tensors, see `weight_export`).
-"""
+Every rank walks the same buckets (planned from a meta copy of the whole model), each holding
+parameters of one pipeline rank only, gathered by that owner's ranks. With `dst` (weight sync,
+save) the owner-stage rank in `dst`'s pipeline group sends the bucket to `dst` and every other rank
+gets `[]`; without `dst` it is broadcast over the pipeline group. A tied embedding/output weight is
+exported once, under the embedding's name; buckets carry HF pieces. See docs/training.md,
+"Pipeline parallelism"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The training engine under pipeline parallelism: forward/backward and forward-only over the
 pipeline stages of this rank, and the gradient housekeeping before an optimizer step.
 
-Every engine micro-batch is one pipeline micro-batch: the micro-batches are padded and stacked
-(`tandem.parallel.pipeline.stack_packed`) so the schedule's dim-0 split hands each stage one.
-A micro-batch's loss is the engine's `loss_fn` over that micro-batch's next-token view divided by
-the global denominator, exactly as in `TrainEngine.forward_backward`; the schedule does not scale
-gradients. Stages and schedules are rebuilt per call: their communication buffers are shaped by
-the micro-batches' padded length, which changes from batch to batch (building them is cheap; no
-communication beyond the schedule's own).
-"""
+Every engine micro-batch is one pipeline micro-batch (padded and stacked by
+`tandem.parallel.pipeline.stack_packed`); its loss is the engine's `loss_fn` on its next-token
+view divided by the global denominator, as in `TrainEngine.forward_backward` (the schedule does not
+scale gradients). See docs/training.md, "Pipeline parallelism"."""
 
 from __future__ import annotations
 
@@ -130,6 +126,7 @@ class PipelineRunner:
         return dist.get_global_rank(self.group, self.layout.stage_rank(self.layout.n_stages - 1))
 
     def _pipeline_stages(self, width: int) -> list[PipelineStage]:
+        # Rebuilt per call (cheap, no communication): their buffers are shaped by the padded length.
         # Static shapes (no metadata exchange, no trial forward): activations that need gradients
         # are marked so, which is how the stage knows to receive / send their gradients.
         meta = torch.device("meta")

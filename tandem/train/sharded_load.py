@@ -1,15 +1,9 @@
 """Loading an HF checkpoint into sharded (DTensor) parameters without a full model anywhere.
 
-Each rank reads each tensor from the safetensors files (memory-mapped, one tensor at a time) and
-keeps only its own slice, cut according to the parameter's placements: no communication, and
-the same code serves FSDP, tensor-parallel and expert-parallel shards.
-
-HF tensors are read as *pieces* of native parameters (`StateDictAdapter.hf_to_piece`): a whole
-parameter is one piece; a MoE layer's stacked expert weight `[E, ...]` is E pieces, piece e being
-`param[e]`. A piece goes into the part of this rank's local tensor that overlaps it, so under
-expert parallelism a rank copies only the experts it holds (and, under FSDP or expert tensor
-parallelism, only its rows of them).
-"""
+Each rank reads each tensor (memory-mapped safetensors, one at a time) and keeps only the slice its
+parameter's placements give it: no communication; FSDP, tensor- and expert-parallel shards alike.
+HF tensors are *pieces* of native parameters (`StateDictAdapter.hf_to_piece`; a stacked expert
+weight `[E, ...]` is E pieces), and a piece fills only the part of the local tensor it overlaps."""
 
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """Full HF-named tensors out of a (sharded) model, one at a time or in byte-bounded buckets.
 
-Gathering a sharded parameter is a collective: every rank must gather the same parameters in the
-same order. The order here is the model's `named_parameters()` order, which depends only on the
-module structure, so it is identical on all ranks; bucket boundaries depend only on shapes and
-dtypes, so they are identical too. Tied weights appear once (under the embedding's HF name).
-
-A bucket of FSDP / HSDP parameters (sharded on dim 0 along one mesh dimension, replicated along
-the others) travels in ONE collective (`gather_bucket`: an all-gather, or a gather to one rank
-when only that rank needs the tensors): every rank casts its shards into one flat buffer, each
-parameter padded to the same per-rank slot as DTensor's own sharding (`ceil(rows / world)` rows),
-and each full tensor is then copied out of the gathered buffer. One
-`full_tensor()` per parameter costs a collective and DTensor's dispatch each (at trainer world
-size 2 on CPU: ~3 ms per parameter, 0.45 s for a 100M model, against ~0.1 s bucketed). Other
-placements (tensor parallel, partial) fall back to `full_tensor()` per parameter; the choice
-depends only on placements and meshes, so every rank makes the same one.
-
-Export works on *pieces* (`tandem.models.state_dict_adapter`): a native parameter may be several HF
-tensors (a mixture-of-experts layer's stacked experts, `[E, out, in]`, is E HF tensors). A
-parameter is gathered whole, once, in one bucket (whatever its placement: FSDP dim-0 shards through
-the bucketed all-gather, anything else, e.g. an expert-parallel Shard(0) over an EP mesh, through
-`full_tensor()`), and then yields one `(hf_name, tensor)` per piece: views of the gathered tensor,
-or, with `alloc`, one destination per HF tensor written straight from the gather. Bucket sizes,
-names, `local_parameters` and `export_nbytes` are all in HF pieces.
-"""
+Gathering is a collective: order (`named_parameters()`) and bucket boundaries (shapes, dtypes) are
+the same on every rank, so every rank must iterate an export fully. Tied weights appear once (under
+the embedding's HF name). A bucket of FSDP / HSDP shards travels in one collective
+(`gather_bucket`); other placements fall back to `full_tensor()` per parameter. A parameter is
+gathered whole, once, and yields one `(hf_name, tensor)` per HF piece (views, or with `alloc` the
+caller's buffers); sizes, names, `local_parameters` and `export_nbytes` count HF pieces. Figures
+and details: docs/training.md, "Weight export"."""
 
 from __future__ import annotations
 
@@ -130,7 +114,8 @@ def gather_bucket(entries: Sequence[tuple[str | Sequence[Piece], torch.Tensor]],
                   dst: int | None = None) -> list[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` per HF piece for one bucket of `(pieces, parameter)` (a plain HF
     name stands for one whole piece), cast to `dtype` when given. Collective. Parameters sharded
-    on dim 0 over the same mesh dimension travel in one all-gather (see the module docstring);
+    on dim 0 over the same mesh dimension travel in one all-gather, each padded to DTensor's own
+    `ceil(rows / world)`-row slot in one flat buffer;
     anything else is gathered one parameter at a time (`full_tensor()`). `scratch` keeps the
     gather buffer for the next bucket (fresh pages cost more than the copies); the tensors returned
     never alias it. Without `alloc`, the pieces of a parameter are views of its gathered tensor;
@@ -142,6 +127,7 @@ def gather_bucket(entries: Sequence[tuple[str | Sequence[Piece], torch.Tensor]],
     shapes = [piece_shape(p.shape, index) for ps, p in zip(pieces, params, strict=True) for _, index in ps]
     axes = {_dim0_shard_axis(p) for p in params}
     first = params[0]
+    # Decided by placements, meshes and dtypes only, so every rank takes the same branch.
     fused = (len(axes) == 1 and None not in axes and len({(p.device_mesh, p.placements) for p in params}) == 1
              and len({dtype or p.dtype for p in params}) == 1)
     if not fused:

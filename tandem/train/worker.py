@@ -2,23 +2,12 @@
 
     python -m tandem.train.worker --device cpu [--backend gloo] [--pg-timeout 1800]
 
-A scheduler starts it (`Scheduler.start_workers(alloc, "tandem.train.worker", ...)`) with RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the RPC bootstrap variables in its
-environment. It joins the torch.distributed group (gloo on CPU, NCCL on CUDA, unless --backend
-says otherwise) and hands a `TrainWorker` to `tandem.launch.rpc_server.serve_from_environment`.
-
-Every public method of `TrainWorker` is an RPC; the controller calls each on every rank, because
-most are collectives. Each step of a training loop is a method here, with typed arguments: nothing
-crosses the process boundary as a function path.
-
-A rank holds one engine per role: the `actor` (the policy every run trains), and for PPO its
-`critic` (a value model, trained) and `reference` (the frozen policy the KL term is measured to).
-Roles share the rank's process group; each engine has its own device mesh.
-
-Importing this module is cheap (no engine, no model code): the controller imports it to name the
-methods it calls, so the engine, the steps and the weight updater are imported inside the methods
-that run them, on the ranks only.
-"""
+Started by a scheduler (`start_workers(alloc, "tandem.train.worker")`), it joins the
+torch.distributed group (gloo on CPU, NCCL on CUDA, unless --backend) and serves a `TrainWorker`:
+every public method is an RPC the controller calls on every rank, with typed arguments. A rank
+holds one engine per role (`actor`; for PPO a `critic` and the frozen `reference`), sharing the
+process group, each with its own mesh. Importing it is cheap (no engine or model code): the
+controller imports it to name the methods."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """The `Task` interface, train/eval splitting and the task registry.
 
-A task makes dataset items and scores completions:
-
-- `generate(n, seed, split)` returns `n` items, the same ones for the same arguments, each a dict
-  with at least `id`, `prompt` (the user's text), `messages` (the chat messages to render), `answer`
-  (the reference answer, a string), `task` (the task name) and `split`;
-- `reward(completion_text, item)` scores a completion against its item (1.0 or 0.0, plus an
-  optional documented format component), never raising on whatever text a model writes;
-- `sft_target(item)` is a reference completion, used by the warm-start SFT phase; `sft_messages(item)`
-  the whole reference conversation (by default the item's messages and `sft_target`; a multi-turn
-  task such as `calculator` gives its tool calls and results too);
-- `reward_fn()` gives a picklable function with the rollout reward signature bound to this task.
-
-Items carry only plain values (str, int, list, dict) so they pickle into reward workers, where every
-field except `id`, `prompt`, `messages` and `input_ids` arrives as a keyword of the reward function.
-
-Splits are disjoint by content: a problem belongs to "eval" when a hash of its canonical key falls
-below `eval_fraction`, to "train" otherwise, whatever the seed. So eval items never appear in
-training, and different seeds give different samples of the same two halves.
-"""
+A task makes items (`generate(n, seed, split)`: deterministic, plain values only, each with at least
+`id`, `prompt`, `messages`, `answer`, `task`, `split`) and scores completions (`reward(text, item)`,
+never raising on model text); `sft_target` / `sft_messages` give the reference completion and
+conversation, `reward_fn()` a picklable rollout reward bound to the task. Splits are disjoint by
+content (a hash of the problem's canonical key against `eval_fraction`), whatever the seed. See
+docs/tasks.md, "The Task interface"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Arithmetic with a calculator tool: the built-in agentic task.
 
-The problems are the arithmetic task's (same generators and difficulty presets, default `mixed3`:
-"137 + 58 * 621", more than a tiny model can do in its head); each item also carries `tools`, the
-one tool `CALCULATOR_TOOL`. The model is meant to call it with the expression, read the result
-and answer `\\boxed{N}`; the reward checks the final answer exactly as arithmetic's does.
-
-`sft_messages(item)` is the reference conversation: the user's question, an assistant turn that is
-only the tool call, the tool's result, and the final `\\boxed{N}`. With `teacher_slip` a share of
-these conversations (drawn per item, reproducibly) call the tool with the last term left out and
-answer with that result, as a weak teacher's data would; the reward always checks the true value,
-so RL has a systematic mistake to remove (as in `make demo`, docs/demo-tuning.md).
-
-`evaluate_expression` is the tool: an `ast` whitelist of integers, parentheses, unary signs and
-binary `+ - * / // %`, exact (`Fraction`) and bounded in size; whatever it is given, it returns a
-string for the model to read (a number, or `error: ...`) and never raises.
-"""
+Items are the arithmetic task's (default `mixed3`) plus `tools`, the one tool `CALCULATOR_TOOL`; the
+reward checks the final answer exactly as arithmetic's does. `sft_messages(item)` is the reference
+conversation (question, tool call, tool result, `\boxed{N}`; `teacher_slip` leaves out the last term
+in a share of them). `evaluate_expression` is the tool: an exact, bounded `ast` whitelist that
+returns a string for the model to read (a number, or `error: ...`) and never raises. See
+docs/tasks.md, "calculator"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """GSM8K-format math word problems from local files, scored with `math-verify`.
 
-A file is JSONL (`.jsonl`/`.json`) or parquet (`.parquet`) with a `question` and an `answer` field
-per row; the answer is a worked solution ending in `#### <final answer>` (GSM8K's own format):
-
-    {"question": "Natalia sold 48 clips ...", "answer": "Natalia sold 48/2 = <<48/2=24>>24 ...\\n#### 72"}
-
-Files are read with `datasets` (`load_dataset("json" | "parquet", data_files=...)`), never from a
-hub. With only `train_file`, its rows are split by a hash of the question (`eval_fraction` go to
-"eval"); with `eval_file` too, each file is one whole split.
-
-The reward takes the completion's answer span by the shared rule (the last `\\boxed{}`, else the
-last `<answer>...</answer>`, else the whole text; in the latter two math-verify finds the last
-number or expression), parses it with `math_verify.parse` and compares it with the reference answer using
-`math_verify.verify`, so "0.5", "1/2" and "\\frac{1}{2}" agree, and so do "72" and "72.0".
-"""
+A file is JSONL or parquet with `question` and `answer` per row, the answer ending in
+`#### <final answer>`; files are read with `datasets`, never from a hub. With only `train_file` its
+rows are split by a hash of the question; with `eval_file` each file is one split. The reward takes
+the answer span by the shared rule and compares it with `math_verify`, so "0.5", "1/2" and
+"\frac{1}{2}" agree. See docs/tasks.md, "gsm8k"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""Causal attention over packed variable-length sequences.
+"""Causal attention over packed variable-length sequences: `packed_causal_attention(q, k, v, cu_seqlens)`.
 
-Sequences are concatenated along the token dimension and delimited by `cu_seqlens` (cumulative
-lengths, `[B+1]`, starting at 0). A token attends to earlier tokens of its own sequence only.
-
-Two exact implementations, both running forward and backward on CPU (flex_attention backward does
-not), picked by cost:
-- padded: each sequence scattered into a `[B, L_max]` layout and one batched causal SDPA (no mask:
-  a real query never sees the padding after its sequence, padded queries are dropped). O(B * L^2),
-  the common case of RL micro-batches (many short sequences of similar length);
-- dense: a `[T, T]` block-diagonal causal mask over the packed row. O(T^2), cheaper only when one
-  sequence is much longer than the rest; also used while torch.compile traces (no host sync).
-On CUDA a varlen kernel should replace this one function.
-"""
+Sequences are concatenated along the token dimension and delimited by `cu_seqlens` (`[B+1]`, from
+0); a token attends to earlier tokens of its own sequence only. Exact, forward and backward on CPU
+(flex_attention's backward is not), in the cheaper of two forms: padded `[B, L_max]` or a dense
+`[T, T]` block-diagonal mask (docs/training.md, "Batches"). On CUDA a varlen kernel should replace
+this one function."""
 
 from __future__ import annotations
 
@@ -65,7 +58,8 @@ def packed_causal_attention(
 def _padded_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], longest: int, scale: float | None
 ) -> torch.Tensor:
-    """The padded implementation (see the module docstring); `lengths` sum to T."""
+    """One batched causal SDPA over a `[B, L_max]` layout, no mask: a real query never sees the
+    padding after its sequence, and padded queries are dropped. O(B L^2); `lengths` sum to T."""
     device = q.device
     lens = torch.tensor(lengths, device=device)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)

@@ -1,19 +1,10 @@
-"""Mixture-of-experts feed-forward: a softmax top-k router over stacked SwiGLU experts.
+"""Mixture-of-experts feed-forward: a softmax top-k router over stacked SwiGLU experts, computed
+grouped (`grouped_swiglu`: one batched matmul per projection, no loop over tokens).
 
-The router scores every token against every expert (softmax in float32), keeps the `top_k`
-best, and optionally renormalises their weights to sum to 1 (`norm_topk_prob`). The experts are
-computed grouped: the (token, expert) assignments are sorted by expert and every expert's rows go
-through one batched matmul (`grouped_swiglu`), never a Python loop over tokens.
-
-Routes can be observed and imposed per forward through a `Routing` passed down the model:
-recorded (what a server returns with `return_routed_experts`, what routing replay keeps from the
-proximal pass) and replayed (the trainer using the routes the server used). A replayed route
-fixes *which* experts a token goes to; its weights are still the live router probabilities of
-those experts, so the router gets gradients.
-
-`GroupedExperts.dispatch` is the seam expert parallelism replaces: it takes the assignments sorted
-by expert and returns their outputs in the same order.
-"""
+A `Routing` passed down the model records routes and replays them; a replayed route fixes *which*
+experts a token goes to, while its weights stay the live router probabilities (the router still
+gets gradients). `GroupedExperts.dispatch` is the seam expert parallelism replaces: assignments
+sorted by expert in, their outputs in the same order out. See docs/moe.md, "The model"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """Expert-parallel (EP) and expert-tensor-parallel (ETP) plan of Qwen3-MoE blocks.
 
-Per MoE block (`block.moe`: router + stacked `GroupedExperts`):
-- the expert weights become DTensors: `Shard(0)` (experts) over the ep mesh and, with ETP,
-  w1/w3 `Shard(1)` and w2 `Shard(2)` (hidden units) over the TP mesh, so `full_tensor()` of each
-  is the whole stacked `[E, ...]` weight (what the weight exporter gathers);
-- `experts.dispatch` (the seam) computes with the local weights: through
-  `expert_parallel_dispatch` (all-to-all to the experts' owners and back) under EP, locally otherwise;
-- under tensor parallelism the block's input is sequence-sharded (the dense TP plan's layout):
-  with ETP (etp == tp) the MoE gathers the TP group's tokens, every TP rank routes all of them
-  (the router is replicated), computes its hidden units' partial outputs and reduce-scatters the
-  sum back onto the shards; with etp == 1 each TP rank runs the MoE on its own shard with whole
-  experts. The router's gradient (and with etp == 1 the experts') is then a partial sum per TP
-  rank: the names are returned for `TensorParallelInfo.partial_grad_params`.
-  Routing replay rows are per token of the model's input: the MoE block receives them padded
-  (with live rows) to the padded token count under ETP, and sliced to the rank's shard with
-  etp == 1; its recorded routes (and live ones, `record_live`) are then gathered back over the TP
-  group, so `recorded[layer]` has one row per padded token either way. Router logits kept for a load-balancing loss stay
-  per TP rank (its shard with etp == 1).
-"""
+Expert weights become DTensors (`Shard(0)` over the ep mesh; with ETP also their hidden units over
+the TP mesh), so `full_tensor()` is the whole stacked weight; `experts.dispatch` goes through
+`expert_parallel_dispatch` under EP. Under TP (etp == tp or etp == 1) the names of gradients that
+are partial sums per TP rank are returned for `TensorParallelInfo.partial_grad_params`, and the
+recorded routes have one row per padded token. Layouts: docs/parallelism.md, "Mixture-of-experts layouts"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""Parallelism plan for Qwen dense models.
-
-Order (fixed; each step assumes the previous ones):
-1. tensor parallel (`tensor_plan`) — changes the shapes of the block's linear layers (and the
-   embedding, output head and norms outside the blocks); then expert and expert-tensor
-   parallelism of MoE blocks (`expert_plan`): expert weights sharded over the ep (and TP) mesh;
-2. activation checkpointing — wraps each chosen block's forward in a recompute;
-3. per-block `torch.compile` — compiles the (checkpointed) block, so AC regions are traced too;
-4. FSDP2 — per block, then the root; it must be last, because it wraps whatever the block has
-   become and registers its all-gather / reduce-scatter hooks around it. Under expert
-   parallelism a MoE block's experts are their own unit first, over the expert FSDP mesh (the
-   data-parallel ranks holding the same experts; possibly of size 1).
-"""
+"""Parallelism plan for Qwen models (`parallelize_qwen`), in a fixed order, each step assuming the
+previous ones: tensor parallel (`tensor_plan`), then expert / expert-tensor parallel of MoE blocks
+(`expert_plan`) -> activation checkpointing -> per-block `torch.compile` (after AC, so checkpointed
+regions are traced too) -> FSDP2 per block, then the root (last: it wraps whatever the block has
+become; under EP a block's experts are their own unit first, over the expert FSDP mesh).
+See docs/training.md, "Parallelism"."""
 
 from __future__ import annotations
 

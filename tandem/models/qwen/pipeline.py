@@ -1,18 +1,10 @@
-"""Pipeline stages of a Qwen model.
+"""Pipeline stages of a Qwen model: `split_qwen` cuts a (meta) `QwenModel` down to one pipeline
+rank's part and returns one `QwenStage` per stage of that rank.
 
-`split_qwen` cuts a (meta) `QwenModel` down to what one pipeline rank runs and returns one
-`QwenStage` per stage of that rank. The rank's model keeps only its stages' layers (the
-`layers` ModuleDict keeps the original keys, so names stay `layers.{i}.*`), the embedding when it
-runs the first stage and the final norm + output head when it runs the last. The stages share the
-model's submodules (the same parameter objects under the same names), so the model is still what
-the optimizer, checkpoints and weight export see.
-
-Tied word embeddings: when the first and last stage are on different ranks each holds a copy of
-the tied weight (`tok_embeddings.weight` / `output.weight`); when one rank runs both (the V
-schedule) it holds two copies too, so that each stage stays its own FSDP unit. The trainer keeps
-the copies equal by summing their gradients after backward (`tandem.parallel.pipeline.sum_tied_grads`)
-and exports the weight once, under the embedding's HF name.
-"""
+The stages share the model's submodules and names (`layers.{i}.*` keep their keys), so the model
+is still what the optimizer, checkpoints and export see. With tied embeddings the first and last
+stage each hold a copy; the trainer sums their gradients (`tandem.parallel.pipeline.sum_tied_grads`)
+and exports the weight once. Details: docs/training.md, "Pipeline parallelism"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
-"""Tensor-parallel plan of the Qwen dense models (DTensor `parallelize_module`).
+"""Tensor-parallel plan of the Qwen dense models (DTensor `parallelize_module`; `apply_tensor_parallel`).
 
-Activations are flat `[T, dim]` (packed sequences, no batch dim), so the sequence dim is dim 0.
-Per block (Megatron layout with sequence parallelism):
-- `attention_norm`, `ffn_norm`: sequence parallel, each rank normalises its `T / tp` tokens
-  (weights replicated DTensors); the residual stream between them stays sequence-sharded;
-- the attention / feed-forward input is all-gathered to all `T` tokens, `wq wk wv` and `w1 w3`
-  (gate, up) are column-parallel (each rank computes its `n_heads / tp` query heads,
-  `n_kv_heads / tp` key/value heads, `intermediate / tp` hidden units), `wo` and `w2` row-parallel
-  with their outputs reduce-scattered back onto the sequence shards;
-- Qwen3's `q_norm` / `k_norm` (per head, shared by all heads) stay plain replicated tensors that
-  see only the rank's heads, so their gradients are partial: they are listed in
-  `TensorParallelInfo.partial_grad_params` and summed over the TP group by the trainer
-  (`tandem.parallel.tensor_parallel.sum_partial_grads`).
-Outside the blocks:
-- `tok_embeddings`: row-parallel (vocab-sharded table, a masked lookup, then a reduce-scatter onto
-  the sequence shards): it keeps `vocab / tp` rows per rank instead of the whole table, and it has
-  the output head's layout, so tied embeddings stay one (vocab-sharded) parameter;
-- `norm` (final): its input is gathered to all `T` tokens and it runs replicated (a plain weight
-  whose gradient every rank computes whole), so the hidden states the trainer receives are full;
-- `output`: column-parallel on the vocabulary with local output: each rank's head returns its
-  vocabulary slice of the logits (loss-parallel log-probs, no full-vocabulary gather).
-`T` must be a multiple of `tp` for the sequence shards: the model pads the token stream to
-`token_multiple` and drops the padding from the hidden states.
-"""
+Megatron layout with sequence parallelism on the flat `[T, dim]` stream (dim 0): `wq wk wv`, `w1 w3`
+column-parallel, `wo`, `w2` row-parallel, block norms sequence-parallel; the embedding is
+row-parallel (vocab-sharded, tied embeddings stay one parameter), the final norm runs replicated so
+the hidden states come back whole, and the output head returns each rank's vocabulary slice.
+Callers must know: `T` is padded to `token_multiple`, and Qwen3's `q_norm` / `k_norm` gradients are
+partial, listed in `TensorParallelInfo.partial_grad_params` for the trainer to sum over the TP group.
+Details: docs/training.md, "Tensor parallelism"."""
 
 from __future__ import annotations
 
