@@ -29,8 +29,8 @@ from tandem.rl.config_checks import (
     check_model_sections,
     check_model_split,
     check_moe_options,
+    check_replay_source,
     check_reward,
-    check_route_source,
     check_weight_sync,
 )
 from tandem.rollout.config import RolloutConfig
@@ -306,7 +306,7 @@ class TandemConfig:
         if self.rollout.workflow == "agent" and self.rollout.agent.entry:
             check_agent(self.rollout.agent.entry, f"{prefix}rollout.agent.entry")
         if self.command == "train":
-            check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
+            check_replay_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)
         elif self.actor.router_replay != "off":
             raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "

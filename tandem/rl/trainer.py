@@ -32,7 +32,7 @@ from typing import Any
 from tandem.config.loader import to_yaml
 from tandem.fleet import ops
 from tandem.fleet.protocol import call
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch.config import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
@@ -196,7 +196,7 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
 
     # Shut down before the reward pool closes: in-flight episodes and their reward calls are
     # cancelled and awaited first, so the run ends without stray tasks.
-    with RolloutController(rollout_cfg, route_layout=route_layout(cfg)) as controller, _keep_servers(cfg, scheduler, controller, servers), \
+    with RolloutController(rollout_cfg, routed_expert_layout=routed_expert_layout(cfg)) as controller, _keep_servers(cfg, scheduler, controller, servers), \
             controller_file(plan.run_dir, ControllerFile(controller.callback_address(), controller.join_token,
                                                          servers.api_key, os.getpid())), \
             contextlib.closing(workflow):  # an agent workflow's proxies stop while their loops still run
@@ -230,14 +230,14 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
         trainer.close_weight_update()
 
 
-def route_layout(cfg: TandemConfig) -> RouteLayout | None:
+def routed_expert_layout(cfg: TandemConfig) -> RoutedExpertLayout | None:
     """The routes rollouts ask the servers for: a MoE model's whenever r3 replays them, and with
     tandem servers (which record them anyway) for `moe/route_agreement` in every mode; None for a
     dense model, and for other servers without r3 (an SGLang server returns them only when started
     with --enable-return-routed-experts)."""
     if cfg.actor.router_replay != "r3" and cfg.rollout.server_kind != "tandem":
         return None
-    return RouteLayout.of_model(cfg.actor.path)
+    return RoutedExpertLayout.of_model(cfg.actor.path)
 
 
 def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: RolloutController,

@@ -2,7 +2,7 @@
 
 from tandem.data.trajectory import Trajectory, stack_group
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.lazy import lazy_attributes
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import (
@@ -35,6 +35,6 @@ __all__ = [
     "ClientConfig", "ExecutorConfig", "Feedback", "GenerationDeadlineError", "GenerationParams",
     "InferenceClient", "ModelRequest", "ModelResponse", "MultiTurnWorkflow", "NoServerError",
     "PromptTooLongError", "RLVRWorkflow", "RewardResult", "RewardRunner", "RolloutCallback", "RolloutConfig",
-    "RolloutController", "RolloutError", "RolloutWorkflow", "RouteLayout", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
+    "RolloutController", "RolloutError", "RolloutWorkflow", "RoutedExpertLayout", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
     "WorkflowExecutor", "stack_group",
 ]

@@ -5,10 +5,10 @@ best, and optionally renormalises their weights to sum to 1 (`norm_topk_prob`). 
 computed grouped: the (token, expert) assignments are sorted by expert and every expert's rows go
 through one batched matmul (`grouped_swiglu`), never a Python loop over tokens.
 
-Routes can be observed and imposed per forward through a `Routing` passed down the model:
-recorded (what a server returns with `return_routed_experts`, what routing replay keeps from the
-proximal pass) and replayed (the trainer using the routes the server used). A replayed route
-fixes *which* experts a token goes to; its weights are still the live router probabilities of
+Routed experts can be observed and imposed per forward through a `Routing` passed down the
+model: recorded (what a server returns with `return_routed_experts`, what routing replay keeps
+from the proximal pass) and replayed (the trainer using the experts the server used). A replayed
+row fixes *which* experts a token goes to; its weights are still the live router probabilities of
 those experts, so the router gets gradients.
 
 `GroupedExperts.dispatch` is the seam expert parallelism replaces: it takes the assignments sorted
