@@ -56,7 +56,7 @@ class Capabilities:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
         or None. Disk and distributed updates stage, then commit, where the servers offer
         `staged_commit`; elsewhere they fall back to SGLang's semantics (each call applied on
-        arrival, `tandem.weights.protocol`). Shared-memory updates always stage."""
+        arrival, `tandem.weights.two_phase`). Shared-memory updates always stage."""
         if update_type == "shm" and not self.staged_commit:
             return "staged transfers with commit/discard"
         if update_type == "disk" and not self.disk_update:

@@ -31,7 +31,7 @@ from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.fleet import ops
-from tandem.fleet.protocol import call
+from tandem.fleet.interface import call
 from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch.config import make_scheduler

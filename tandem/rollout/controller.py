@@ -30,8 +30,8 @@ from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
+from tandem.fleet.interface import Topology
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import Topology
 from tandem.fleet.results import FleetResult
 from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.rollout.callback import RolloutCallback

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.fleet.http import normalize_address
-from tandem.fleet.protocol import Topology
+from tandem.fleet.interface import Topology
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from tandem.algo.config import AlgoConfig
     from tandem.config.alloc import Component
-    from tandem.fleet.protocol import Fleet
+    from tandem.fleet.interface import Fleet
     from tandem.launch.scheduler import Scheduler
     from tandem.train.batch import SequenceBatch
     from tandem.train.config import TrainEngineConfig

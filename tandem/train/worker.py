@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.algo.config import AlgoConfig
-    from tandem.fleet.protocol import Fleet
+    from tandem.fleet.interface import Fleet
     from tandem.train.batch import SequenceBatch
     from tandem.train.config import TrainEngineConfig
     from tandem.train.engine import TokenOutputs, TrainEngine
