@@ -34,7 +34,7 @@ from tandem.fleet.ops import Deadlines, FleetOp
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.rollout.errors import RolloutError
 from tandem.rollout.health import HealthConfig, HealthMonitor
-from tandem.rollout.membership import Membership, MembershipConfig, ServerState
+from tandem.rollout.membership import Membership, MembershipConfig, MemberState
 from tandem.rollout.pool import ServerPool
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class ElasticFleet:
             self._too_small = None
         healthy = self.membership.healthy_count()
         errors = "; ".join(f"{r.address}: {r.state.value} ({r.last_error or 'no error'})"
-                           for r in self.membership.snapshot() if r.state is not ServerState.HEALTHY)
+                           for r in self.membership.snapshot() if r.state is not MemberState.HEALTHY)
         callback(FleetTooSmall(
             f"only {healthy} server(s) healthy, fewer than rollout.min_servers={self.min_servers}, for "
             f"{self.min_servers_grace_s:g}s (rollout.min_servers_grace_s); {errors}. Start servers that can "
