@@ -31,6 +31,7 @@ from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.fleet import ops
+from tandem.fleet.generation import GenerationParams
 from tandem.fleet.interface import call
 from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
@@ -52,11 +53,11 @@ from tandem.rl.models import TrainerModels, start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
-from tandem.rl.workflows import build_workflow
-from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.agent import AgentWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
+from tandem.rollout.workflows.build import build_workflow
 from tandem.weights.meta import WeightUpdateMeta
 
 logger = logging.getLogger("tandem.run")
@@ -134,7 +135,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
         data = load_task_data(cfg, tokenizer)
         reward_fn = reward_function(cfg, data.task)
-        workflow = build_workflow(cfg, tokenizer, reward_fn, runner)  # before anything starts
+        workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                                 run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
@@ -228,6 +229,16 @@ def _run(cfg: TandemConfig, plan: TrialPlan, scheduler: ProcessScheduler, data: 
                     _save_checkpoint(cfg, plan.run_dir, models, controller, done)
         summary.eval_after = last_eval.get("eval/accuracy")
         trainer.close_weight_update()
+
+
+def workflow_for(cfg: TandemConfig, tokenizer: Any, reward_fn: RewardFn, runner: RewardRunner) -> RolloutWorkflow:
+    """The run's workflow (`rollout.workflow`, `build_workflow`): `gen.*` sampling, `gen.n_samples`
+    per item, requests seeded from `experiment.seed` under `rollout.seed_sampling`."""
+    gen = cfg.gen
+    params = GenerationParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                              top_k=gen.top_k)
+    return build_workflow(cfg.rollout, tokenizer, reward_fn, runner, params=params, n_samples=gen.n_samples,
+                          seed=cfg.experiment.seed)
 
 
 def routed_expert_layout(cfg: TandemConfig) -> RoutedExpertLayout | None:

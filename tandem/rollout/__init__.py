@@ -17,8 +17,7 @@ from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardResult, RewardRunner
 from tandem.rollout.staleness import StalenessManager
 from tandem.rollout.types import ModelRequest, ModelResponse
-from tandem.rollout.workflow import RolloutWorkflow
-from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow
+from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow
 
 # The controller side pulls in FastAPI/uvicorn and the callback pulls in torch (tandem.weights): load
 # them on first use, so rollout worker processes and plain executor users do not pay for them.

@@ -44,7 +44,7 @@ from tandem.rollout.frontier import FrontierState
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.version import WeightVersion
 from tandem.rollout.workers import RemoteWorkflow, WorkerPool
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from tandem.rollout.client import InferenceClient
 from tandem.rollout.errors import RewardError
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 from tandem.rollout.workflows.rlvr import prompt_ids_of, reward_fields
 
 _PLACEHOLDER = "\u2063tandem-assistant-turn\u2063"
