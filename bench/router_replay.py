@@ -34,12 +34,12 @@ from current import record, this_command
 from tandem.algo.mismatch import logprob_mismatch
 from tandem.data.trajectory import Trajectory
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.models.tiny import init_model
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.types import ModelRequest
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine, TrainEngineConfig
-from tandem.train.routes import ROUTED_EXPERTS, agreement_counts
+from tandem.train.routed_experts import ROUTED_EXPERTS, agreement_counts
 
 
 def start_server(path: Path, dtype: str, seed: int) -> tuple[subprocess.Popen, str]:
@@ -55,9 +55,9 @@ def start_server(path: Path, dtype: str, seed: int) -> tuple[subprocess.Popen, s
     return proc, m.group(1)
 
 
-async def generate(url: str, layout: RouteLayout, prompts: list[list[int]], new_tokens: int) -> list[Trajectory]:
+async def generate(url: str, layout: RoutedExpertLayout, prompts: list[list[int]], new_tokens: int) -> list[Trajectory]:
     """Sample every prompt through the rollout client, asking for the routed experts."""
-    client = InferenceClient([url], ClientConfig(route_layout=layout))
+    client = InferenceClient([url], ClientConfig(routed_expert_layout=layout))
     try:
         for _ in range(600):  # until /health answers 200 (the model loads after the port opens)
             try:
@@ -72,12 +72,12 @@ async def generate(url: str, layout: RouteLayout, prompts: list[list[int]], new_
     return [r.to_trajectory(group_id=str(i)) for i, r in enumerate(responses)]
 
 
-def serve_with_routes(path: Path, dtype: str, prompts: list[list[int]], new_tokens: int,
+def serve_with_experts(path: Path, dtype: str, prompts: list[list[int]], new_tokens: int,
                       seed: int) -> list[Trajectory]:
     """Trajectories sampled by a real `tandem serve --dtype <dtype>`, with its routes."""
     proc, url = start_server(path, dtype, seed)
     try:
-        return asyncio.run(generate(url, RouteLayout.of_model(path), prompts, new_tokens))
+        return asyncio.run(generate(url, RoutedExpertLayout.of_model(path), prompts, new_tokens))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -88,12 +88,12 @@ def trainer_pass(path: Path, dtype: str, batch: SequenceBatch, replay: str) -> d
     engine = TrainEngine(TrainEngineConfig(path=str(path), dtype=dtype, router_replay=replay,
                                            mb=MicroBatchConfig(max_tokens_per_mb=4096)))
     try:
-        out = engine.forward_logprobs(batch, loss_tokens_only=True, record_routes=True)
+        out = engine.forward_logprobs(batch, loss_tokens_only=True, record_experts=True)
     finally:
         engine.close()
     shifted = [torch.cat([torch.zeros(1), lp[:-1]]) for lp in out.logprobs]  # input alignment
     mismatch = logprob_mismatch(shifted, [s["logprobs"] for s in batch.seqs], [s["loss_mask"] for s in batch.seqs])
-    used = [agreement_counts(r, s[ROUTED_EXPERTS]) for r, s in zip(out.routes, batch.seqs, strict=True)]
+    used = [agreement_counts(r, s[ROUTED_EXPERTS]) for r, s in zip(out.routed_experts, batch.seqs, strict=True)]
     return {
         "agree_used": sum(m for m, _ in used) / sum(n for _, n in used),
         "agree_live": out.route_matches / out.route_pairs,
@@ -122,7 +122,7 @@ def main() -> None:
         prompts = [torch.randint(10, vocab, (int(torch.randint(8, 48, (), generator=gen)),), generator=gen).tolist()
                    for _ in range(args.prompts)]
         for dtype in ("bfloat16", "float32"):
-            trajs = serve_with_routes(path, dtype, prompts, args.new_tokens, args.seed)
+            trajs = serve_with_experts(path, dtype, prompts, args.new_tokens, args.seed)
             batch = SequenceBatch([t.to_tensors() for t in trajs])
             for replay in ("off", "r3"):
                 r = trainer_pass(path, dtype, batch, replay)

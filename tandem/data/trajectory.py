@@ -108,7 +108,7 @@ class Trajectory:
             "reward": torch.tensor(self.reward, dtype=torch.float32),
         }
         if self.routed_experts is not None:
-            out["routed_experts"] = routes_tensor(self.routed_experts, len(self.input_ids))
+            out["routed_experts"] = routed_experts_tensor(self.routed_experts, len(self.input_ids))
         return out
 
 
@@ -134,18 +134,18 @@ def stack_group(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "cu_seqlens": cu,
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
     }
-    routed = [routes_tensor(t.routed_experts, len(t.input_ids)) for t in trajs if t.routed_experts is not None]
+    routed = [routed_experts_tensor(t.routed_experts, len(t.input_ids)) for t in trajs if t.routed_experts is not None]
     if routed:
         shape = routed[0].shape[1:]
         if any(r.shape[1:] != shape for r in routed):
             raise ValueError(f"trajectories carry routes of different shapes {sorted({tuple(r.shape[1:]) for r in routed})}")
         out["routed_experts"] = torch.cat([
-            routes_tensor(t.routed_experts, len(t.input_ids)) if t.routed_experts is not None
+            routed_experts_tensor(t.routed_experts, len(t.input_ids)) if t.routed_experts is not None
             else torch.full((len(t.input_ids), *shape), -1, dtype=torch.int32) for t in trajs])
     return out
 
 
-def routes_tensor(rows: list[list[list[int]]], num_tokens: int):  # -> torch.Tensor
+def routed_experts_tensor(rows: list[list[list[int]]], num_tokens: int):  # -> torch.Tensor
     """`Trajectory.routed_experts` as a `[T, moe layers, top_k]` int32 tensor; raises ValueError
     naming the trajectory field when the rows are ragged."""
     import torch

@@ -56,7 +56,7 @@ class Capabilities:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
         or None. Disk and distributed updates stage, then commit, where the servers offer
         `staged_commit`; elsewhere they fall back to SGLang's semantics (each call applied on
-        arrival, `tandem.weights.protocol`). Shared-memory updates always stage."""
+        arrival, `tandem.weights.two_phase`). Shared-memory updates always stage."""
         if update_type == "shm" and not self.staged_commit:
             return "staged transfers with commit/discard"
         if update_type == "disk" and not self.disk_update:
@@ -224,11 +224,11 @@ class _SGLangProtocol(ServerAdapter):
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         if finish not in ("stop", "length", "abort"):
             raise ValueError(f"unknown finish reason {finish!r}")
-        routes = meta.get("routed_experts")
-        if routes is not None and not isinstance(routes, str):
-            raise ValueError(f"meta_info.routed_experts must be a base64 string, got {type(routes).__name__}")
+        routed = meta.get("routed_experts")
+        if routed is not None and not isinstance(routed, str):
+            raise ValueError(f"meta_info.routed_experts must be a base64 string, got {type(routed).__name__}")
         return Chunk([int(p[1]) for p in pairs], [float(p[0]) for p in pairs], finish,
-                     parse_version(meta.get("weight_version")), routes)
+                     parse_version(meta.get("weight_version")), routed)
 
 
 class TandemAdapter(_SGLangProtocol):

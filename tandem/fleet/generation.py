@@ -31,7 +31,7 @@ class Chunk:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None  # one version for the whole call; None: the server did not say
-    # meta_info["routed_experts"] as sent (base64; `tandem.fleet.routes`), when asked for and given.
+    # meta_info["routed_experts"] as sent (base64; `tandem.fleet.routed_experts`), when asked for and given.
     routed_experts: str | None = None
     # One version per output token, where the server labels each token with the weights that
     # sampled it (vLLM's `weight_versions` spans); None entries: tokens it could not label.

@@ -25,7 +25,7 @@ import aiohttp
 from tandem.aio import new_event_loop
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter, TandemAdapter
-from tandem.fleet.protocol import Topology
+from tandem.fleet.interface import Topology
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from tandem.fleet.adapters import Capabilities
 from tandem.fleet.http import normalize_address
+from tandem.fleet.interface import Fleet, Topology
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import Fleet, Topology
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
 
 logger = logging.getLogger(__name__)

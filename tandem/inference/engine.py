@@ -67,7 +67,7 @@ class LLMEngine:
         if rid in self._live:
             raise RequestError(f"request id {rid!r} is already in flight")
         self.check_request(input_ids, params)
-        if request.return_routed_experts and not self.routes_experts:
+        if request.return_routed_experts and not self.has_routed_experts:
             raise RequestError(f"return_routed_experts needs a mixture-of-experts model; {self.model_path} "
                                f"({type(self.model.args).__name__}) routes no experts: drop the flag")
         seeds = [params.seed + i if params.seed is not None else self._draw_seed() for i in range(params.n)]
@@ -114,13 +114,13 @@ class LLMEngine:
         return rids
 
     @property
-    def routes_experts(self) -> bool:
+    def has_routed_experts(self) -> bool:
         """Whether requests may ask for routed experts (a mixture-of-experts model)."""
-        return self.runner.route_cache is not None
+        return self.runner.routed_expert_cache is not None
 
-    def unknown_routes(self, num_tokens: int) -> torch.Tensor:
+    def unknown_routed_experts(self, num_tokens: int) -> torch.Tensor:
         """`RequestOutput.routed_experts` of `num_tokens` tokens this engine never computed (all -1)."""
-        return self.runner.route_cache.read([], num_tokens)
+        return self.runner.routed_expert_cache.read([], num_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._done)
@@ -233,10 +233,10 @@ class LLMEngine:
         self.runner.zero_blocks(freed)
 
     def _output(self, seq: Sequence, reason: dict[str, Any]) -> RequestOutput:
-        """The output of a finished `seq`; read before its blocks are freed (its routes live there)."""
+        """The output of a finished `seq`; read before its blocks are freed (its routed experts live there)."""
         seq.finish_reason = reason
-        routes = self.runner.routes(seq, len(seq) - 1) if seq.return_routed_experts else None
-        return make_output(seq, self.weight_version, self.detokenizer.final_text(seq), routes)
+        routed = self.runner.routed_experts(seq, len(seq) - 1) if seq.return_routed_experts else None
+        return make_output(seq, self.weight_version, self.detokenizer.final_text(seq), routed)
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         self._done.append(self._output(seq, reason))

@@ -5,7 +5,7 @@ in one `[n_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim]` tensor)
 batch into packed inputs + attention metadata (built once per step, shared by every layer), and
 returns float32 logits of each sequence's last position (the only ones sampling needs). A MoE
 model's runner also records the experts every forwarded token was routed to, per KV slot
-(`tandem.inference.route_cache`).
+(`tandem.inference.routed_expert_cache`).
 
 The extra block (`pad_block`, id `num_blocks`, outside the block manager's range) is what block
 tables and key chunks are padded with. Nothing writes it, so it stays zero: padded keys are masked
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend, build_decode_metadata
-from tandem.inference.route_cache import RouteCache
+from tandem.inference.routed_expert_cache import RoutedExpertCache
 from tandem.inference.sequence import Sequence
 
 
@@ -40,7 +40,7 @@ class ModelRunner:
             [self.kv_cache[i, 1] for i in range(args.n_layers)],
             scale=args.head_dim**-0.5,
         )
-        self.route_cache = RouteCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
+        self.routed_expert_cache = RoutedExpertCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, k and v) before they are written."""
@@ -48,8 +48,8 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
-            if self.route_cache is not None:
-                self.route_cache.copy_blocks(src, dst)
+            if self.routed_expert_cache is not None:
+                self.routed_expert_cache.copy_blocks(src, dst)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero the KV of `block_ids` (all layers, k and v): blocks freed by a request whose KV may
@@ -57,14 +57,14 @@ class ModelRunner:
         if block_ids:
             ids = torch.tensor(block_ids, device=self.device)
             self.kv_cache[:, :, :, ids] = 0
-            if self.route_cache is not None:
-                self.route_cache.clear_blocks(ids)
+            if self.routed_expert_cache is not None:
+                self.routed_expert_cache.clear_blocks(ids)
 
-    def routes(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+    def routed_experts(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         """`[num_tokens, n_layers, top_k]` int32 experts of `seq`'s first `num_tokens` positions
-        (MoE models only; -1 in dense layers and where not computed; `RouteCache.read`)."""
-        assert self.route_cache is not None, "a dense model records no routes"
-        return self.route_cache.read(seq.block_table, num_tokens)
+        (MoE models only; -1 in dense layers and where not computed; `RoutedExpertCache.read`)."""
+        assert self.routed_expert_cache is not None, "a dense model records no routed experts"
+        return self.routed_expert_cache.read(seq.block_table, num_tokens)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -128,10 +128,10 @@ class ModelRunner:
         input_ids, positions = self.prepare(seqs, is_prefill, shared_blocks)
         meta = self.attn.meta
         assert meta is not None
-        routing = self.route_cache.routing() if self.route_cache is not None else None
+        routing = self.routed_expert_cache.routing() if self.routed_expert_cache is not None else None
         hidden = self.model.hidden_states(input_ids, meta.cu_seqlens_q, positions, attn=self.attn, routing=routing)
         if routing is not None:
-            self.route_cache.write(routing, meta.slot_mapping)
+            self.routed_expert_cache.write(routing, meta.slot_mapping)
         if is_prefill:
             hidden = hidden[meta.cu_seqlens_q[1:].to(torch.long) - 1]
         logits = self.model.logits_from_hidden(hidden).float()

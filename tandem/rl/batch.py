@@ -23,7 +23,7 @@ from tandem.algo.losses import BEHAVE_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURN
 from tandem.algo.rewards import kl_estimate, shape_rewards
 from tandem.data.batch import LOSS_MASK, SequenceBatch
 from tandem.data.trajectory import Trajectory
-from tandem.train.routes import fill_missing_routes
+from tandem.train.routed_experts import fill_missing_routed_experts
 
 KL_REWARDS = "kl_rewards"  # the per-token reward term `add_advantages` adds before GAE
 
@@ -64,7 +64,7 @@ def build_training_batch(trajs: list[Trajectory], algo: AlgoConfig,
         if not kept:
             return None, stats
     seqs = [trajs[i].to_tensors() for i in kept]
-    fill_missing_routes(seqs)  # a trajectory the server returned no routes for routes live
+    fill_missing_routed_experts(seqs)  # a trajectory without routed experts routes live
     return TrainingBatch(SequenceBatch(seqs), shaped[kept], [group_ids[i] for i in kept]), stats
 
 

@@ -301,7 +301,7 @@ class TandemConfig:
         if self.rollout.workflow == "agent" and self.rollout.agent.entry:
             check_agent(self.rollout.agent.entry, f"{prefix}rollout.agent.entry")
         if self.command == "train":
-            check_route_source(self.actor.router_replay, self.rollout.server_kind, prefix)
+            check_replay_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)
         elif self.actor.router_replay != "off":
             raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
@@ -501,7 +501,7 @@ def check_moe_options(router_replay: str, aux_loss_coef: float, path: str, pp: i
                           "routes are not passed to the pipeline stages yet; use a layout without p")
 
 
-def check_route_source(router_replay: str, server_kind: str, prefix: str) -> None:
+def check_replay_source(router_replay: str, server_kind: str, prefix: str) -> None:
     """r3 replays the routes the rollout servers used: their kind must return them."""
     if router_replay == "r3" and server_kind not in ROUTE_SERVER_KINDS:
         raise ConfigError(f"{prefix}actor.router_replay='r3' replays the routes the rollout servers used, and "

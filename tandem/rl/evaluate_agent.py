@@ -14,9 +14,9 @@ from tandem.agents import agent_for_task
 from tandem.data.tasks import Task
 from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
-from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.pool import ServerPool
+from tandem.rollout.workflows.agent import AgentWorkflow
 
 logger = logging.getLogger(__name__)
 

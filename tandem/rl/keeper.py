@@ -28,7 +28,7 @@ from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.launch.scheduler import ServerHandle
 from tandem.launch.watch import ExitWatcher
 from tandem.rollout.controller import RolloutController
-from tandem.rollout.membership import ServerState
+from tandem.rollout.membership import MemberState
 
 logger = logging.getLogger("tandem.run")
 
@@ -120,7 +120,7 @@ class ServerKeeper:
             if address is None or proc.name in self._told:
                 continue
             record = membership.record(address)
-            if record is not None and record.state is ServerState.EVICTED:
+            if record is not None and record.state is MemberState.EVICTED:
                 return True
         return False
 

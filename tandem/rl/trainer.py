@@ -31,8 +31,9 @@ from typing import Any
 
 from tandem.config.loader import to_yaml
 from tandem.fleet import ops
-from tandem.fleet.protocol import call
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.generation import GenerationParams
+from tandem.fleet.interface import call
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.fleet.run_file import ControllerFile, controller_file
 from tandem.launch.factory import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
@@ -52,11 +53,11 @@ from tandem.rl.models import start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.trial import TrialPlan, plan_trial
-from tandem.rl.workflows import build_workflow
-from tandem.rollout.agent.workflow import AgentWorkflow
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.agent import AgentWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
+from tandem.rollout.workflows.build import build_workflow
 from tandem.weights.meta import WeightUpdateMeta
 
 logger = logging.getLogger("tandem.run")
@@ -133,7 +134,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
         data = load_task_data(cfg, tokenizer)
         reward_fn = reward_function(cfg, data.task)
-        workflow = build_workflow(cfg, tokenizer, reward_fn, runner)  # before anything starts
+        workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         task = RunTask(data, tokenizer, reward_fn, runner, workflow)
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
@@ -234,7 +235,7 @@ class Run:
         # Released in reverse: the workflow (an agent workflow's proxies stop while their loops still
         # run), the controller file, the keeper, then the controller, which cancels and awaits
         # in-flight episodes and their reward calls before the reward pool closes.
-        self.controller = stack.enter_context(RolloutController(self.rollout_cfg, route_layout=route_layout(cfg)))
+        self.controller = stack.enter_context(RolloutController(self.rollout_cfg, routed_expert_layout=routed_expert_layout(cfg)))
         stack.enter_context(_keep_servers(cfg, scheduler, self.controller, servers))
         stack.enter_context(controller_file(plan.run_dir, ControllerFile(
             self.controller.callback_address(), self.controller.join_token, servers.api_key, os.getpid())))
@@ -321,14 +322,24 @@ class Run:
         logger.info("step %d: checkpoint %s (%.1f s)", step, path, time.monotonic() - began)
 
 
-def route_layout(cfg: TandemConfig) -> RouteLayout | None:
+def workflow_for(cfg: TandemConfig, tokenizer: Any, reward_fn: RewardFn, runner: RewardRunner) -> RolloutWorkflow:
+    """The run's workflow (`rollout.workflow`, `build_workflow`): `gen.*` sampling, `gen.n_samples`
+    per item, requests seeded from `experiment.seed` under `rollout.seed_sampling`."""
+    gen = cfg.gen
+    params = GenerationParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                              top_k=gen.top_k)
+    return build_workflow(cfg.rollout, tokenizer, reward_fn, runner, params=params, n_samples=gen.n_samples,
+                          seed=cfg.experiment.seed)
+
+
+def routed_expert_layout(cfg: TandemConfig) -> RoutedExpertLayout | None:
     """The routes rollouts ask the servers for: a MoE model's whenever r3 replays them, and with
     tandem servers (which record them anyway) for `moe/route_agreement` in every mode; None for a
     dense model, and for other servers without r3 (an SGLang server returns them only when started
     with --enable-return-routed-experts)."""
     if cfg.actor.router_replay != "r3" and cfg.rollout.server_kind != "tandem":
         return None
-    return RouteLayout.of_model(cfg.actor.path)
+    return RoutedExpertLayout.of_model(cfg.actor.path)
 
 
 def _keep_servers(cfg: TandemConfig, scheduler: ProcessScheduler, controller: RolloutController,

@@ -2,7 +2,7 @@
 
 from tandem.data.trajectory import Trajectory, stack_group
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.lazy import lazy_attributes
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import (
@@ -17,8 +17,7 @@ from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardResult, RewardRunner
 from tandem.rollout.staleness import StalenessManager
 from tandem.rollout.types import ModelRequest, ModelResponse
-from tandem.rollout.workflow import RolloutWorkflow
-from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow
+from tandem.rollout.workflows import Feedback, MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow
 
 # The controller side pulls in FastAPI/uvicorn and the callback pulls in torch (tandem.weights): load
 # them on first use, so rollout worker processes and plain executor users do not pay for them.
@@ -35,6 +34,6 @@ __all__ = [
     "ClientConfig", "ExecutorConfig", "Feedback", "GenerationDeadlineError", "GenerationParams",
     "InferenceClient", "ModelRequest", "ModelResponse", "MultiTurnWorkflow", "NoServerError",
     "PromptTooLongError", "RLVRWorkflow", "RewardResult", "RewardRunner", "RolloutCallback", "RolloutConfig",
-    "RolloutController", "RolloutError", "RolloutWorkflow", "RouteLayout", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
+    "RolloutController", "RolloutError", "RolloutWorkflow", "RoutedExpertLayout", "ServerPool", "ServerRequestError", "StalenessManager", "Trajectory",
     "WorkflowExecutor", "stack_group",
 ]

@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from tandem.fleet.adapters import Capabilities
+from tandem.fleet.interface import MARGIN_S, Topology
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import MARGIN_S, Topology
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
 from tandem.fleet.wire import WireError, from_json, to_json
 

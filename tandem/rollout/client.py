@@ -10,11 +10,11 @@ server was evicted) the request waits, inside the same deadline. A call in fligh
 the membership evicts (`ServerPool.abandon`: a stopped server never answers nor closes) is given up
 at once and resubmitted the same way, not left to its call timeout or the request's deadline.
 
-With `ClientConfig.route_layout` (a MoE model; routing replay) every call asks for the routed
-experts, and the response carries them for prompt and output (`ModelResponse.routed_experts`). A
-resubmitted call's answer covers the whole prefix again (the server reads routes from the KV that
+With `ClientConfig.routed_expert_layout` (a MoE model; routing replay) every call asks for the
+routed experts, and the response carries them for prompt and output (`ModelResponse.routed_experts`). A
+resubmitted call's answer covers the whole prefix again (the server reads them from the KV that
 made its tokens), so each chunk's rows replace the earlier ones wherever they are known
-(`splice_routes`).
+(`splice_routed_experts`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ import aiohttp
 
 from tandem.fleet.adapters import adapter_for
 from tandem.fleet.generation import Chunk, FinishReason, GenerationParams
-from tandem.fleet.routes import RouteLayout, Routes, decode_routed_experts, splice_routes
+from tandem.fleet.routed_experts import (
+    RoutedExpertLayout,
+    RoutedExperts,
+    decode_routed_experts,
+    splice_routed_experts,
+)
 from tandem.rollout.errors import (
     GenerationDeadlineError,
     NoServerError,
@@ -61,12 +66,12 @@ class ClientConfig:
     max_connections: int = 1024  # aiohttp connector limits, per event loop
     max_connections_per_host: int = 0  # 0 = no per-host limit
     api_key: str | None = None
-    # Set (a MoE model's layout, `RouteLayout.of_model`): ask for routed experts (routing replay r3).
-    route_layout: RouteLayout | None = None
+    # Set (a MoE model's layout, `RoutedExpertLayout.of_model`): ask for routed experts (routing replay r3).
+    routed_expert_layout: RoutedExpertLayout | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.route_layout, dict):  # crossed a process boundary as `asdict`
-            self.route_layout = RouteLayout(**self.route_layout)
+        if isinstance(self.routed_expert_layout, dict):  # crossed a process boundary as `asdict`
+            self.routed_expert_layout = RoutedExpertLayout(**self.routed_expert_layout)
 
 
 class _TransientHTTPError(Exception):
@@ -139,7 +144,7 @@ class InferenceClient:
         out_ids: list[int] = []
         out_lp: list[float] = []
         out_ver: list[int] = []
-        routes: Routes = []
+        routed: RoutedExperts = []
         finish: FinishReason = "length"
         empty = 0  # consecutive aborts that produced no token
         try:
@@ -151,8 +156,8 @@ class InferenceClient:
                 chunk, server = await self._call(state, req.rid, params, sent, remaining)
                 state.servers_used.append(server)
                 new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
-                if self.config.route_layout is not None:
-                    routes = splice_routes(routes, self._routes(chunk, server, len(sent), len(new)))
+                if self.config.routed_expert_layout is not None:
+                    routed = splice_routed_experts(routed, self._routed_experts(chunk, server, len(sent), len(new)))
                 out_ids += new
                 out_lp += chunk.logprobs[: len(new)]
                 out_ver += chunk.versions(len(new), self.version.value)
@@ -170,9 +175,10 @@ class InferenceClient:
                     await asyncio.sleep(self._backoff(empty - 1, state))
         finally:
             self.pool.forget(req.rid)
-        if self.config.route_layout is not None:  # the last token was never forwarded: unknown
+        if self.config.routed_expert_layout is not None:  # the last token was never forwarded: unknown
             total = len(req.input_ids) + len(out_ids)
-            routes = routes[:total] + [self.config.route_layout.unknown_row() for _ in range(total - len(routes))]
+            unknown = self.config.routed_expert_layout.unknown_row
+            routed = routed[:total] + [unknown() for _ in range(total - len(routed))]
         return ModelResponse(
             rid=req.rid,
             input_ids=list(req.input_ids),
@@ -185,12 +191,12 @@ class InferenceClient:
             num_aborts=state.aborts,
             num_retries=state.retries,
             latency_s=time.monotonic() - start,
-            routed_experts=routes if self.config.route_layout is not None else None,
+            routed_experts=routed if self.config.routed_expert_layout is not None else None,
         )
 
-    def _routes(self, chunk: Chunk, server: str, num_sent: int, num_new: int) -> Routes:
+    def _routed_experts(self, chunk: Chunk, server: str, num_sent: int, num_new: int) -> RoutedExperts:
         """The chunk's rows for the `num_sent + num_new - 1` tokens the server forwarded."""
-        layout = self.config.route_layout
+        layout = self.config.routed_expert_layout
         assert layout is not None
         if chunk.routed_experts is None and chunk.finish_reason == "abort":
             return []  # aborted before it ran: nothing computed (the next chunk brings the rows)
@@ -205,7 +211,7 @@ class InferenceClient:
                     remaining: int) -> tuple[Chunk, str]:
         """One generation call, retried across transient failures until the deadline."""
         body = self.adapter.generate_body(rid, ids, params, remaining,
-                                          return_routed_experts=self.config.route_layout is not None)
+                                          return_routed_experts=self.config.routed_expert_layout is not None)
         attempt = 0
         while True:
             left = state.deadline - time.monotonic()

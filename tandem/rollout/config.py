@@ -15,7 +15,7 @@ from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
 from tandem.config.fields import check_field_metadata
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.launch.affinity import parse_cpus
 from tandem.launch.vllm import default_vllm_python
 from tandem.rollout.agent.config import AgentConfig
@@ -173,13 +173,13 @@ class RolloutConfig:
                 f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN or vllm:dN"
             )
 
-    def client_config(self, route_layout: RouteLayout | None = None) -> ClientConfig:
-        """The inference client's config; `route_layout` (a MoE model's, routing replay r3) makes
+    def client_config(self, routed_expert_layout: RoutedExpertLayout | None = None) -> ClientConfig:
+        """The inference client's config; `routed_expert_layout` (a MoE model's, routing replay r3) makes
         every generation ask for the routed experts."""
         return ClientConfig(
             server_kind=self.server_kind, model=self.model, vllm_extension=self.vllm.worker_extension,
             deadline_s=self.request_deadline_s,
-            call_timeout_s=self.call_timeout_s, api_key=self.api_key, route_layout=route_layout,
+            call_timeout_s=self.call_timeout_s, api_key=self.api_key, routed_expert_layout=routed_expert_layout,
         )
 
     def executor_config(self) -> ExecutorConfig:

@@ -30,10 +30,10 @@ from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
+from tandem.fleet.interface import Topology
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import Topology
 from tandem.fleet.results import FleetResult
-from tandem.fleet.routes import RouteLayout
+from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.rollout.callback import RolloutCallback
 from tandem.rollout.callback_server import CallbackServer, build_app
 from tandem.rollout.client import InferenceClient
@@ -44,15 +44,15 @@ from tandem.rollout.frontier import FrontierState
 from tandem.rollout.pool import ServerPool
 from tandem.rollout.version import WeightVersion
 from tandem.rollout.workers import RemoteWorkflow, WorkerPool
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutController:
     def __init__(self, config: RolloutConfig, secret: str | None = None, deadlines: Deadlines | None = None,
-                 start: bool = True, route_layout: RouteLayout | None = None):
-        """`route_layout` (a MoE model's, `RouteLayout.of_model`): rollouts ask the servers for the
+                 start: bool = True, routed_expert_layout: RoutedExpertLayout | None = None):
+        """`routed_expert_layout` (a MoE model's, `RoutedExpertLayout.of_model`): rollouts ask the servers for the
         routed experts and trajectories carry them (`Trajectory.routed_experts`; routing replay r3)."""
         config.check()
         if not config.servers:
@@ -63,7 +63,7 @@ class RolloutController:
         self.join_token = secrets.token_urlsafe(32)  # for `tandem serve --join` and `tandem fleet` only
         self.pool = ServerPool(config.servers)
         self.version = WeightVersion()  # the one copy of the version on the rollout side
-        self.client = InferenceClient(self.pool, config.client_config(route_layout), self.version)
+        self.client = InferenceClient(self.pool, config.client_config(routed_expert_layout), self.version)
         self.adapter: ServerAdapter = self.client.adapter
         self.executor = WorkflowExecutor(self.client, config.executor_config())
         self.deadlines = deadlines or Deadlines(http_s=config.control_timeout_s)

@@ -10,7 +10,7 @@ that probes every server on a timer, and the `HttpFleet` that carries the operat
   fails on every server when one dies; the trainer leaves the culprit out of its next attempt).
   A `set_version(v)` that succeeds evicts every member it did not reach: such a server missed
   the update and would serve stale weights (it comes back through warm-up);
-- weight updates: `topology()` and `admit()` (see `tandem.fleet.protocol.Topology`);
+- weight updates: `topology()` and `admit()` (see `tandem.fleet.interface.Topology`);
 - joins: `join(address, pid)` registers a server (`tandem serve --join`), which the monitor moves
   on to warming once it answers;
 - size: while fewer than `min_servers` are healthy the controller holds rollouts back
@@ -29,12 +29,12 @@ from typing import Any
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
 from tandem.fleet.http import HttpFleet, normalize_address
+from tandem.fleet.interface import Topology
 from tandem.fleet.ops import Deadlines, FleetOp
-from tandem.fleet.protocol import Topology
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.rollout.errors import RolloutError
 from tandem.rollout.health import HealthConfig, HealthMonitor
-from tandem.rollout.membership import Membership, MembershipConfig, ServerState
+from tandem.rollout.membership import Membership, MembershipConfig, MemberState
 from tandem.rollout.pool import ServerPool
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class ElasticFleet:
             self._too_small = None
         healthy = self.membership.healthy_count()
         errors = "; ".join(f"{r.address}: {r.state.value} ({r.last_error or 'no error'})"
-                           for r in self.membership.snapshot() if r.state is not ServerState.HEALTHY)
+                           for r in self.membership.snapshot() if r.state is not MemberState.HEALTHY)
         callback(FleetTooSmall(
             f"only {healthy} server(s) healthy, fewer than rollout.min_servers={self.min_servers}, for "
             f"{self.min_servers_grace_s:g}s (rollout.min_servers_grace_s); {errors}. Start servers that can "

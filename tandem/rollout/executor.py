@@ -42,7 +42,7 @@ from tandem.rollout.dump import TrajectoryDumper
 from tandem.rollout.errors import EpisodeFailureStorm, RolloutError
 from tandem.rollout.frontier import DrawFrontier, FrontierState, stream_index_of
 from tandem.rollout.staleness import StalenessManager
-from tandem.rollout.workflow import RolloutWorkflow, as_trajectories
+from tandem.rollout.workflows.base import RolloutWorkflow, as_trajectories
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.fleet.http import normalize_address
-from tandem.fleet.protocol import Topology
+from tandem.fleet.interface import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _penalty(evictions: int) -> int:
     return 0 if evictions <= 0 else min(2 ** (evictions - 1), MAX_PENALTY)
 
 
-class ServerState(enum.Enum):
+class MemberState(enum.Enum):
     JOINING = "joining"
     WARMING = "warming"
     HEALTHY = "healthy"
@@ -60,13 +60,13 @@ class ServerState(enum.Enum):
     EVICTED = "evicted"
 
 
-_MEMBER_STATES = (ServerState.HEALTHY, ServerState.SUSPECT)
+_MEMBER_STATES = (MemberState.HEALTHY, MemberState.SUSPECT)
 
 
 @dataclass
 class ServerRecord:
     address: str
-    state: ServerState
+    state: MemberState
     pid: int | None = None
     version: int | None = None  # the weight version it holds, as far as the controller knows
     failures: int = 0  # failed probes in a row
@@ -93,7 +93,7 @@ class Membership:
         self._records: dict[str, ServerRecord] = {}
         for a in addresses:
             a = normalize_address(a)
-            self._records.setdefault(a, ServerRecord(a, ServerState.HEALTHY, version=0, since=now, listed=True))
+            self._records.setdefault(a, ServerRecord(a, MemberState.HEALTHY, version=0, since=now, listed=True))
         self._generation = 0
         self._members_dirty = False
         self._members_changed = float("-inf")  # clock() of the last change of the members
@@ -146,14 +146,14 @@ class Membership:
     def probe_targets(self) -> list[str]:
         """Every server but the evicted ones nobody listed (those come back only by joining)."""
         with self._lock:
-            return [r.address for r in self._records.values() if r.state is not ServerState.EVICTED or r.listed]
+            return [r.address for r in self._records.values() if r.state is not MemberState.EVICTED or r.listed]
 
     def topology(self) -> Topology:
         with self._lock:
             members = tuple(r.address for r in self._records.values() if r.state in _MEMBER_STATES)
             now, cooldown = self._clock(), self.config.topology_cooldown_s
             warming = [r for r in self._records.values()
-                       if r.state is ServerState.WARMING and now >= r.evicted_at + _penalty(r.evictions) * cooldown]
+                       if r.state is MemberState.WARMING and now >= r.evicted_at + _penalty(r.evictions) * cooldown]
             due = ()
             if warming and now >= max(min(r.since for r in warming), self._members_changed) + cooldown:
                 due = tuple(r.address for r in warming)
@@ -199,7 +199,7 @@ class Membership:
         out: list[bool] = []
 
         def apply(r: ServerRecord) -> None:
-            out.append(r.state is not ServerState.EVICTED)
+            out.append(r.state is not MemberState.EVICTED)
             if out[0]:
                 self._evict(r, reason)
 
@@ -212,9 +212,9 @@ class Membership:
         with self._lock:
             r = self._records.get(address)
             if r is None:
-                r = self._records[address] = ServerRecord(address, ServerState.JOINING, since=self._clock())
-            elif r.state is ServerState.EVICTED:
-                self._set(r, ServerState.JOINING)
+                r = self._records[address] = ServerRecord(address, MemberState.JOINING, since=self._clock())
+            elif r.state is MemberState.EVICTED:
+                self._set(r, MemberState.JOINING)
                 r.failures, r.version = 0, None
             if pid is not None:
                 r.pid = pid
@@ -227,8 +227,8 @@ class Membership:
         with self._lock:
             for a in addresses:
                 r = self._records.get(normalize_address(a))
-                if r is not None and r.state is ServerState.WARMING:
-                    self._set(r, ServerState.HEALTHY)
+                if r is not None and r.state is MemberState.WARMING:
+                    self._set(r, MemberState.HEALTHY)
                     r.version, r.failures, r.last_error = version, 0, ""
                     admitted.append(r.address)
             self._joined += len(admitted)
@@ -249,43 +249,43 @@ class Membership:
         self._notify()
 
     def _on_ok(self, r: ServerRecord, version: int | None, sent_at: float | None) -> None:  # under the lock
-        if r.state is ServerState.JOINING:
-            self._set(r, ServerState.WARMING)
+        if r.state is MemberState.JOINING:
+            self._set(r, MemberState.WARMING)
             logger.info("%s answers; warming up", r.address)
-        elif r.state is ServerState.SUSPECT:
+        elif r.state is MemberState.SUSPECT:
             if version is not None and version != self._version:
                 self._evict(r, f"answered again at version {version} while the fleet is at {self._version}: "
                                "it rejoins through warm-up")
                 return
-            self._set(r, ServerState.HEALTHY)
-        elif r.state is ServerState.EVICTED:
+            self._set(r, MemberState.HEALTHY)
+        elif r.state is MemberState.EVICTED:
             if not r.listed or (sent_at is not None and sent_at <= r.evicted_at):
                 return
-            self._set(r, ServerState.JOINING)  # revived: the join path, never straight back
+            self._set(r, MemberState.JOINING)  # revived: the join path, never straight back
             logger.info("%s answers again after its eviction; it rejoins", r.address)
             r.version = None
-        if version is not None and r.state is not ServerState.JOINING:
+        if version is not None and r.state is not MemberState.JOINING:
             r.version = version
         r.failures = 0
 
     def _on_failed(self, r: ServerRecord, error: str) -> None:  # under the lock
-        if r.state is ServerState.EVICTED:
+        if r.state is MemberState.EVICTED:
             return  # it stays out; its last error stays the reason it was evicted
         r.last_error = error
         r.failures += 1
-        if r.state is ServerState.HEALTHY:
-            self._set(r, ServerState.SUSPECT)
-        if r.state in (ServerState.SUSPECT, ServerState.WARMING) and r.failures >= self.config.failure_threshold:
+        if r.state is MemberState.HEALTHY:
+            self._set(r, MemberState.SUSPECT)
+        if r.state in (MemberState.SUSPECT, MemberState.WARMING) and r.failures >= self.config.failure_threshold:
             self._evict(r, f"{r.failures} probes failed in a row; the last: {error}")
 
     def _evict(self, r: ServerRecord, reason: str) -> None:  # under the lock
-        self._set(r, ServerState.EVICTED)
+        self._set(r, MemberState.EVICTED)
         r.last_error, r.evictions, r.evicted_at = reason, r.evictions + 1, r.since
         self._evicted += 1
         self._evicted_untold.append(r.address)
         logger.warning("%s evicted: %s", r.address, reason)
 
-    def _set(self, r: ServerRecord, state: ServerState) -> None:  # under the lock
+    def _set(self, r: ServerRecord, state: MemberState) -> None:  # under the lock
         was_member, now_member = r.state in _MEMBER_STATES, state in _MEMBER_STATES
         r.state, r.since = state, self._clock()
         self._members_dirty |= was_member != now_member
@@ -297,7 +297,7 @@ class Membership:
             self._members_changed = self._clock()
 
     def _healthy(self) -> list[str]:  # under the lock
-        return [r.address for r in self._records.values() if r.state is ServerState.HEALTHY]
+        return [r.address for r in self._records.values() if r.state is MemberState.HEALTHY]
 
     def _notify(self) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ class ModelResponse:
     num_aborts: int = 0
     num_retries: int = 0
     latency_s: float = 0.0
-    # With ClientConfig.route_layout: `[len(input_ids) + len(output_ids)][moe layers][top_k]` expert
+    # With ClientConfig.routed_expert_layout: `[len(input_ids) + len(output_ids)][moe layers][top_k]` expert
     # ids in input alignment (`Trajectory.routed_experts`; the last token's row is -1s).
     routed_experts: list[list[list[int]]] | None = None
 

@@ -40,7 +40,7 @@ from tandem.launch.guard import die_with_creator
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.errors import RolloutError
 from tandem.rollout.version import WeightVersion
-from tandem.rollout.workflow import EpisodeResult, RolloutWorkflow, as_trajectories
+from tandem.rollout.workflows.base import EpisodeResult, RolloutWorkflow, as_trajectories
 
 logger = logging.getLogger(__name__)
 

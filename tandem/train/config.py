@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
-ROUTER_REPLAY = ("off", "r2", "r3")  # see tandem.train.routes
+ROUTER_REPLAY = ("off", "r2", "r3")  # see tandem.train.routed_experts
 
 # What deterministic mode sets in the environment (unless set already): cuBLAS's fixed workspace,
 # NCCL's ring algorithm (one reduction order whatever the message size; read when a communicator is

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tandem.algo.config import AlgoConfig
     from tandem.config.alloc import Component
     from tandem.data.batch import SequenceBatch
-    from tandem.fleet.protocol import Fleet
+    from tandem.fleet.interface import Fleet
     from tandem.launch.scheduler import Scheduler
     from tandem.train.config import TrainEngineConfig
     from tandem.train.engine import TokenOutputs

@@ -38,7 +38,7 @@ from tandem.train.losses import LossFn, LossWeightFn, ValueLossFn
 from tandem.train.microbatch import build_micro_batches, plan_micro_batches, restore_order
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
-from tandem.train.routes import agreement_of, check_moe_options, routing_for, stack_layers
+from tandem.train.routed_experts import agreement_of, check_moe_options, routing_for, stack_layers
 from tandem.train.sharded_load import load_hf_weights_sharded
 from tandem.train.weight_export import (
     SAVE_BUCKET_BYTES,
@@ -59,13 +59,14 @@ class TokenOutputs:
     """Per-sequence results in batch order: `logprobs[i][t] = log p(token t+1)` of sequence i
     (0 at its last token), `entropy[i][t]` of the same distribution. float32, on CPU.
 
-    MoE models: `routes[i]` (`[L, moe layers, top_k]` int32, input alignment) are the experts the
-    forward used, when asked for (`record_routes`); `route_matches` / `route_pairs` count this
-    rank's (token, MoE layer) pairs whose live top-k set equals the server's (`tandem.train.routes`)."""
+    MoE models: `routed_experts[i]` (`[L, moe layers, top_k]` int32, input alignment) are the
+    experts the forward used, when asked for (`record_experts`); `route_matches` / `route_pairs`
+    count this rank's (token, MoE layer) pairs whose live top-k set equals the server's
+    (`tandem.train.routed_experts`)."""
 
     logprobs: list[torch.Tensor]
     entropy: list[torch.Tensor]
-    routes: list[torch.Tensor] | None = None
+    routed_experts: list[torch.Tensor] | None = None
     route_matches: int = 0
     route_pairs: int = 0
 
@@ -151,24 +152,24 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward_logprobs(self, batch: SequenceBatch, temperature: float = 1.0,
-                         loss_tokens_only: bool = False, record_routes: bool = False,
-                         route_live: bool = False) -> TokenOutputs:
+                         loss_tokens_only: bool = False, record_experts: bool = False,
+                         live_routing: bool = False) -> TokenOutputs:
         """Next-token log-probs and entropy of every sequence (see `TokenOutputs`). Collective.
         `loss_tokens_only`: only where the batch's loss mask is set (0 elsewhere), exactly as the
         training forward computes them (same rows through the head, so the same numbers).
-        MoE models: routes are replayed as `actor.router_replay` says (`tandem.train.routes`);
-        `record_routes` returns the experts every token went through in `TokenOutputs.routes`;
-        `route_live` routes every token live whatever `router_replay` says (the live-routed
+        MoE models: experts are replayed as `actor.router_replay` says (`tandem.train.routed_experts`);
+        `record_experts` returns the experts every token went through in `TokenOutputs.routed_experts`;
+        `live_routing` routes every token live whatever `router_replay` says (the live-routed
         mismatch of `router_replay_live_mismatch`)."""
         if self.head != "lm":
             raise TypeError("forward_logprobs needs a language model; this engine holds a value model "
                             "(forward_values)")
-        if record_routes and not self.moe_layers:
-            raise ValueError("record_routes needs a mixture-of-experts model; this one has no MoE layers")
-        columns, matches, pairs = self._forward_columns(batch, temperature, loss_tokens_only, record_routes,
-                                                        route_live)
-        routes = [c[2] for c in columns] if record_routes else None
-        return TokenOutputs([c[0] for c in columns], [c[1] for c in columns], routes, matches, pairs)
+        if record_experts and not self.moe_layers:
+            raise ValueError("record_experts needs a mixture-of-experts model; this one has no MoE layers")
+        columns, matches, pairs = self._forward_columns(batch, temperature, loss_tokens_only, record_experts,
+                                                        live_routing)
+        routed = [c[2] for c in columns] if record_experts else None
+        return TokenOutputs([c[0] for c in columns], [c[1] for c in columns], routed, matches, pairs)
 
     @torch.no_grad()
     def forward_values(self, batch: SequenceBatch, loss_tokens_only: bool = False) -> list[torch.Tensor]:
@@ -181,12 +182,12 @@ class TrainEngine:
         return [c[0] for c in self._forward_columns(batch, 1.0, loss_tokens_only)[0]]
 
     def _forward_columns(self, batch: SequenceBatch, temperature: float, loss_tokens_only: bool,
-                         record_routes: bool = False, route_live: bool = False) -> tuple[list[tuple[torch.Tensor, ...]], int, int]:
+                         record_experts: bool = False, live_routing: bool = False) -> tuple[list[tuple[torch.Tensor, ...]], int, int]:
         """No-grad forward of `batch`: per sequence (batch order) the module's outputs on CPU, then
-        its routes when `record_routes`; and the route matches and pairs of the forward."""
+        its routed experts when `record_experts`; and the route matches and pairs of the forward."""
         mbs = self._micro_batches(batch)
         wanted = [self._loss_positions(mb.next_token_view()) if loss_tokens_only else None for mb in mbs]
-        routings = [self._routing(mb, record=record_routes, live=route_live) for mb in mbs]
+        routings = [self._routing(mb, record=record_experts, live=live_routing) for mb in mbs]
         if self.pipeline is not None:
             outputs = self.pipeline.forward(mbs, wanted, temperature)
         else:
@@ -201,7 +202,7 @@ class TrainEngine:
                 per_mb.append([])
             else:
                 columns = [x.cpu().split(mb.lengths) for x in output]
-                if record_routes:
+                if record_experts:
                     columns.append(stack_layers(routing.recorded, self.moe_layers).cpu().split(mb.lengths))
                 per_mb.append(list(zip(*columns, strict=True)))
             m, n = agreement_of(routing, mb.tokens, self.moe_layers)

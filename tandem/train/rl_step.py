@@ -24,7 +24,7 @@ from tandem.algo.losses import (
 from tandem.algo.mismatch import batch_logprob_mismatch
 from tandem.data.batch import SequenceBatch
 from tandem.train.dist import all_reduce_sum
-from tandem.train.routes import PROX_ROUTES, ROUTED_EXPERTS
+from tandem.train.routed_experts import PROX_ROUTED_EXPERTS, ROUTED_EXPERTS
 
 # The live-routed forward's logprobs, held in the shard (input alignment) only while its mismatch is computed.
 LIVE_LOGPROBS = "live_logprobs"
@@ -42,12 +42,12 @@ def ppo_update(
     weights, so it supplies the proximal logprobs (no extra pass); with several, a separate forward
     pass computes them first. Returns stats reduced over all ranks.
 
-    MoE routing replay (`engine.config.router_replay`, see `tandem.train.routes`): r3 replays the
-    server's routes in every forward (the shard must carry them); r2 replays, in the update
-    passes, the routes of a forward at the proximal weights. That forward is the proximal pass
-    when there are several minibatches (it also runs under `prox_logp="loglinear"`, for the routes
-    alone); with one minibatch the update forward runs the proximal weights itself, so its live
-    routes are the ones r2 would replay and no pass is added. `moe/route_agreement` comes from the
+    MoE routing replay (`engine.config.router_replay`, see `tandem.train.routed_experts`): r3
+    replays the server's routed experts in every forward (the shard must carry them); r2 replays,
+    in the update passes, the experts of a forward at the proximal weights. That forward is the
+    proximal pass when there are several minibatches (it also runs under `prox_logp="loglinear"`,
+    for the experts alone); with one minibatch the update forward runs the proximal weights
+    itself, so its live experts are the ones r2 would replay and no pass is added. `moe/route_agreement` comes from the
     first forward that sees each token: the proximal pass when it runs, else the update passes.
     With r3 and `engine.config.router_replay_live_mismatch`, one more no-grad forward at the
     proximal weights routes live and logs its mismatch (`moe/mismatch_live/{mean,max}`)."""
@@ -60,13 +60,13 @@ def ppo_update(
     record = mode == "r2" and n_minibatches > 1
     route_counts: list[float] | None = None
     if (algo.ppo.prox_logp == "recompute" and not fused) or record:
-        prox = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, record_routes=record)
+        prox = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, record_experts=record)
         if algo.ppo.prox_logp == "recompute":
             set_prox_logprobs(shard, prox.logprobs)
             stats.update(_reduce_mismatch(batch_logprob_mismatch(shard, version), engine))
         if record:
-            for seq, routes in zip(shard.seqs, prox.routes or [], strict=True):
-                seq[PROX_ROUTES] = routes
+            for seq, experts in zip(shard.seqs, prox.routed_experts or [], strict=True):
+                seq[PROX_ROUTED_EXPERTS] = experts
         route_counts = all_reduce_sum([prox.route_matches, prox.route_pairs], engine.device, engine.dp_group)
     if engine.config.router_replay_live_mismatch:  # before any update: the proximal weights
         stats.update(_live_mismatch(engine, shard, temperature))
@@ -139,7 +139,7 @@ def _fused_mismatch(summary: dict[str, float]) -> dict[str, float]:
 def _live_mismatch(engine: TrainEngine, shard: SequenceBatch, temperature: float) -> dict[str, float]:
     """`moe/mismatch_live/{mean,max}`: the `mismatch/{mean,max}` of a no-grad forward of `shard`
     that routes every token live (no replay), over the same loss tokens, reduced over ranks alike."""
-    live = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, route_live=True)
+    live = engine.forward_logprobs(shard, temperature=temperature, loss_tokens_only=True, live_routing=True)
     set_prox_logprobs(shard, live.logprobs, key=LIVE_LOGPROBS)
     try:
         local = batch_logprob_mismatch(shard, recomputed_key=LIVE_LOGPROBS)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from tandem.algo.config import AlgoConfig
     from tandem.data.batch import SequenceBatch
-    from tandem.fleet.protocol import Fleet
+    from tandem.fleet.interface import Fleet
     from tandem.train.config import TrainEngineConfig
     from tandem.train.engine import TokenOutputs, TrainEngine
     from tandem.weights.meta import WeightUpdateMeta

@@ -1,5 +1,5 @@
 """Moving weights from the trainer to inference servers: `updater` (every trainer rank) runs
-`protocol` (pause, stage, commit, verify, version, continue) over a transport (`transports`:
+`two_phase` (pause, stage, commit, verify, version, continue) over a transport (`transports`:
 disk, broadcast, shared memory) fed by a `source` (the training engine). Data planes: `group` (the
 transfer process group), `shm` (segments), `verify` (checksums). The server side imports only
 `group`, `shm` and `verify`.

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from tandem.fleet.interface import Fleet, call
 from tandem.fleet.ops import FleetOp
-from tandem.fleet.protocol import Fleet, call
 from tandem.fleet.results import FleetError
 from tandem.weights.report import UpdateReport, WeightSyncError
 

@@ -12,7 +12,7 @@ own process group before anyone acts on it, so no rank takes a branch alone):
 2. *warm-up* (when some are due): every rank joins `save_hf` into `meta.warmup_path()`; rank 0
    loads it into the joiners, compares their checksums with the checkpoint's, and keeps those
    that match. They join this update's targets (so a transfer group is rebuilt with them).
-3. *attempts*: `tandem.weights.protocol.run_update` over a `FleetView` of the targets. A server
+3. *attempts*: `tandem.weights.two_phase.run_update` over a `FleetView` of the targets. A server
    that fails an independent step is dropped by the view and the update goes on without it; a
    collective step (the group, a broadcast bucket) that fails because of some servers ends the
    attempt, and the next one goes to the others (a new group), within the update's deadline.
@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import Fleet, call
+from tandem.fleet.interface import Fleet, call
 from tandem.fleet.results import FleetError
 from tandem.fleet.view import FleetView, blamed
 from tandem.weights.calls import fleet_call
 from tandem.weights.meta import WeightUpdateMeta
-from tandem.weights.protocol import run_update
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
 from tandem.weights.source import WeightSource
 from tandem.weights.transports import TransportOptions, make_transport
+from tandem.weights.two_phase import run_update
 from tandem.weights.verify import UpdateVerifier
 
 logger = logging.getLogger(__name__)

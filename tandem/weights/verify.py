@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import Fleet, call
+from tandem.fleet.interface import Fleet, call
 from tandem.fleet.results import FleetError, ServerChecksums, ServerResult
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.group import dtype_from_name

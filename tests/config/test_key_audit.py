@@ -152,7 +152,7 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
                                        T_E2E_STALENESS,
                                        "tests/config/test_loader.py::test_async_without_off_policy_correction_is_refused"),
     "rollout.seed_sampling": (f"{T_WORKFLOWS}::test_rlvr_is_the_default",
-                              "tests/rollout/test_routes_wire.py::test_a_request_seed_reaches_every_server_kind_under_its_name",
+                              "tests/rollout/test_routed_experts_wire.py::test_a_request_seed_reaches_every_server_kind_under_its_name",
                               "tests/config/test_reward_config.py::test_workflow_choices"),
     "rollout.max_consecutive_failures": (f"{T_REACH}[rollout.max_consecutive_failures]",
                                          "tests/rollout/test_executor.py::test_error_storm_ends_rollouts_with_the_first_error",

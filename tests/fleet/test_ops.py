@@ -17,7 +17,7 @@ import pytest
 from tandem.fleet import ops
 from tandem.fleet.adapters import SERVER_KINDS, HttpCall, UnsupportedOperation, adapter_for
 from tandem.fleet.http import HttpFleet
-from tandem.fleet.protocol import call
+from tandem.fleet.interface import call
 from tandem.fleet.results import FleetResult, ServerChecksums, ServerResult
 from tandem.fleet.wire import WireError, from_json, to_json
 from tandem.rollout import RolloutConfig, RolloutController

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import RouteLayout, decode_routed_experts
+from tandem.fleet.routed_experts import RoutedExpertLayout, decode_routed_experts
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import RequestError
 from tandem.inference.request import GenerationRequest
@@ -41,7 +41,7 @@ def trainer_model(moe_dir):
 
 
 @torch.no_grad()
-def recorded_routes(model, tokens: list[int]) -> torch.Tensor:
+def recorded_experts(model, tokens: list[int]) -> torch.Tensor:
     """`[len(tokens), n_layers, top_k]` routes of one trainer-side forward (-1 in dense layers)."""
     routing = Routing(record=True)
     model(torch.tensor(tokens), torch.tensor([0, len(tokens)], dtype=torch.int32), routing=routing)
@@ -52,10 +52,10 @@ def recorded_routes(model, tokens: list[int]) -> torch.Tensor:
     return out
 
 
-def assert_routes(model, prompt: list[int], output: list[int], routes: torch.Tensor) -> None:
+def assert_experts(model, prompt: list[int], output: list[int], routes: torch.Tensor) -> None:
     tokens = prompt + output
     assert routes.shape == (len(tokens) - 1, model.args.n_layers, model.args.num_experts_per_tok)
-    assert torch.equal(routes, recorded_routes(model, tokens)[:-1])
+    assert torch.equal(routes, recorded_experts(model, tokens)[:-1])
 
 
 # -------------------------------------------------------------------------------- engine
@@ -72,7 +72,7 @@ def test_engine_greedy_equals_transformers_and_routes_equal_the_trainer(moe_dir,
     for ids, out in zip(batch, outs, strict=True):
         ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16)
         assert out.output_ids == ref[0, len(ids):].tolist()
-        assert_routes(trainer_model, ids, out.output_ids, out.routed_experts)
+        assert_experts(trainer_model, ids, out.output_ids, out.routed_experts)
     # A prefix-cache hit: the prompt's cached blocks still know their routes.
     again = engine.generate([batch[1]], params, return_routed_experts=True)[0]
     assert again.cached_tokens >= 32 and again.output_ids == outs[1].output_ids
@@ -82,7 +82,7 @@ def test_engine_greedy_equals_transformers_and_routes_equal_the_trainer(moe_dir,
                               return_routed_experts=True)
     assert len({tuple(o.output_ids) for o in sampled}) > 1
     for out in sampled:
-        assert_routes(trainer_model, batch[3], out.output_ids, out.routed_experts)
+        assert_experts(trainer_model, batch[3], out.output_ids, out.routed_experts)
     # Only requests that ask get routes.
     assert engine.generate([batch[0]], params)[0].routed_experts is None
 
@@ -113,25 +113,25 @@ def server(moe_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout(moe_dir):
-    return RouteLayout.of_model(moe_dir)
+    return RoutedExpertLayout.of_model(moe_dir)
 
 
-def wire_routes(body: dict, layout: RouteLayout) -> torch.Tensor:
+def wire_experts(body: dict, layout: RoutedExpertLayout) -> torch.Tensor:
     """The response's routes on the whole layer axis (`[rows, n_layers, top_k]`)."""
     meta = body["meta_info"]
     rows = meta["prompt_tokens"] + meta["completion_tokens"] - 1
-    full = RouteLayout(layout.num_layers, layout.top_k, tuple(range(layout.num_layers)))
+    full = RoutedExpertLayout(layout.num_layers, layout.top_k, tuple(range(layout.num_layers)))
     return torch.tensor(decode_routed_experts(meta["routed_experts"], rows, full), dtype=torch.int32)
 
 
 def test_generate_returns_routes_as_sglang(server, trainer_model, layout):
-    assert layout == RouteLayout(3, 2, (0, 2))
+    assert layout == RoutedExpertLayout(3, 2, (0, 2))
     ids = prompts([21], seed=7)[0]
     body = {"input_ids": ids, "return_routed_experts": True,
             "sampling_params": {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}}
     first = server.ok("/generate", body)
     assert isinstance(first["meta_info"]["routed_experts"], str)
-    assert_routes(trainer_model, ids, first["output_ids"], wire_routes(first, layout))
+    assert_experts(trainer_model, ids, first["output_ids"], wire_experts(first, layout))
     again = server.ok("/generate", body)  # prefix-cache hit
     assert again["meta_info"]["cached_tokens"] == 16 and again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["routed_experts"] == first["meta_info"]["routed_experts"]
@@ -139,7 +139,7 @@ def test_generate_returns_routes_as_sglang(server, trainer_model, layout):
     sampled = server.ok("/generate", {**body, "sampling_params": {"max_new_tokens": 10, "n": 2, "seed": 1}})
     assert sampled[0]["output_ids"] != sampled[1]["output_ids"]
     for item in sampled:
-        assert_routes(trainer_model, ids, item["output_ids"], wire_routes(item, layout))
+        assert_experts(trainer_model, ids, item["output_ids"], wire_experts(item, layout))
     # Streaming: the final event carries them; without the flag there are none.
     events = sse_events(server.url, "/generate", {**body, "stream": True})
     assert events[-1] == "[DONE]" and all("routed_experts" not in e["meta_info"] for e in events[:-2])
@@ -160,7 +160,7 @@ def test_client_splices_routes_of_a_resubmitted_request(server, trainer_model, l
     routes cover the whole sequence and equal the trainer's, the last token's row unknown."""
     ids = prompts([13], seed=9)[0]
     params = GenerationParams(max_new_tokens=LONG, temperature=0.0, ignore_eos=True)
-    client = InferenceClient([server.url], ClientConfig(route_layout=layout))
+    client = InferenceClient([server.url], ClientConfig(routed_expert_layout=layout))
     before = server.ok("/get_server_info", method="GET")["engine_stats"]["generated_tokens"]
     result: dict = {}
     worker = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(_generate(client, ids, params))))
@@ -174,7 +174,7 @@ def test_client_splices_routes_of_a_resubmitted_request(server, trainer_model, l
     assert resp.num_aborts == 1 and len(resp.output_ids) == LONG
     routes = resp.routed_experts
     assert len(routes) == len(ids) + LONG and routes[-1] == [[-1, -1], [-1, -1]]
-    want = recorded_routes(trainer_model, ids + resp.output_ids)[:-1, [0, 2]]
+    want = recorded_experts(trainer_model, ids + resp.output_ids)[:-1, [0, 2]]
     assert torch.equal(torch.tensor(routes[:-1], dtype=torch.int32), want)
 
 
@@ -190,7 +190,7 @@ def one(*args, **kwargs) -> float:
 
 
 def test_rlvr_trajectories_carry_routes(server, trainer_model, layout):
-    client = InferenceClient([server.url], ClientConfig(route_layout=layout))
+    client = InferenceClient([server.url], ClientConfig(routed_expert_layout=layout))
     workflow = RLVRWorkflow(one, GenerationParams(max_new_tokens=6, temperature=1.0), n_samples=2)
     ids = prompts([9], seed=11)[0]
 
@@ -206,13 +206,13 @@ def test_rlvr_trajectories_carry_routes(server, trainer_model, layout):
         assert n == len(ids) + 6 and len(traj.routed_experts) == n
         assert all(len(row) == 2 and all(len(e) == 2 for e in row) for row in traj.routed_experts)
         assert traj.routed_experts[-1] == [[-1, -1], [-1, -1]]
-        want = recorded_routes(trainer_model, traj.input_ids)[:-1, [0, 2]]
+        want = recorded_experts(trainer_model, traj.input_ids)[:-1, [0, 2]]
         assert torch.equal(torch.tensor(traj.routed_experts[:-1], dtype=torch.int32), want)
 
 
 def test_multi_turn_trajectory_carries_routes_of_every_turn(server, moe_dir, trainer_model, layout):
     tokenizer = transformers.AutoTokenizer.from_pretrained(moe_dir)
-    client = InferenceClient([server.url], ClientConfig(route_layout=layout))
+    client = InferenceClient([server.url], ClientConfig(routed_expert_layout=layout))
     workflow = MultiTurnWorkflow(tokenizer, lambda messages, item: Feedback("more"),
                                  GenerationParams(max_new_tokens=5, temperature=0.0, ignore_eos=True), max_turns=2)
 
@@ -225,5 +225,5 @@ def test_multi_turn_trajectory_carries_routes_of_every_turn(server, moe_dir, tra
     traj = asyncio.run(run())
     assert traj.num_turns == 2 and traj.loss_mask.count(0) > 0 and len(traj.routed_experts) == len(traj.input_ids)
     assert traj.routed_experts[-1] == [[-1, -1], [-1, -1]]
-    want = recorded_routes(trainer_model, traj.input_ids)[:-1, [0, 2]]
+    want = recorded_experts(trainer_model, traj.input_ids)[:-1, [0, 2]]
     assert torch.equal(torch.tensor(traj.routed_experts[:-1], dtype=torch.int32), want)

@@ -15,7 +15,7 @@ from tandem.launch.process import ManagedProcess
 from tandem.launch.scheduler import ServerHandle
 from tandem.rl import keeper as keeper_module
 from tandem.rl.keeper import ServerKeeper
-from tandem.rollout.membership import Membership, ServerState
+from tandem.rollout.membership import Membership, MemberState
 
 PORT = 9  # never contacted: the membership only keys on the address
 
@@ -48,7 +48,7 @@ def test_a_server_evicted_before_its_launcher_saw_it_exit_is_still_reported(tmp_
     exits = [r.getMessage() for r in caplog.records if "exited" in r.getMessage()]
     assert exits and exits[0].startswith(f"rollout-1 ({handle.url}) exited ("), exits
     assert took < keeper_module.EXIT_REPORT_WAIT_S, took
-    assert membership.record(handle.url).state is ServerState.EVICTED
+    assert membership.record(handle.url).state is MemberState.EVICTED
 
 
 def test_the_wait_for_an_evicted_server_that_never_exits_is_bounded(tmp_path, monkeypatch):

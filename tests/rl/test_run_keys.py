@@ -1,7 +1,7 @@
 """Run-level keys that `tandem train` hands to its parts, loaded through the run config and shown
 on what those parts build: the task data (`tandem.rl.data.load_task_data`), the weight update of
 the run (`tandem.rl.trainer.weight_update_meta`), the sampling parameters of the workflow
-(`tandem.rl.workflows.build_workflow`) and the metrics logger's W&B run. What the parts then do
+(`tandem.rl.trainer.workflow_for`) and the metrics logger's W&B run. What the parts then do
 with the values is tested with the parts (the transports, the sampler, the executor)."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from tandem.models.tiny import build_tokenizer
 from tandem.rl.config import load_run_config
 from tandem.rl.data import load_task_data
 from tandem.rl.metrics import MetricsLogger
-from tandem.rl.trainer import weight_update_meta
-from tandem.rl.workflows import build_workflow
+from tandem.rl.trainer import weight_update_meta, workflow_for
 from tandem.rollout.reward import RewardRunner
 from tests.rollout import rewards
 
@@ -69,10 +68,10 @@ def test_generation_keys_are_the_workflows_sampling(tokenizer):
     (the sampler applies them: tests/inference/test_sampler.py) and the group size."""
     runner = RewardRunner(max_workers=1, timeout_s=1.0)
     try:
-        default = build_workflow(load_run_config(None), tokenizer, rewards.parity_reward, runner)
+        default = workflow_for(load_run_config(None), tokenizer, rewards.parity_reward, runner)
         cfg = load_run_config(None, ["gen.temperature=0.5", "gen.top_p=0.9", "gen.top_k=7", "gen.max_new_tokens=11",
                                      "gen.n_samples=3"])
-        configured = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+        configured = workflow_for(cfg, tokenizer, rewards.parity_reward, runner)
     finally:
         runner.close()
     fields = ("temperature", "top_p", "top_k", "max_new_tokens")

@@ -1,4 +1,5 @@
-"""`rollout.workflow` picks what `tandem train` runs (`tandem.rl.workflows.build_workflow`)."""
+"""`rollout.workflow` picks what `tandem train` runs (`tandem.rl.trainer.workflow_for` over
+`tandem.rollout.workflows.build`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 
 from tandem.errors import ConfigError
 from tandem.rl.config import load_run_config
-from tandem.rl.workflows import build_workflow
-from tandem.rollout.agent.workflow import AgentWorkflow
+from tandem.rl.trainer import workflow_for
 from tandem.rollout.reward import RewardRunner
 from tandem.rollout.workflows import GroupWorkflow, MultiTurnWorkflow, RewardFeedback, RLVRWorkflow
+from tandem.rollout.workflows.agent import AgentWorkflow
 from tests.rollout import agents, rewards
 
 
@@ -31,7 +32,7 @@ def runner():
 
 def test_rlvr_is_the_default(tokenizer, runner):
     cfg = load_run_config(None, ["gen.n_samples=3", "rollout.seed_sampling=true", "experiment.seed=7"])
-    wf = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+    wf = workflow_for(cfg, tokenizer, rewards.parity_reward, runner)
     assert isinstance(wf, RLVRWorkflow)
     assert (wf.n_samples, wf.seed, wf.reward_fn, wf.reward_runner) == (3, 7, rewards.parity_reward, runner)
 
@@ -40,7 +41,7 @@ def test_multi_turn_is_a_group_of_conversations_fed_back_by_the_reward(tokenizer
     cfg = load_run_config(None, ["rollout.workflow=multi_turn", "gen.n_samples=5", "gen.max_new_tokens=7",
                                  "rollout.multi_turn.max_turns=3", "rollout.multi_turn.success_reward=0.5",
                                  "rollout.multi_turn.retry_message=Nope"])
-    wf = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+    wf = workflow_for(cfg, tokenizer, rewards.parity_reward, runner)
     assert isinstance(wf, GroupWorkflow) and wf.n == 5
     inner = wf.workflow
     assert isinstance(inner, MultiTurnWorkflow) and inner.max_turns == 3 and inner.params.max_new_tokens == 7
@@ -53,7 +54,7 @@ def test_multi_turn_is_a_group_of_conversations_fed_back_by_the_reward(tokenizer
 def test_agent_runs_the_configured_agent_function(tokenizer, runner, tmp_path):
     cfg = load_run_config(None, ["rollout.workflow=agent", "rollout.agent.entry=tests.rollout.agents:three_turns",
                                  "gen.n_samples=3", "gen.temperature=0.7", "rollout.agent.export=individual"])
-    wf = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+    wf = workflow_for(cfg, tokenizer, rewards.parity_reward, runner)
     assert isinstance(wf, AgentWorkflow)
     assert (wf.n_samples, wf.params.temperature, wf.config.export) == (3, 0.7, "individual")
     assert pickle.loads(pickle.dumps(wf)).agent() is agents.three_turns  # rollout.workers > 0 pickle it

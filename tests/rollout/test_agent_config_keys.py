@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from tandem.models.tiny import init_model
 from tandem.rl.config import load_run_config
-from tandem.rl.workflows import build_workflow
-from tandem.rollout.agent.workflow import AgentError, AgentWorkflow
+from tandem.rl.trainer import workflow_for
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.reward import RewardRunner
+from tandem.rollout.workflows.agent import AgentError, AgentWorkflow
 from tests.rollout import rewards
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ def workflow(tokenizer, agent: str, *overrides: str) -> AgentWorkflow:
                                  "gen.n_samples=1", "gen.max_new_tokens=4", *overrides])
     runner = RewardRunner(max_workers=1, timeout_s=1.0)  # an agent's reward is its own: never used
     try:
-        wf = build_workflow(cfg, tokenizer, rewards.parity_reward, runner)
+        wf = workflow_for(cfg, tokenizer, rewards.parity_reward, runner)
     finally:
         runner.close()
     assert isinstance(wf, AgentWorkflow)

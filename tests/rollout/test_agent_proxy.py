@@ -18,10 +18,10 @@ from transformers import AutoTokenizer
 from tandem.fleet.generation import GenerationParams
 from tandem.rollout.agent.config import AgentConfig
 from tandem.rollout.agent.proxy import AgentProxy
-from tandem.rollout.agent.workflow import AgentError, AgentWorkflow, load_agent
 from tandem.rollout.chat_tokens import ChatTokens
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.version import WeightVersion
+from tandem.rollout.workflows.agent import AgentError, AgentWorkflow, load_agent
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess
 from tests.rollout.fake_server import FakeServer

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import call
+from tandem.fleet.interface import call
 from tandem.fleet.results import FleetError
 from tandem.rl.config import load_run_config
 from tandem.rollout import GenerationDeadlineError, GenerationParams, ModelRequest, RolloutController

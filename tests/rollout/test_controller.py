@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import call
+from tandem.fleet.interface import call
 from tandem.fleet.results import FleetError
 from tandem.rollout import (
     GenerationParams,

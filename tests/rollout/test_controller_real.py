@@ -30,8 +30,8 @@ import torch
 
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities
+from tandem.fleet.interface import call
 from tandem.fleet.ops import Deadlines, ParamSpec
-from tandem.fleet.protocol import call
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.rollout import (

@@ -26,7 +26,7 @@ from tandem.fleet.generation import GenerationParams
 from tandem.rollout import ModelRequest, RolloutConfig, RolloutController, RolloutWorkflow
 from tandem.rollout.elastic import FleetTooSmall
 from tandem.rollout.health import HealthConfig
-from tandem.rollout.membership import ServerState
+from tandem.rollout.membership import MemberState
 from tests.rollout.fake_server import chain
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +81,7 @@ def test_kill_9_mid_rollout_loses_nothing(spawn_server, workers):
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         bound = HEALTH.interval_s * HEALTH.failure_threshold + 1.0  # the bound: interval x threshold + 1 s
-        evicted = wait_until(lambda: ctl.fleet.membership.record(victim_address).state is ServerState.EVICTED,
+        evicted = wait_until(lambda: ctl.fleet.membership.record(victim_address).state is MemberState.EVICTED,
                              bound, "the dead server is evicted")
         print(f"\nevicted {evicted:.2f}s after kill -9 (bound {bound:.1f}s)")
         trajs = ctl.wait(48, timeout=60)
@@ -103,7 +103,7 @@ def test_sigstop_evicts_and_sigcont_comes_back_through_the_join_path(spawn_serve
     with RolloutController(config) as ctl:
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            wait_until(lambda: ctl.fleet.membership.record(address).state is ServerState.EVICTED,
+            wait_until(lambda: ctl.fleet.membership.record(address).state is MemberState.EVICTED,
                        HEALTH.interval_s * HEALTH.failure_threshold + HEALTH.timeout_s + 1.0,
                        "the stopped server is evicted")
             assert address not in ctl.pool.addresses
@@ -114,10 +114,10 @@ def test_sigstop_evicts_and_sigcont_comes_back_through_the_join_path(spawn_serve
         def warming() -> bool:
             state = ctl.fleet.membership.record(address).state
             seen.add(state)
-            return state is ServerState.WARMING
+            return state is MemberState.WARMING
 
         wait_until(warming, 10, "the revived server is warming")
-        assert ServerState.HEALTHY not in seen  # never straight back to serving
+        assert MemberState.HEALTHY not in seen  # never straight back to serving
         assert address not in ctl.pool.addresses  # no traffic before it is warmed and admitted
         assert address in ctl.topology().warming or not ctl.topology().warming  # due after the cooldown
 

@@ -33,7 +33,7 @@ from tandem.rollout import (
     RolloutController,
 )
 from tandem.rollout.health import HealthConfig
-from tandem.rollout.membership import ServerState
+from tandem.rollout.membership import MemberState
 from tests.background import in_thread
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess, wait_for
@@ -197,7 +197,7 @@ def test_sigstop_mid_request_the_call_is_given_up_or_the_deadline_fires(victim, 
 
         moved_by_eviction = evicted_fut.result(timeout=90)
         took = time.monotonic() - stopped
-        assert ctl.fleet.membership.record(victim.url).state is ServerState.EVICTED
+        assert ctl.fleet.membership.record(victim.url).state is MemberState.EVICTED
     assert took < 30, took  # eviction (about interval x threshold + timeout) and 200 tokens; the deadline is 60
     assert moved_by_eviction.servers == [survivor.url] and moved_by_eviction.num_retries == 1
 
@@ -243,7 +243,7 @@ def test_only_server_sigkilled_mid_decode_misses_the_deadline_naming_it(victim):
         with pytest.raises(GenerationDeadlineError) as info:
             fut.result(timeout=90)
         failed = time.monotonic() - started
-        assert ctl.fleet.membership.record(victim.url).state is ServerState.EVICTED
+        assert ctl.fleet.membership.record(victim.url).state is MemberState.EVICTED
     assert deadline <= failed < deadline + 10, failed
     err = info.value
     assert err.rid == req.rid and err.servers == [victim.url] and err.last_error

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tandem.rollout.membership import Membership, MembershipConfig, ServerState
+from tandem.rollout.membership import Membership, MembershipConfig, MemberState
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 
@@ -30,7 +30,7 @@ def make(clock, *addresses, threshold=3, cooldown=30.0) -> Membership:
     return Membership(addresses or (A, B), MembershipConfig(threshold, cooldown), clock=clock)
 
 
-def state(m: Membership, address: str) -> ServerState:
+def state(m: Membership, address: str) -> MemberState:
     return m.record(address).state
 
 
@@ -44,13 +44,13 @@ def test_listed_servers_start_healthy_members_and_routable(clock):
 def test_failed_probes_make_suspect_then_evicted(clock):
     m = make(clock)
     m.probe_failed(A, "no answer")
-    assert state(m, A) is ServerState.SUSPECT and m.routable() == [B]
+    assert state(m, A) is MemberState.SUSPECT and m.routable() == [B]
     assert m.topology().members == (A, B)  # a suspect is still updated
     assert m.generation == 0
     m.probe_failed(A, "no answer")
-    assert state(m, A) is ServerState.SUSPECT
+    assert state(m, A) is MemberState.SUSPECT
     m.probe_failed(A, "no answer again")
-    assert state(m, A) is ServerState.EVICTED and m.evicted_total == 1
+    assert state(m, A) is MemberState.EVICTED and m.evicted_total == 1
     assert "3 probes failed in a row" in m.record(A).last_error and "no answer again" in m.record(A).last_error
     assert m.topology().members == (B,) and m.generation == 1
 
@@ -60,10 +60,10 @@ def test_a_success_resets_the_count_and_a_suspect_recovers_at_the_current_versio
     m.probe_failed(A, "x")
     m.probe_failed(A, "x")
     m.probe_ok(A, 0)
-    assert state(m, A) is ServerState.HEALTHY and m.record(A).failures == 0
+    assert state(m, A) is MemberState.HEALTHY and m.record(A).failures == 0
     m.probe_failed(A, "x")
     m.probe_ok(A, None)  # a server that does not say its version: trusted
-    assert state(m, A) is ServerState.HEALTHY
+    assert state(m, A) is MemberState.HEALTHY
 
 
 def test_a_suspect_answering_with_other_weights_is_evicted(clock):
@@ -71,18 +71,18 @@ def test_a_suspect_answering_with_other_weights_is_evicted(clock):
     m.set_version(4)
     m.probe_failed(A, "x")
     m.probe_ok(A, 3)
-    assert state(m, A) is ServerState.EVICTED
+    assert state(m, A) is MemberState.EVICTED
     assert "answered again at version 3 while the fleet is at 4" in m.record(A).last_error
 
 
 def test_a_revived_listed_server_rejoins_through_warming_never_straight_to_healthy(clock):
     m = make(clock, threshold=1)
     m.probe_failed(A, "x")
-    assert state(m, A) is ServerState.EVICTED and A in m.probe_targets()  # listed: still probed
+    assert state(m, A) is MemberState.EVICTED and A in m.probe_targets()  # listed: still probed
     m.probe_ok(A, 0)
-    assert state(m, A) is ServerState.JOINING
+    assert state(m, A) is MemberState.JOINING
     m.probe_ok(A, 0)
-    assert state(m, A) is ServerState.WARMING and A not in m.routable() and A not in m.topology().members
+    assert state(m, A) is MemberState.WARMING and A not in m.routable() and A not in m.topology().members
 
 
 def test_an_answer_to_a_probe_sent_before_the_eviction_revives_no_one(clock):
@@ -94,31 +94,31 @@ def test_an_answer_to_a_probe_sent_before_the_eviction_revives_no_one(clock):
     clock.now += 0.5
     m.evict(A, "the process exited (killed by SIGKILL)")
     m.probe_ok(A, 0, sent_at=sent)
-    assert state(m, A) is ServerState.EVICTED and m.record(A).last_error == "the process exited (killed by SIGKILL)"
+    assert state(m, A) is MemberState.EVICTED and m.record(A).last_error == "the process exited (killed by SIGKILL)"
     clock.now += 0.5
     m.probe_ok(A, 0, sent_at=m.now())  # a probe sent after it: the listed server is back
-    assert state(m, A) is ServerState.JOINING
+    assert state(m, A) is MemberState.JOINING
 
 
 def test_a_joined_server_that_is_evicted_is_not_probed_again(clock):
     m = make(clock)
     m.register(C, pid=77)
-    assert state(m, C) is ServerState.JOINING and m.record(C).pid == 77
+    assert state(m, C) is MemberState.JOINING and m.record(C).pid == 77
     m.probe_failed(C, "loading")  # joining servers may still be loading: no eviction
     m.probe_failed(C, "loading")
     m.probe_failed(C, "loading")
-    assert state(m, C) is ServerState.JOINING
+    assert state(m, C) is MemberState.JOINING
     m.probe_ok(C, 0)
-    assert state(m, C) is ServerState.WARMING
+    assert state(m, C) is MemberState.WARMING
     for _ in range(3):
         m.probe_failed(C, "gone")
-    assert state(m, C) is ServerState.EVICTED and C not in m.probe_targets()
-    assert m.register(C).state is ServerState.JOINING  # it comes back only by joining again
+    assert state(m, C) is MemberState.EVICTED and C not in m.probe_targets()
+    assert m.register(C).state is MemberState.JOINING  # it comes back only by joining again
 
 
 def test_register_is_idempotent_for_a_live_server(clock):
     m = make(clock)
-    assert m.register(A, pid=5).state is ServerState.HEALTHY and m.record(A).pid == 5
+    assert m.register(A, pid=5).state is MemberState.HEALTHY and m.record(A).pid == 5
 
 
 def test_additions_wait_the_cooldown_so_a_burst_costs_one_rebuild(clock):
@@ -255,6 +255,6 @@ def test_concurrent_reports_keep_the_invariants(clock):
     records = m.snapshot()
     assert len(records) == 3
     members = set(m.topology().members)
-    assert members == {r.address for r in records if r.state in (ServerState.HEALTHY, ServerState.SUSPECT)}
-    assert set(m.routable()) == {r.address for r in records if r.state is ServerState.HEALTHY}
+    assert members == {r.address for r in records if r.state in (MemberState.HEALTHY, MemberState.SUSPECT)}
+    assert set(m.routable()) == {r.address for r in records if r.state is MemberState.HEALTHY}
     assert m.evicted_total >= 0 and all(set(s) <= {A, B, C} for s in seen)

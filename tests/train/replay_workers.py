@@ -18,11 +18,11 @@ def replay_forward(rank: int, world_size: int, path: str, batch, cp: int) -> dic
     del rank, world_size
     engine = TrainEngine(engine_config(path, cp=cp, router_replay="r3", moe_aux_loss_coef=0.1))
     try:
-        out = engine.forward_logprobs(batch, record_routes=True)
+        out = engine.forward_logprobs(batch, record_experts=True)
         stats = engine.forward_backward(batch, sft_like_loss)
         grad = engine.model.layers["0"].moe.router.weight.grad
         grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-        return {"logprobs": out.logprobs, "routes": out.routes, "counts": (out.route_matches, out.route_pairs),
+        return {"logprobs": out.logprobs, "routes": out.routed_experts, "counts": (out.route_matches, out.route_pairs),
                 "stats": stats, "grad": grad.clone()}
     finally:
         engine.close()
@@ -36,8 +36,8 @@ def replay_layouts(rank: int, world_size: int, path: str, batch, layouts: list[d
     for layout in layouts:
         engine = TrainEngine(engine_config(path, router_replay="r3", **layout))
         try:
-            res = engine.forward_logprobs(batch, record_routes=True)
-            out.append({"logprobs": res.logprobs, "routes": res.routes,
+            res = engine.forward_logprobs(batch, record_experts=True)
+            out.append({"logprobs": res.logprobs, "routes": res.routed_experts,
                         "counts": (res.route_matches, res.route_pairs)})
         finally:
             engine.close()

@@ -1,4 +1,4 @@
-"""MoE routing replay in the trainer (`actor.router_replay`, tandem.train.routes): r3 forwards use
+"""MoE routing replay in the trainer (`actor.router_replay`, tandem.train.routed_experts): r3 forwards use
 exactly the batch's routes (rows of -1 route live), r2 update passes replay what the proximal pass
 recorded, route agreement on a hand-built case, the load-balancing loss reaches the router, the
 CP split keeps routes aligned with the ids, routes travel from trajectories into micro-batches."""
@@ -20,7 +20,13 @@ from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine
 from tandem.train.context_split import ContextSplit
 from tandem.train.logprobs import LogprobModel, _local_routing
 from tandem.train.rl_step import ppo_update
-from tandem.train.routes import PROX_ROUTES, ROUTED_EXPERTS, agreement_counts, split_layers, stack_layers
+from tandem.train.routed_experts import (
+    PROX_ROUTED_EXPERTS,
+    ROUTED_EXPERTS,
+    agreement_counts,
+    split_layers,
+    stack_layers,
+)
 from tests.train.helpers import engine_config
 
 LENGTHS = [7, 12, 5, 9]
@@ -37,7 +43,7 @@ def ref(moe_dir):
     return LogprobModel(load_model(moe_dir, dtype=torch.float32)).eval()
 
 
-def random_routes(n: int, seed: int) -> torch.Tensor:
+def random_experts(n: int, seed: int) -> torch.Tensor:
     """`[n, MoE layers, top_k]` distinct expert ids per row."""
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(n, N_MOE, N_EXPERTS, generator=gen).topk(TOP_K, -1).indices.to(torch.int32)
@@ -50,7 +56,7 @@ def make_batch(vocab: int, routes: bool = True, seed: int = 0) -> SequenceBatch:
         seq = {"input_ids": torch.randint(0, vocab, (n,), generator=gen),
                "loss_mask": (torch.arange(n) >= n // 2).long()}
         if routes:
-            seq[ROUTED_EXPERTS] = random_routes(n, seed + i)
+            seq[ROUTED_EXPERTS] = random_experts(n, seed + i)
         seqs.append(seq)
     return SequenceBatch(seqs)
 
@@ -60,7 +66,7 @@ def ref_logprobs(ref: LogprobModel, ids: torch.Tensor, routing: Routing | None =
         return ref(ids, torch.tensor([0, ids.numel()], dtype=torch.int32), routing=routing)[0]
 
 
-def live_routes(ref: LogprobModel, ids: torch.Tensor) -> torch.Tensor:
+def live_experts(ref: LogprobModel, ids: torch.Tensor) -> torch.Tensor:
     routing = Routing(record=True)
     ref_logprobs(ref, ids, routing)
     return stack_layers(routing.recorded, [0, 1])
@@ -104,7 +110,7 @@ def test_agreement_metric_of_a_live_forward(moe_dir, ref):
     try:
         batch = make_batch(engine.model.args.vocab_size, routes=False)
         for seq in batch.seqs:
-            seq[ROUTED_EXPERTS] = live_routes(ref, seq["input_ids"])
+            seq[ROUTED_EXPERTS] = live_experts(ref, seq["input_ids"])
         batch.seqs[0][ROUTED_EXPERTS][-1] = -1  # unknown: not counted
         batch.seqs[1][ROUTED_EXPERTS][2, 1] = batch.seqs[1][ROUTED_EXPERTS][2, 1].flip(0)  # same set
         row = batch.seqs[2][ROUTED_EXPERTS][3, 0]
@@ -139,14 +145,14 @@ def test_r2_update_passes_replay_the_routes_the_proximal_pass_recorded(moe_dir, 
     try:
         shard = _ppo_batch(engine.model.args.vocab_size)
         stats = ppo_update(engine, shard, AlgoConfig(), version=0, temperature=1.0, n_minibatches=2)
-        assert all(PROX_ROUTES in s for s in shard.seqs)
+        assert all(PROX_ROUTED_EXPERTS in s for s in shard.seqs)
         for seq in shard.seqs:  # the proximal pass ran the initial weights, routing live
-            assert torch.equal(seq[PROX_ROUTES], live_routes(ref, seq["input_ids"]))
+            assert torch.equal(seq[PROX_ROUTED_EXPERTS], live_experts(ref, seq["input_ids"]))
         prox = [c for c in calls if not c[3]]
         updates = [c for c in calls if c[3]]
         assert len(prox) == 1 and prox[0][2].record and prox[0][2].replay is None
         assert len(updates) == 2
-        by_ids = {tuple(s["input_ids"].tolist()): s[PROX_ROUTES] for s in shard.seqs}
+        by_ids = {tuple(s["input_ids"].tolist()): s[PROX_ROUTED_EXPERTS] for s in shard.seqs}
         for ids, cu, routing, _ in updates:
             want = torch.cat([by_ids[tuple(ids[a:b].tolist())] for a, b in pairwise(cu.tolist())])
             got = torch.stack([routing.replay[layer] for layer in (0, 1)], dim=1)
@@ -168,7 +174,7 @@ def test_r3_live_mismatch_is_the_live_forwards_and_mismatch_the_replayed_ones(mo
     live_diff = []
     for seq in shard.seqs:
         ids, mask = seq["input_ids"], seq["loss_mask"].bool()
-        routes = live_routes(ref, ids)
+        routes = live_experts(ref, ids)
         for t in range(0, ids.numel(), 3):
             row = routes[t, 0]
             row[:] = torch.tensor([e for e in range(N_EXPERTS) if e not in row.tolist()][:TOP_K])
@@ -342,17 +348,17 @@ def test_context_parallel_replay_equals_one_rank(moe_dir):
 
 def test_rollouts_ask_for_routes_when_they_are_used(moe_dir, dense_dir):
     from tandem.rl.config import load_run_config
-    from tandem.rl.trainer import route_layout
+    from tandem.rl.trainer import routed_expert_layout
 
-    layout = route_layout(load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3"]))
+    layout = routed_expert_layout(load_run_config(None, [f"actor.path={moe_dir}", "actor.router_replay=r3"]))
     assert (layout.num_layers, layout.top_k, layout.moe_layers) == (2, 2, (0, 1))
-    assert route_layout(load_run_config(None, [f"actor.path={moe_dir}"])) == layout  # tandem: agreement metric
+    assert routed_expert_layout(load_run_config(None, [f"actor.path={moe_dir}"])) == layout  # tandem: agreement metric
     sglang = load_run_config(None, [f"actor.path={moe_dir}"])
     sglang.rollout.backend = "sglang:d1"  # `tandem train` refuses sglang's weight sync today
-    assert route_layout(sglang) is None
+    assert routed_expert_layout(sglang) is None
     sglang.actor.router_replay = "r3"
-    assert route_layout(sglang) == layout
-    assert route_layout(load_run_config(None, [f"actor.path={dense_dir}"])) is None
+    assert routed_expert_layout(sglang) == layout
+    assert routed_expert_layout(load_run_config(None, [f"actor.path={dense_dir}"])) is None
 
 
 LAYOUTS = [{"ep": 2}, {"tp": 2}, {"tp": 2, "etp": 2}]
@@ -396,7 +402,7 @@ def test_r2_records_routes_under_loglinear_and_r3_needs_server_routes(moe_dir):
         for n_minibatches, recorded in ((2, True), (1, False)):
             shard = _ppo_batch(engine.model.args.vocab_size)
             ppo_update(engine, shard, algo, version=0, temperature=1.0, n_minibatches=n_minibatches)
-            assert all((PROX_ROUTES in s) == recorded and PROX_LOGPROBS not in s for s in shard.seqs)
+            assert all((PROX_ROUTED_EXPERTS in s) == recorded and PROX_LOGPROBS not in s for s in shard.seqs)
         engine.config.router_replay = "r3"
         with pytest.raises(ValueError, match="router_replay='r3' but the batch carries no routed_experts"):
             ppo_update(engine, _ppo_batch(engine.model.args.vocab_size), AlgoConfig(), version=0, temperature=1.0)

@@ -16,7 +16,7 @@ from tandem.fleet.http import HttpFleet
 from tandem.rollout.config import RolloutConfig
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.health import HealthConfig
-from tandem.rollout.membership import ServerState
+from tandem.rollout.membership import MemberState
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import WeightSyncError
 from tandem.weights.updater import WeightUpdater
@@ -105,7 +105,7 @@ def test_a_server_killed_in_a_phase_leaves_the_update_to_the_others(pool, model_
             for s in survivors:
                 assert version_of(s) == str(version) and served_checksums(s) == want
             record = ctl.fleet.membership.record(victim.url)
-            assert record is not None and record.state is ServerState.EVICTED, record
+            assert record is not None and record.state is MemberState.EVICTED, record
             assert ctl.fleet.stats()["fleet/evicted_total"] == 1.0
             assert ctl.fleet.stats()["fleet/healthy"] == 2.0
             assert ctl.version.value == version
@@ -162,21 +162,21 @@ def test_a_stopped_server_is_evicted_and_after_sigcont_rejoins_through_warm_up(p
         victim.proc.send_signal(signal.SIGSTOP)
         try:
             bound = health.interval_s * health.failure_threshold + health.timeout_s + 1.0
-            evicted = wait_for_state(ctl, victim.url, ServerState.EVICTED, bound)
+            evicted = wait_for_state(ctl, victim.url, MemberState.EVICTED, bound)
             print(f"\nstopped server evicted after {evicted:.2f}s (bound {bound:.1f}s)")
             version = Versions.next()
             report = updater.update(version)
             assert victim.url not in report.servers and len(report.servers) == 2
         finally:
             victim.proc.send_signal(signal.SIGCONT)
-        wait_for_state(ctl, victim.url, ServerState.WARMING, 10.0)
+        wait_for_state(ctl, victim.url, MemberState.WARMING, 10.0)
         assert victim.url not in ctl.pool.addresses
         version = Versions.next()
         src = CheckpointSource(model_dir, scale=1.0 + version / 100)
         updater.source = updater.transport.source = src
         report = updater.update(version)
         assert report.warmed == (victim.url,) and set(report.servers) == {s.url for s in servers}
-        assert ctl.fleet.membership.record(victim.url).state is ServerState.HEALTHY
+        assert ctl.fleet.membership.record(victim.url).state is MemberState.HEALTHY
         assert victim.url in ctl.pool.addresses and ctl.fleet.stats()["fleet/joined_total"] == 1
         assert updater.transport.members == [servers[0].url, servers[2].url, victim.url]
         want = expected_checksums(src.tensors)
@@ -185,7 +185,7 @@ def test_a_stopped_server_is_evicted_and_after_sigcont_rejoins_through_warm_up(p
         assert not (tmp_path / "weights" / f"warmup-v{version:08d}").exists()  # the warm-up copy is gone
 
 
-def wait_for_state(ctl: RolloutController, address: str, state: ServerState, timeout: float) -> float:
+def wait_for_state(ctl: RolloutController, address: str, state: MemberState, timeout: float) -> float:
     start = time.monotonic()
     while ctl.fleet.membership.record(address).state is not state:
         assert time.monotonic() - start < timeout, f"{address} not {state.value} within {timeout}s: " \

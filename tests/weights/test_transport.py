@@ -20,7 +20,7 @@ import torch
 from tandem.fleet import ops
 from tandem.fleet.adapters import TandemAdapter
 from tandem.fleet.http import HttpFleet
-from tandem.fleet.protocol import call
+from tandem.fleet.interface import call
 from tandem.inference.server.app import bind
 from tandem.models import load_model
 from tandem.models.tiny import init_model

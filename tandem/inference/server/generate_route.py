@@ -73,13 +73,13 @@ def parse_generate(state: ServerState, raw: dict[str, Any]) -> SglangGenerate:
                        f"[0, {len(input_ids) - 1}] (the prompt has {len(input_ids)} tokens)")
     if top_n < 0:
         raise ApiError(f"field 'top_logprobs_num' = {top_n} must be >= 0")
-    routes = get_field(body, "return_routed_experts", bool, False)
-    if routes and not state.engine.routes_experts:
+    want_experts = get_field(body, "return_routed_experts", bool, False)
+    if want_experts and not state.engine.has_routed_experts:
         raise ApiError(f"return_routed_experts needs a mixture-of-experts model; {state.args.model_path} routes "
                        "no experts: drop the field")
-    routes_start = get_field(body, "routed_experts_start_len", int, 0)
-    if not 0 <= routes_start <= len(input_ids):
-        raise ApiError(f"field 'routed_experts_start_len' = {routes_start} must be in [0, {len(input_ids)}] "
+    experts_start = get_field(body, "routed_experts_start_len", int, 0)
+    if not 0 <= experts_start <= len(input_ids):
+        raise ApiError(f"field 'routed_experts_start_len' = {experts_start} must be in [0, {len(input_ids)}] "
                        "(the prompt's length)")
     stream = get_field(body, "stream", bool, False)
     text_logprobs = get_field(body, "return_text_in_logprobs", bool, False)
@@ -87,9 +87,9 @@ def parse_generate(state: ServerState, raw: dict[str, Any]) -> SglangGenerate:
         raise ApiError("return_text_in_logprobs needs a tokenizer; the model directory has none: drop the field")
     if prefill_only and stream:
         raise ApiError("sampling_params.max_new_tokens = 0 with stream: true is not supported; send stream: false")
-    request = GenerationRequest(rid, input_ids, params, return_logprob, stream, return_routed_experts=routes,
+    request = GenerationRequest(rid, input_ids, params, return_logprob, stream, return_routed_experts=want_experts,
                                 top_logprobs_num=top_n, logprob_start_len=start)
-    return SglangGenerate(request, text_logprobs, routes_start, prefill_only)
+    return SglangGenerate(request, text_logprobs, experts_start, prefill_only)
 
 
 def respond(state: ServerState, call: SglangGenerate, out: RequestOutput) -> dict[str, Any]:

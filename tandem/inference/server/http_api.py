@@ -164,7 +164,7 @@ def meta_info(out: RequestOutput, rid: str, return_logprob: bool, *, finished: b
 def encode_routed_experts(routes: torch.Tensor) -> str:
     """SGLang's wire form of `return_routed_experts` (docs/inference.md): the base64 of the
     `[prompt + output tokens - 1, num_hidden_layers, top_k]` int32 array's bytes, row-major,
-    little-endian. Decoded by `tandem.fleet.routes.decode_routed_experts`."""
+    little-endian. Decoded by `tandem.fleet.routed_experts.decode_routed_experts`."""
     array = routes.to(torch.int32).contiguous().numpy()
     return base64.b64encode(array.astype("<i4", copy=False).tobytes()).decode("ascii")
 

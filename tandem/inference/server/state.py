@@ -94,9 +94,9 @@ class ServerState:
                 gate.cancel()
                 if aborted.done():
                     prompt = len(req.input_ids)
-                    routes = self.engine.unknown_routes(prompt - 1) if req.return_routed_experts else None
+                    experts = self.engine.unknown_routed_experts(prompt - 1) if req.return_routed_experts else None
                     return [_queued_abort(req.rid, i, prompt, self.engine.weight_version, req.return_logprob,
-                                          routes) for i in range(req.params.n)]
+                                          experts) for i in range(req.params.n)]
         finally:
             self.waiting.pop(req.rid, None)
         return None

@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: a softmax top-k router over stacked SwiGLU experts, computed
 grouped (`grouped_swiglu`: one batched matmul per projection, no loop over tokens).
 
-A `Routing` passed down the model records routes and replays them; a replayed route fixes *which*
+A `Routing` passed down the model records the routed experts and replays them; a replayed row fixes *which*
 experts a token goes to, while its weights stay the live router probabilities (the router still
 gets gradients). `GroupedExperts.dispatch` is the seam expert parallelism replaces: assignments
 sorted by expert in, their outputs in the same order out. See docs/moe.md, "The model"."""

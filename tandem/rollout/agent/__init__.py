@@ -1,2 +1,3 @@
 """Agentic RL: the user's agent talks to an OpenAI-compatible proxy that records every call's exact
-tokens (docs/agents.md). `session` is the record, `proxy` the server, `workflow` the episode."""
+tokens (docs/agents.md). `session` is the record, `proxy` the server; the episode is
+`tandem.rollout.workflows.agent`."""

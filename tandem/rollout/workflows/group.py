@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.data.trajectory import Trajectory
 from tandem.rollout.client import InferenceClient
-from tandem.rollout.workflow import RolloutWorkflow, as_trajectories
+from tandem.rollout.workflows.base import RolloutWorkflow, as_trajectories
 
 
 class GroupWorkflow(RolloutWorkflow):

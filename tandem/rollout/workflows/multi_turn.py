@@ -18,13 +18,13 @@ from typing import Any
 
 from tandem.data.trajectory import PROMPT_VERSION, Trajectory
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import Routes, splice_routes
+from tandem.fleet.routed_experts import RoutedExperts, splice_routed_experts
 from tandem.rollout.chat_tokens import ChatTokens
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.errors import RewardError
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 from tandem.rollout.workflows.rlvr import prompt_ids_of, reward_fields
 
 _PLACEHOLDER = "\u2063tandem-assistant-turn\u2063"
@@ -99,11 +99,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         rid = uuid.uuid4().hex  # one rid for all turns: same server while it lives
         finishes: list[str] = []
         turn_rewards: list[float] = []
-        routes: Routes | None = None  # with routed experts: each turn's rows cover every token so far
+        routed: RoutedExperts | None = None  # with routed experts: each turn's rows cover every token so far
         for turn in range(self.max_turns):
             resp = await client.agenerate(ModelRequest(list(ids), self.params, max_tokens=self.max_tokens, rid=rid))
             if resp.routed_experts is not None:
-                routes = splice_routes(routes or [], resp.routed_experts)
+                routed = splice_routed_experts(routed or [], resp.routed_experts)
             ids += resp.output_ids
             mask += [1] * len(resp.output_ids)
             logprobs += resp.output_logprobs
@@ -123,10 +123,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
             versions += [PROMPT_VERSION] * len(fb_ids)
             if self.max_tokens is not None and len(ids) >= self.max_tokens:
                 break  # no room for another turn
-        if routes is not None:  # feedback after the last turn was never forwarded
-            layout = client.config.route_layout
+        if routed is not None:  # feedback after the last turn was never forwarded
+            layout = client.config.routed_expert_layout
             assert layout is not None
-            routes += [layout.unknown_row() for _ in range(len(ids) - len(routes))]
+            routed += [layout.unknown_row() for _ in range(len(ids) - len(routed))]
         return Trajectory(
             input_ids=ids,
             loss_mask=mask,
@@ -139,7 +139,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             finish_reasons=finishes,
             timing={"start": start, "end": time.time()},
             info={"turn_rewards": turn_rewards},
-            routed_experts=routes,
+            routed_experts=routed,
         )
 
 

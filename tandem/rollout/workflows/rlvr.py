@@ -15,7 +15,7 @@ from tandem.rollout.errors import RewardError
 from tandem.rollout.frontier import STREAM_INDEX, sampling_seed, stream_index_of
 from tandem.rollout.reward import RewardFn, RewardRunner
 from tandem.rollout.types import ModelRequest
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 
 # Item keys the workflow reads itself; everything else goes to the reward function as keywords.
 _RESERVED = ("input_ids", "messages", "prompt", "id", STREAM_INDEX)

@@ -3,7 +3,7 @@ and `shared_memory` (`shm`), each a `Transport` owning its buffers and in-flight
 
 from __future__ import annotations
 
-from tandem.fleet.protocol import Fleet
+from tandem.fleet.interface import Fleet
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.source import WeightSource
 from tandem.weights.transports.base import Transport, TransportOptions

@@ -1,11 +1,11 @@
 """The `Transport` interface of a weight update, and `StreamingTransport`, the export loop shared
 by the transports that send bucket by bucket (broadcast, shared memory).
 
-A transport owns its buffers and in-flight state between updates. The protocol
-(`tandem.weights.protocol`) calls, per update: `prepare` (every rank, before the pause), `open`
+A transport owns its buffers and in-flight state between updates. The two-phase update
+(`tandem.weights.two_phase`) calls, per update: `prepare` (every rank, before the pause), `open`
 (rank 0, generation paused), `stage` (every rank: the export is a collective; rank 0 sends each
 bucket staged), then `committed` or `rollback` (rank 0), and `close` at the end of its life.
-Every method that can fail returns the failure instead of raising, so the protocol always rolls
+Every method that can fail returns the failure instead of raising, so the update always rolls
 back and continues the servers.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.fleet.protocol import Fleet
+from tandem.fleet.interface import Fleet
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.packing import Packed, export_buckets, lives_in
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import Fleet, call
+from tandem.fleet.interface import Fleet, call
 from tandem.weights.calls import InFlight, wait_for
 from tandem.weights.group import WeightGroup, WeightGroupError, host_store, init_weight_group
 from tandem.weights.meta import WeightUpdateMeta

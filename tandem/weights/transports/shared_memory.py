@@ -18,7 +18,7 @@ import time
 import torch
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import Fleet
+from tandem.fleet.interface import Fleet
 from tandem.weights.calls import InFlight
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.packing import Packed, merge_packed, specs_of

@@ -17,7 +17,7 @@ then leaves those servers holding part of the update (the error says so): update
 from __future__ import annotations
 
 from tandem.fleet import ops
-from tandem.fleet.protocol import Fleet
+from tandem.fleet.interface import Fleet
 from tandem.weights.calls import failure_of, fleet_call
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed

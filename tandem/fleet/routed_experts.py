@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-Routes = list[list[list[int]]]  # [tokens][moe layers][top_k]
+RoutedExperts = list[list[list[int]]]  # [tokens][moe layers][top_k]
 
 
 @dataclass(frozen=True)
-class RouteLayout:
-    """What a MoE model's routes look like: `num_layers` on the wire's layer axis, `top_k` experts
+class RoutedExpertLayout:
+    """What a MoE model's routed experts look like: `num_layers` on the wire's layer axis, `top_k` experts
     per token and layer, and the `moe_layers` kept (ascending block indices, the layer axis of
     `Trajectory.routed_experts`)."""
 
@@ -34,12 +34,12 @@ class RouteLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         if self.num_layers < 1 or self.top_k < 1 or not self.moe_layers:
-            raise ValueError(f"a route layout needs layers, top_k >= 1 and MoE layers, got {self}")
+            raise ValueError(f"a routed-expert layout needs layers, top_k >= 1 and MoE layers, got {self}")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise ValueError(f"moe_layers {list(self.moe_layers)} are not layers of a {self.num_layers}-layer model")
 
     @classmethod
-    def of_args(cls, args: Any) -> RouteLayout | None:
+    def of_args(cls, args: Any) -> RoutedExpertLayout | None:
         """The layout of a model's args (`n_layers`, `num_experts_per_tok`, `moe_layers`), None for a
         dense model."""
         layers = list(getattr(args, "moe_layers", []) or [])
@@ -48,7 +48,7 @@ class RouteLayout:
         return cls(int(args.n_layers), int(args.num_experts_per_tok), tuple(layers))
 
     @classmethod
-    def of_model(cls, path: str | Path) -> RouteLayout | None:
+    def of_model(cls, path: str | Path) -> RoutedExpertLayout | None:
         """The layout of the HF model directory `path` (its config.json), None for a dense model.
         Imports the model registry (and torch): call it in the launcher, not in rollout workers."""
         from tandem.models import get_model_spec, read_hf_config
@@ -60,7 +60,7 @@ class RouteLayout:
         return [[-1] * self.top_k for _ in self.moe_layers]
 
 
-def decode_routed_experts(encoded: str, num_rows: int, layout: RouteLayout) -> Routes:
+def decode_routed_experts(encoded: str, num_rows: int, layout: RoutedExpertLayout) -> RoutedExperts:
     """`meta_info["routed_experts"]` -> `num_rows` rows of `[moe layers][top_k]` expert ids (the MoE
     layers of `layout`, in its order). ValueError if the payload does not hold `num_rows` rows of
     `[layout.num_layers, layout.top_k]` int32."""
@@ -72,7 +72,7 @@ def decode_routed_experts(encoded: str, num_rows: int, layout: RouteLayout) -> R
     if len(raw) != 4 * num_rows * width:
         raise ValueError(f"meta_info.routed_experts holds {len(raw)} bytes; {num_rows} tokens x "
                          f"{layout.num_layers} layers x top_k {layout.top_k} int32 need {4 * num_rows * width} "
-                         "(does the route layout match the served model?)")
+                         "(does the routed-expert layout match the served model?)")
     flat = array("i")
     assert flat.itemsize == 4
     flat.frombytes(raw)
@@ -87,9 +87,9 @@ def is_known(row: list[list[int]]) -> bool:
     return all(e >= 0 for experts in row for e in experts)
 
 
-def splice_routes(known: Routes, new: Routes) -> Routes:
-    """Routes of one sequence merged over its chunks: a resubmitted request's answer covers its
-    whole prefix again (the server reads the routes from the KV that produced its tokens, recomputed
+def splice_routed_experts(known: RoutedExperts, new: RoutedExperts) -> RoutedExperts:
+    """Routed experts of one sequence merged over its chunks: a resubmitted request's answer covers its
+    whole prefix again (the server reads them from the KV that produced its tokens, recomputed
     or cached), so `new` wins wherever it knows a row; `known` fills the rows `new` lacks or left
     unknown (-1: e.g. a chunk aborted while queued)."""
     out = [row if is_known(row) or t >= len(known) else known[t] for t, row in enumerate(new)]

@@ -29,7 +29,7 @@ from tandem.rollout.agent.proxy import AgentProxy
 from tandem.rollout.agent.session import AgentSession, SessionError
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.frontier import STREAM_INDEX
-from tandem.rollout.workflow import RolloutWorkflow
+from tandem.rollout.workflows.base import RolloutWorkflow
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float | dict[str, float]]]
 

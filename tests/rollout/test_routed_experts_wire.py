@@ -1,5 +1,5 @@
 """The wire form of routed experts (SGLang's `meta_info.routed_experts`): what `tandem serve`
-encodes, `tandem.fleet.routes` decodes; the layout checks; splicing a resubmitted request's
+encodes, `tandem.fleet.routed_experts` decodes; the layout checks; splicing a resubmitted request's
 chunks; the adapters' request fields."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 
 from tandem.fleet.adapters import UnsupportedOperation, adapter_for
 from tandem.fleet.generation import GenerationParams
-from tandem.fleet.routes import RouteLayout, decode_routed_experts, splice_routes
+from tandem.fleet.routed_experts import RoutedExpertLayout, decode_routed_experts, splice_routed_experts
 from tandem.inference.server.http_api import encode_routed_experts
 from tandem.rollout.client import ClientConfig
 
-LAYOUT = RouteLayout(num_layers=3, top_k=2, moe_layers=(0, 2))
+LAYOUT = RoutedExpertLayout(num_layers=3, top_k=2, moe_layers=(0, 2))
 
 
 def test_encoding_is_sglangs_int32_little_endian_base64_and_decodes_to_the_moe_layers():
@@ -37,15 +37,15 @@ def test_decoding_names_a_layout_that_does_not_match():
     with pytest.raises(ValueError, match="not base64"):
         decode_routed_experts("%%%", 4, LAYOUT)
     with pytest.raises(ValueError, match=r"moe_layers \[3\] are not layers of a 3-layer model"):
-        RouteLayout(3, 2, (3,))
+        RoutedExpertLayout(3, 2, (3,))
 
 
 def test_splice_takes_the_newest_known_rows():
     a, b, c, unknown = [[1, 2], [3, 4]], [[5, 6], [7, 0]], [[0, 1], [2, 3]], [[-1, -1], [-1, -1]]
-    assert splice_routes([a, b], [c, c, c]) == [c, c, c]  # a resubmission covers the prefix again
-    assert splice_routes([a, b, c], [unknown, unknown]) == [a, b, c]  # aborted while queued: keep
-    assert splice_routes([a], [unknown, b]) == [a, b]
-    assert splice_routes([], [unknown]) == [unknown]
+    assert splice_routed_experts([a, b], [c, c, c]) == [c, c, c]  # a resubmission covers the prefix again
+    assert splice_routed_experts([a, b, c], [unknown, unknown]) == [a, b, c]  # aborted while queued: keep
+    assert splice_routed_experts([a], [unknown, b]) == [a, b]
+    assert splice_routed_experts([], [unknown]) == [unknown]
 
 
 def test_adapters_ask_for_routes_and_parse_them():
@@ -62,8 +62,8 @@ def test_adapters_ask_for_routes_and_parse_them():
 def test_client_config_carries_the_layout_across_processes():
     from dataclasses import asdict
 
-    config = ClientConfig(route_layout=LAYOUT)
-    assert ClientConfig(**asdict(config)).route_layout == LAYOUT
+    config = ClientConfig(routed_expert_layout=LAYOUT)
+    assert ClientConfig(**asdict(config)).routed_expert_layout == LAYOUT
 
 
 def test_a_request_seed_reaches_every_server_kind_under_its_name():

@@ -1,26 +1,26 @@
-"""MoE routes in the training batch: routing replay (`actor.router_replay`) and route agreement.
+"""Routed experts in the training batch: routing replay (`actor.router_replay`) and route agreement.
 
 A batch may carry, per sequence, `[L, moe layers, top_k]` integer expert ids in input alignment
 (row t: the experts token t went through; layers in `args.moe_layers` order; a row holding a
 negative id is unknown and routes live):
 
 - `ROUTED_EXPERTS`: what the rollout server used (`Trajectory.routed_experts`);
-- `PROX_ROUTES`: what the trainer's own proximal-logprob pass used (routing replay r2).
+- `PROX_ROUTED_EXPERTS`: what the trainer's own proximal-logprob pass used (routing replay r2).
 
 Modes (`ROUTER_REPLAY` in `tandem.train.config`):
 - `off`: every forward routes live;
 - `r3`: every forward of the step (proximal pass and update passes) replays `ROUTED_EXPERTS`;
-- `r2`: the update passes replay `PROX_ROUTES`, which `tandem.train.rl_step` stores in the shard
-  after the proximal pass (`TrainEngine.forward_logprobs(..., record_routes=True)`); a forward of
+- `r2`: the update passes replay `PROX_ROUTED_EXPERTS`, which `tandem.train.rl_step` stores in the
+  shard after the proximal pass (`TrainEngine.forward_logprobs(..., record_experts=True)`); a forward of
   a batch without them routes live.
 
-A replayed route fixes which experts a token goes to; the gate weights are the live router
+A replayed row fixes which experts a token goes to; the gate weights are the live router
 probabilities of those experts (`tandem.models.common.moe.MoE`), so the router keeps its gradient.
 
-Route agreement: whenever a micro-batch carries server routes, its forward also records the
-router's *live* top-k (what it would choose, whether or not a route was replayed) and counts the
-(token, MoE layer) pairs whose live top-k set equals the server's set, over every token that has a
-server route (prompt tokens included: they shape the generated tokens' logprobs).
+Route agreement: whenever a micro-batch carries the server's routed experts, its forward also
+records the router's *live* top-k (what it would choose, whether or not a row was replayed) and
+counts the (token, MoE layer) pairs whose live top-k set equals the server's set, over every token
+that has a known server row (prompt tokens included: they shape the generated tokens' logprobs).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from tandem.train.config import TrainEngineConfig
 
 ROUTED_EXPERTS = "routed_experts"
-PROX_ROUTES = "prox_routes"
+PROX_ROUTED_EXPERTS = "prox_routed_experts"
 # Which batch key each mode replays.
-REPLAY_KEYS = {"off": None, "r2": PROX_ROUTES, "r3": ROUTED_EXPERTS}
+REPLAY_KEYS = {"off": None, "r2": PROX_ROUTED_EXPERTS, "r3": ROUTED_EXPERTS}
 
 
 def routing_for(
@@ -47,8 +47,8 @@ def routing_for(
     record: bool = False, keep_logits: bool = False,
 ) -> Routing | None:
     """The `Routing` of one micro-batch's forward (`tokens`: its per-token values in input
-    alignment, `[T, ...]`): replays the routes `mode` names when the micro-batch has them, records
-    the ids used when `record`, the live top-k when it carries server routes (for agreement), the
+    alignment, `[T, ...]`): replays the routed experts `mode` names when the micro-batch has them,
+    records the ids used when `record`, the live top-k when it carries the server's (for agreement), the
     router logits when `keep_logits`. None when there is nothing to do (dense models included)."""
     if not moe_layers:
         return None
@@ -63,29 +63,29 @@ def routing_for(
     return routing
 
 
-def split_layers(routes: torch.Tensor, moe_layers: Sequence[int], top_k: int, name: str = "routes"
+def split_layers(experts: torch.Tensor, moe_layers: Sequence[int], top_k: int, name: str = "routed experts"
                  ) -> dict[int, torch.Tensor]:
     """`[T, len(moe_layers), top_k]` -> `{layer index: [T, top_k]}` (the model's block indices)."""
     expected = (len(moe_layers), top_k)
-    if routes.ndim != 3 or tuple(routes.shape[1:]) != expected:
-        raise ValueError(f"{name} has shape {tuple(routes.shape)}, expected [tokens, {expected[0]} MoE layers, "
+    if experts.ndim != 3 or tuple(experts.shape[1:]) != expected:
+        raise ValueError(f"{name} has shape {tuple(experts.shape)}, expected [tokens, {expected[0]} MoE layers, "
                          f"top_k={expected[1]}] for this model")
-    return {layer: routes[:, i] for i, layer in enumerate(moe_layers)}
+    return {layer: experts[:, i] for i, layer in enumerate(moe_layers)}
 
 
 def stack_layers(per_layer: Mapping[int, torch.Tensor], moe_layers: Sequence[int]) -> torch.Tensor:
     """`{layer: [T, top_k]}` -> `[T, len(moe_layers), top_k]` int32 (the batch layout)."""
     missing = [layer for layer in moe_layers if layer not in per_layer]
     if missing:
-        raise ValueError(f"no routes recorded for MoE layers {missing}")
+        raise ValueError(f"no experts recorded for MoE layers {missing}")
     return torch.stack([per_layer[layer] for layer in moe_layers], dim=1).to(torch.int32)
 
 
 def agreement_counts(live: torch.Tensor, server: torch.Tensor) -> tuple[int, int]:
-    """(matching pairs, pairs) over the (token, layer) pairs of `[T, layers, top_k]` routes where
+    """(matching pairs, pairs) over the (token, layer) pairs of `[T, layers, top_k]` expert ids where
     the server's row is known (no negative id): a pair matches when both top-k *sets* are equal."""
     if live.shape != server.shape:
-        raise ValueError(f"live routes {tuple(live.shape)} and server routes {tuple(server.shape)} differ in shape")
+        raise ValueError(f"live experts {tuple(live.shape)} and server experts {tuple(server.shape)} differ in shape")
     known = (server >= 0).all(-1)
     same = (torch.sort(live.long(), -1).values == torch.sort(server.long(), -1).values).all(-1)
     return int((same & known).sum()), int(known.sum())
@@ -94,21 +94,21 @@ def agreement_counts(live: torch.Tensor, server: torch.Tensor) -> tuple[int, int
 def agreement_of(routing: Routing | None, tokens: Mapping[str, torch.Tensor], moe_layers: Sequence[int]
                  ) -> tuple[int, int]:
     """`agreement_counts` of a forward that ran with `routing_for(tokens, ...)`; (0, 0) when the
-    micro-batch has no server routes."""
+    micro-batch has no routed experts from the server."""
     if routing is None or not routing.record_live or ROUTED_EXPERTS not in tokens:
         return 0, 0
     live = stack_layers(routing.live, moe_layers)
     return agreement_counts(live, tokens[ROUTED_EXPERTS].to(live.device))
 
 
-def fill_missing_routes(seqs: Sequence[dict], moe_shape: tuple[int, int] | None = None) -> None:
+def fill_missing_routed_experts(seqs: Sequence[dict], moe_shape: tuple[int, int] | None = None) -> None:
     """Make `ROUTED_EXPERTS` a key of every sequence or of none (a `SequenceBatch` needs the same
-    keys everywhere): when some sequences have routes, the others get rows of -1 (route live)."""
+    keys everywhere): when some sequences have them, the others get rows of -1 (route live)."""
     shapes = {tuple(s[ROUTED_EXPERTS].shape[1:]) for s in seqs if ROUTED_EXPERTS in s}
     if not shapes:
         return
     if len(shapes) > 1:
-        raise ValueError(f"sequences carry routes of different shapes {sorted(shapes)} (MoE layers, top_k)")
+        raise ValueError(f"sequences carry routed experts of different shapes {sorted(shapes)} (MoE layers, top_k)")
     shape = moe_shape or shapes.pop()
     for s in seqs:
         if ROUTED_EXPERTS not in s:
@@ -132,7 +132,7 @@ def check_moe_options(config: TrainEngineConfig, moe_layers: Sequence[int], pipe
                           f"{config.path!r} has no MoE layers")
     if pipelined:
         raise ConfigError(f"{used[0]}={getattr(config, used[0])!r} is not supported with pipeline "
-                          "parallelism (routes are not passed to the stages)")
+                          "parallelism (routed experts are not passed to the stages)")
     if config.moe_aux_loss_coef > 0 and config.tp > 1:
         raise ConfigError(f"moe_aux_loss_coef={config.moe_aux_loss_coef:g} is not supported with tensor "
                           "parallelism yet (each TP rank holds the router logits of its own tokens)")
