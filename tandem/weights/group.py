@@ -1,26 +1,15 @@
 """An independent process group for weight transfer between separately started programs.
 
-The trainer's rank 0 and every inference server join a group of their own, next to whatever group
-the trainer already uses (FSDP, TP): it is built from its own `TCPStore` (hosted by trainer rank 0
-on `master_address:master_port`), not from `init_process_group`, so it never touches the default
-group. Both sides call `init_weight_group` with the same address, port, world size and name:
+Trainer rank 0 (hosting the group's own `TCPStore`) and every inference server call
+`init_weight_group` with the same address, port, world size and name; the group sits next to the
+trainer's own groups and never touches the default one. It forms as SGLang's and AReaL's do, so
+either side may be theirs; one formation per store (a re-formed group needs a new store). Its
+`ProcessGroup` is not registered with torch.distributed: use `WeightGroup.broadcast` / `destroy`
+(`dist.broadcast(group=...)` refuses it). The rendezvous in detail: docs/weight-sync.md,
+"Transports".
 
-    # trainer (rank 0)                          # server worker i (rank_offset + i)
-    g = init_weight_group(addr, port, 0, 2)     g = init_weight_group(addr, port, 1, 2)
-    g.broadcast(tensor)                         g.broadcast(buffer)   # receives into buffer
-    g.destroy()                                 g.destroy()
-
-Rendezvous, as SGLang's `init_weights_update_group` and AReaL's trainer form it (torch's `tcp://`
-rendezvous, then torch's group construction under a `PrefixStore(group_name)`), so either side may
-be Tandem's or theirs: every non-host member connects to the store *with the world size*, which
-counts it in the store's `init/` key (a store hosted by torch's rendezvous waits for that count);
-the group's keys lie under `PrefixStore(f"{name}/", PrefixStore(name, store))`, and each device's
-backend under a further `f"{device}/"` prefix (gloo: cpu, nccl: cuda), with torch's per-group
-sequence-number handshake. One formation per store: a re-formed group uses a new store (the
-trainer hosts a fresh one each time, as AReaL picks a fresh port). Backends are constructed
-directly and wrapped in a `ProcessGroup` that is not registered with torch.distributed: use the
-group's own methods (`dist.broadcast(group=...)` refuses such groups).
-"""
+    g = init_weight_group(addr, port, rank, 1 + n_servers)   # trainer: 0, server i: 1 + i
+    g.broadcast(tensor); g.destroy()                         # receivers get it in `tensor`"""
 
 from __future__ import annotations
 
@@ -112,7 +101,8 @@ def init_weight_group(master_address: str, master_port: int, rank: int, world_si
                       group_name: str = "weight_update_group", backend: str = "gloo",
                       timeout_s: float = DEFAULT_TIMEOUT_S, store: Any | None = None) -> WeightGroup:
     """Join (rank 0: host, unless `store` is given) the group; returns once all `world_size` joined.
-    Interoperates with SGLang's servers and AReaL's trainer (module docstring: "Rendezvous").
+    Interoperates with SGLang's servers and AReaL's trainer (docs/weight-sync.md, "Transports":
+    "Rendezvous, as SGLang and AReaL form it").
 
     Raises WeightGroupError when the store is unreachable or the peers do not all arrive within
     `timeout_s` (the same bound then applies to each collective)."""

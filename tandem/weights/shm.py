@@ -1,28 +1,13 @@
 """Shared-memory buckets for inference servers on the trainer's host (data plane only).
 
-A segment is a file in /dev/shm named `tandem-w-<pid>-<token>-<k>-<id>`; an update's buckets are
-written into it back to back, each tensor at an offset aligned to `ALIGN` bytes (the layout a
-distributed bucket uses in its flat buffer: `layout`, `pack`), so one segment normally holds the
-whole update and one announcement may cover several buckets (a window of the segment). Trainer
-rank 0 creates it and casts the tensors straight into it (`ShmWriter`). Zero-copy (what
-`WeightUpdater` does): the trainer writes two sets of segments in turn (ping-pong) and never the
-set the servers serve from; each server maps the announced window copy-on-write
-(`map_segment(private=True)`) and, at commit, its parameters become views of it: one cast by the
-trainer is the whole transfer, and every server on the host shares the same pages. Otherwise the
-server maps the window read-only, copies it into its own staging buffer and unmaps it while
-answering the request. The trainer keeps its segments between updates (their pages stay
-allocated) or unlinks them after each one; either way they are unlinked at close and after a
-failure (a server keeps serving from an unlinked segment it has mapped; the memory goes when its
-last mapping does). A trainer that dies without closing (SIGKILL included) leaves no segment
-either: each one is registered with the trainer's multiprocessing resource tracker before it is
-created, a helper process that outlives the trainer and unlinks what is still registered. Should
-both go at once, the segment's name carries the creator's pid, so `remove_stale_segments` can
-delete what they left behind (the scheduler does at teardown, the next updater at its start).
-
-On CUDA the same layout lives in one device buffer shared through a CUDA IPC handle
-(`cuda_ipc_handle` / `open_cuda_ipc`) instead of a file; the server reads a handle with an
-unpickler that resolves only what torch's CUDA tensor reduction contains.
-"""
+An update's buckets lie back to back in a /dev/shm segment (`tandem-w-<pid>-...`), each tensor at
+an `ALIGN`-byte offset (`layout`, `pack`: the flat layout of a distributed bucket). Trainer rank 0
+writes them (`ShmWriter`); a server maps the announced window (`map_segment`: copy-on-write to
+serve from it, else to copy out of it). Every segment is registered with the creator's resource
+tracker, so it is unlinked even when the trainer is killed; `remove_stale_segments` deletes what a
+dead creator left. On CUDA the layout is one device buffer behind an IPC handle (`cuda_ipc_handle`,
+`open_cuda_ipc`, read by an unpickler that resolves only torch's CUDA tensor reduction). Ping-pong
+sets, reuse and teardown: docs/weight-sync.md, "Transports" (shm)."""
 
 from __future__ import annotations
 

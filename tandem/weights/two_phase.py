@@ -3,16 +3,11 @@
     rank 0:     pause -> [open] -> stage -> commit -> [verify] -> version -> continue
     all ranks:  prepare (disk: save)   stage (the export's collectives)
 
-Nothing changes on a server until the commit, which swaps weights and version together. Any
-failure (a server's answer, a deadline, a broken group, a local error) discards what the servers
-staged, lets the transport undo its part, and still continues generation, on the previous
-weights. Returns rank 0's failure (other ranks return None; the caller agrees on the outcome).
-
-Servers without staged commit (`Capabilities.staged_commit` false: SGLang, vLLM) get SGLang's
-semantics instead: the transport's calls apply each bucket (or the checkpoint) on arrival, there
-is no commit or discard, and the version is set once every bucket landed. A failure part way
-then leaves those servers holding part of the update (the error says so): update them again.
-"""
+Nothing changes on a server until the commit, which swaps weights and version together; any
+failure discards what was staged, lets the transport undo its part, and still continues generation
+on the previous weights. Returns rank 0's failure (other ranks None; the caller agrees on the
+outcome). Servers without `Capabilities.staged_commit` apply each bucket on arrival, so a failure
+part way leaves them partly updated (the error says so). See docs/weight-sync.md, "One update"."""
 
 from __future__ import annotations
 

@@ -4,21 +4,12 @@
     report = updater.update(version)                                       # every rank, after a step
     updater.close()                                                        # every rank
 
-Only rank 0 talks to the fleet; every rank joins the source's collectives in the same order. One
-update, as rank 0 decides it and every rank follows (each decision is broadcast over the trainer's
-own process group before anyone acts on it, so no rank takes a branch alone):
-
-1. *plan*: the fleet's `Topology`: the members to update and the joining servers to warm.
-2. *warm-up* (when some are due): every rank joins `save_hf` into `meta.warmup_path()`; rank 0
-   loads it into the joiners, compares their checksums with the checkpoint's, and keeps those
-   that match. They join this update's targets (so a transfer group is rebuilt with them).
-3. *attempts*: `tandem.weights.two_phase.run_update` over a `FleetView` of the targets. A server
-   that fails an independent step is dropped by the view and the update goes on without it; a
-   collective step (the group, a broadcast bucket) that fails because of some servers ends the
-   attempt, and the next one goes to the others (a new group), within the update's deadline.
-4. rank 0 admits the warmed servers that hold the version; the outcome is broadcast, so every
-   rank returns the `UpdateReport` or raises `WeightSyncError` together.
-"""
+Only rank 0 talks to the fleet; it plans the update (the fleet's `Topology`), warms joining
+servers from a checkpoint, runs `two_phase.run_update` over a `FleetView` (retrying a failed
+collective on the other servers within the deadline) and admits the warmed ones. Each decision is
+broadcast over the trainer's process group before any rank acts on it, so every rank runs the same
+collectives and returns the `UpdateReport` or raises `WeightSyncError` together. See
+docs/weight-sync.md and docs/fleet.md, "Elastic membership"."""
 
 from __future__ import annotations
 

@@ -3,28 +3,12 @@ mixes into its worker class when started with
 
     --worker-extension-cls tandem.weights.vllm_worker.TandemWorkerExtension
 
-(`tandem.launch.vllm` passes it and puts this package on the server's PYTHONPATH). Its methods are
-called through vLLM's `/collective_rpc` route (VLLM_SERVER_DEV_MODE=1) by the vLLM adapter
-(`tandem.fleet.adapters.VLLMAdapter(extension=True)`), so vLLM servers take the same two-phase
-update as `tandem serve`:
-
-- `tandem_join_group`: join the trainer's transfer group (`tandem.weights.group`, gloo on CPU,
-  NCCL on GPU) as rank `rank_offset`; answers once the group is formed.
-- `tandem_stage_bucket`: receive one bucket over the group (one broadcast per tensor, or one flat
-  buffer) and keep it; `tandem_stage_disk`: remember a checkpoint directory to load.
-- `tandem_commit`: load what was staged into the served model with vLLM's in-place
-  `reload_weights` (checkpoint format: vLLM fuses q/k/v and gate/up and repacks its CPU GEMM
-  weights as at start-up); the staged set must be the model's full set of tensors. A tied model's
-  output head is loaded from the embedding (vLLM's CPU build keeps a packed copy of the head that
-  an embedding-only reload leaves stale).
-- `tandem_discard`: drop what was staged; `tandem_leave_group`: leave the group.
-
-Every method answers `{"success": bool, "message": str}` instead of raising, so the trainer reads
-the reason. Nothing touches the served weights before `tandem_commit`; the weight version lives in
-vLLM's API server and is set afterwards with `/update_weight_version`.
-
-Limit: one worker per server (tensor and pipeline parallel size 1): a group member is one process.
-"""
+Called through `/collective_rpc` by `VLLMAdapter(extension=True)`: `tandem_join_group`,
+`tandem_stage_bucket` / `tandem_stage_disk`, `tandem_commit` (vLLM's in-place `reload_weights` of
+the full staged set), `tandem_discard`, `tandem_leave_group`. Every method answers `{"success":
+bool, "message": str}` instead of raising; nothing touches the served weights before the commit,
+and the version is set afterwards with `/update_weight_version`. One worker per server (tensor and
+pipeline parallel size 1). See docs/engines.md, "Weight updates"."""
 
 from __future__ import annotations
 
@@ -213,5 +197,6 @@ class TandemWorkerExtension:
 
     def _tandem_with_head(self, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from tensors.items()
+        # vLLM's CPU build keeps a packed copy of the head that an embedding-only reload leaves stale.
         if self._tandem_tied() and HEAD not in tensors and EMBEDDING in tensors:
             yield HEAD, tensors[EMBEDDING]

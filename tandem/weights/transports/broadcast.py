@@ -1,15 +1,11 @@
 """Broadcast transport: the weights go over a transfer group formed with the servers (trainer rank
 0 is its rank 0, server i is 1 + i; gloo on CPU, NCCL on GPU).
 
-Each bucket is cast into one of two flat send buffers kept between updates and goes out as ONE
-broadcast when the servers take flat buckets (`Capabilities.flat_buckets`), else one broadcast per
-tensor (views of the same buffer). Pipelined (default): bucket k + 1 is gathered and cast while
-bucket k is broadcast by a worker thread; its announcement goes out once k is acknowledged, so at
-most one bucket is in flight. Serial: gather, send, wait, next. The group stays formed between
-updates (`keep_group`) and is torn down after a failure (the next update forms a fresh one) or
-when the servers to update are no longer the group's members (`retarget`: a server was evicted or
-admitted; the group is rebuilt at the next `open`).
-"""
+A bucket goes out as ONE broadcast of a flat send buffer when the servers take flat buckets
+(`Capabilities.flat_buckets`), else one per tensor. Pipelined (default): bucket k + 1 is gathered
+and cast while k is broadcast, at most one bucket in flight; serial: gather, send, wait, next. The
+group is kept between updates (`keep_group`), torn down after a failure, and rebuilt at the next
+`open` after `retarget` changed the servers. See docs/weight-sync.md, "Transports"."""
 
 from __future__ import annotations
 

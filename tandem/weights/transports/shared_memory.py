@@ -2,14 +2,11 @@
 into one /dev/shm segment (a CUDA IPC buffer per bucket on GPU), which the servers map and, at
 commit, serve from without a copy.
 
-Segments come in two sets written in turn (ping-pong): the servers serve from the set of the last
-committed update (`ShmBucket.zero_copy`) while the next update writes the other. One announcement
-is in flight at a time; the trainer does not wait for it between buckets, and whatever it cast
-meanwhile goes out together in the next announcement (the window of the segment it spans), so a
-fast cast of many small buckets costs few round trips. Segments are kept between updates
-(`shm_reuse`) and unlinked at `close`, after a failure, or (a dead trainer's) by the next transport;
-without `shm_reuse` every segment is unlinked when its update ends (servers keep their mappings).
-"""
+Two segment sets are written in turn (ping-pong), so the trainer never writes the set the servers
+serve from (`ShmBucket.zero_copy`). One announcement is in flight at a time, covering whatever was
+cast meanwhile. Segments are kept between updates (`shm_reuse`) and unlinked at `close`, after a
+failure, or (a dead trainer's) by the next transport; without `shm_reuse` when each update ends.
+See docs/weight-sync.md, "Transports" (shm)."""
 
 from __future__ import annotations
 
