@@ -1,18 +1,8 @@
-"""One `ServerAdapter` per kind of inference server: how each fleet operation and the generate call
-become that server's HTTP route and body, how its answers read, and what it can do (`Capabilities`,
-which the weight-update protocol consults).
-
-- `tandem`: SGLang's native protocol plus Tandem's extensions (staged buckets with commit/discard,
-  flat buckets, shared-memory buckets, checksums).
-- `sglang`: SGLang's native protocol as SGLang serves it: each bucket is applied on arrival.
-- `vllm` (`VLLMAdapter`): generation through the OpenAI completions route; pause
-  (abort), resume, version and disk loads through vLLM's RL/dev routes, each applied on arrival;
-  with Tandem's worker extension also transfers over a group and staged commit
-  (`tandem.weights.vllm_worker`).
-
-An operation an adapter cannot serve raises `UnsupportedOperation` naming the server kind and the
-operation; it never falls through to a wrong route.
-"""
+"""One `ServerAdapter` per kind of inference server (`tandem`, `sglang`, `vllm`): how each fleet
+operation and the generate call become that server's HTTP route and body, how its answers read,
+and what it can do (`Capabilities`, which the weight-update protocol consults). An operation an
+adapter cannot serve raises `UnsupportedOperation` naming the server kind and the operation; it
+never falls through to a wrong route. The kinds: docs/fleet.md, "Server kinds and capabilities"."""
 
 from __future__ import annotations
 

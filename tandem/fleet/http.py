@@ -1,15 +1,10 @@
-"""`HttpFleet`: the `Fleet` interface straight to a list of server addresses over HTTP.
+"""`HttpFleet`: the `Fleet` interface straight to a fixed list of server addresses over HTTP.
 
-Every operation fans out to its targets (default: every address) at once from one background event-loop thread (aiohttp,
-one session, kept-alive connections, no polling) through the servers' `ServerAdapter`, and collects
-one `ServerResult` per server: its answer, that it could not be reached, or that it did not answer
-within the operation's deadline (`Deadlines.seconds(op.deadline)`).
-
-`set_version(v)` right after a commit to `v` that the targets acknowledged costs nothing: the
-commit set the version together with the weights, so nothing is sent. Its membership is fixed:
-`topology()` names every address as a member and nothing warms (the controller's fleet is the
-elastic one).
-"""
+Every operation fans out to its targets (default: every address) at once from one background
+event-loop thread (aiohttp, kept-alive connections) through the servers' `ServerAdapter`, and
+collects one `ServerResult` per server: its answer, unreachable, or no answer within the
+operation's deadline. A `set_version(v)` the targets' acknowledged commit to `v` already set sends
+nothing. Not elastic: `topology()` names every address as a member and nothing warms."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """`RUN_DIR/controller.json`: how servers and tools outside a run reach its controller.
 
-`tandem train` writes it once its rollout controller is up and removes it when the run ends:
-
     {"address": "http://127.0.0.1:PORT", "token": "...", "api_key": "..." or null, "pid": 1234}
 
-`address` is the controller's callback server; `token` the join token (it grants joining and
-reading the membership, nothing else); `api_key` the key the run's servers require, so a server
-that joins can require the same; `pid` the controller's process. The file is created with mode
-0600 (never readable by other users, not even for an instant) and replaced atomically.
-`ControllerClient` is what `tandem serve --join` and `tandem fleet` use.
-"""
+`tandem train` writes it (mode 0600 from creation, replaced atomically) once its controller is up
+and removes it when the run ends; the token grants joining and reading the membership only.
+`ControllerClient` is what `tandem serve --join` and `tandem fleet` use. See docs/fleet.md,
+"Joining a running run"."""
 
 from __future__ import annotations
 

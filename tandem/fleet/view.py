@@ -1,14 +1,10 @@
 """`FleetView`: the servers one weight update works with, which shrinks as servers fail.
 
-A view holds `targets`, a subset of a fleet's servers in a fixed order, and sends every operation
-to them only. When it may `shrink` (the fleet is elastic: its owner evicts servers an update leaves
-out), an operation that is not `collective` and fails on some targets but succeeds on at least one
-*drops* the failing ones (`dropped` keeps what each said) and answers with the
-survivors' results: a pause, a staged bucket in shared memory, a disk load, a commit on one server
-does not depend on the others, so the update goes on without the failed server. A collective
-operation (forming the transfer group, a broadcast bucket) or a failure on every target is raised
-as `FleetError`: the caller decides (`blamed` names who to leave out of the next attempt).
-"""
+A view sends every operation to its `targets` only. When it may `shrink` (an elastic fleet), an
+operation that is not `collective` and fails on some targets but not all drops those (`dropped`
+keeps what each said) and answers with the survivors' results. A collective operation, or a
+failure on every target, raises `FleetError`; `blamed` names who to leave out of the next attempt.
+See docs/fleet.md, "Elastic membership"."""
 
 from __future__ import annotations
 
