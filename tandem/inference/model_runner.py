@@ -1,17 +1,11 @@
 """Runs the trainer's native model over a step's sequences with a paged KV cache.
 
-Owns the KV tensors (one `[n_kv_heads, num_blocks + 1, block_size, head_dim]` k and v per layer, all
-in one `[n_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim]` tensor), turns a scheduled
-batch into packed inputs + attention metadata (built once per step, shared by every layer), and
-returns float32 logits of each sequence's last position (the only ones sampling needs). A MoE
-model's runner also records the experts every forwarded token was routed to, per KV slot
-(`tandem.inference.routed_expert_cache`).
-
-The extra block (`pad_block`, id `num_blocks`, outside the block manager's range) is what block
-tables and key chunks are padded with. Nothing writes it, so it stays zero: padded keys are masked
-out of attention but still read (a masked weight of 0 times an inf value is NaN), and padding with
-a live block would let one sequence's non-finite KV reach another's output.
-"""
+Owns the KV tensors (one `[n_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim]`
+tensor), turns a scheduled batch into packed inputs + attention metadata (once per step, for every
+layer) and returns float32 logits of each sequence's last position. The extra block (`pad_block`,
+outside the block manager's range) pads block tables and key chunks and is never written. A MoE
+model's runner also records each forwarded token's experts per KV slot
+(`tandem.inference.routed_expert_cache`). See docs/inference.md, "KV cache and attention"."""
 
 from __future__ import annotations
 
@@ -32,6 +26,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         args = model.args
+        # Pads block tables and key chunks and is never written: padded keys are masked but still read,
+        # and a masked weight of 0 times a live block's inf is NaN.
         self.pad_block = num_blocks
         shape = (args.n_layers, 2, args.n_kv_heads, num_blocks + 1, block_size, args.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -1,24 +1,12 @@
 """Attention over a paged KV cache, pure PyTorch (any device).
 
-The KV cache of one layer is `[n_kv_heads, num_blocks, block_size, head_dim]` for k and for v: the
-keys of one head and one block are contiguous, so gathering the blocks a step reads
-(`index_select` on dim 1) yields `[n_kv_heads, ..., keys, head_dim]` ready for batched matmuls, no
-permute. A step's tokens are packed like the training path (`cu_seqlens_q`); each sequence's keys
-are the ones already cached plus its new ones, found through its block table.
-
-Two paths:
-- **Prefill** (`paged_attention`): sequences padded to the longest query and context, one masked
-  SDPA; the path a CUDA kernel (flash-attn / flashinfer with a block table) replaces.
-- **Decode** (`decode_attention`, one new token per sequence): *cascade* attention in key chunks.
-  The n samples of a request (and any sequences with the same cached prefix) share their prompt's
-  full blocks: those keys are attended ONCE per group, with the group's queries stacked as rows of
-  one matmul (the prefix pass); each sequence's own blocks form the suffix pass. Keys are cut into
-  chunks of a few blocks, so nothing is padded to the longest context; each chunk yields scores for
-  its task's query rows, and the softmax over a task's chunks, then over prefix and suffix, is
-  combined exactly with log-sum-exp (running max `m`, sum of exponentials `den`, weighted values `o`).
-  The gather indices, masks and group layout are built once per step (`build_decode_metadata`) and
-  reused by every layer.
-"""
+A layer's cache is `[n_kv_heads, num_blocks, block_size, head_dim]` for k and for v; a step's
+tokens are packed as in training (`cu_seqlens_q`) and each sequence's keys are found through its
+block table. `paged_attention` serves prefills (one masked SDPA over padded sequences);
+`decode_attention` serves decodes (cascade attention in key chunks: a shared prompt prefix is read
+once per group, combined exactly by log-sum-exp), with indices built once per step by
+`build_decode_metadata`. These are what a CUDA kernel replaces. See docs/inference.md, "KV cache
+and attention"."""
 
 from __future__ import annotations
 

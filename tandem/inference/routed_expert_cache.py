@@ -1,16 +1,10 @@
 """Routed experts per KV slot: which experts each cached token went through in every MoE layer.
 
-A MoE model's engine keeps, beside the KV cache, one `[num_blocks + 1, block_size, moe_layers,
-top_k]` tensor of expert ids (int16 while the expert count fits, else int32; -1 = never written).
-Every forward writes the ids its MoE layers chose at the step's slot mapping, the same slots its
-keys and values go to; copy-on-write copies them with the blocks. So the ids live exactly as
-long as the KV they produced: a prefix-cache hit, a forked sample sharing its prompt's blocks, or a
-sequence re-prefilled after preemption all still know the experts of their cached tokens, and a
-finished request's ids are read through its block table (as SGLang reads them through its
-request-to-token map).
-
-Dense models have no routed-expert cache (`RoutedExpertCache.for_model` returns None): they pay nothing.
-"""
+`RoutedExpertCache` holds one `[num_blocks + 1, block_size, moe_layers, top_k]` tensor of expert
+ids (-1 = never written), written at each forward's slot mapping and copied with the blocks, so
+the ids live exactly as long as the KV they came with; a finished request's are read through its
+block table. Dense models have none (`RoutedExpertCache.for_model` returns None). See
+docs/inference.md, "Routed experts (MoE models)"."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""Token sampling for one step: penalties, min_new_tokens, temperature/greedy, top-k, top-p.
+"""Token sampling for one step: penalties, min_new_tokens, temperature/greedy, top-k, top-p, min-p.
 
 Returned logprob: for the sampled token t, `log_softmax(logits / T)[t]` in float32, where `logits`
-are the model's raw logits and T the request's temperature (T = 1 for greedy). It is taken BEFORE
-penalties, min_new_tokens masking and top-k/top-p filtering, so it is exactly the quantity the
-trainer recomputes from the same weights (a filtered distribution would put -inf on tokens the
-trainer's model gives mass to).
-
-Sampling order: penalties (frequency/presence over the output so far; repetition, SGLang's, over
-prompt + output: a positive logit divided by it, a negative one multiplied) -> mask stop tokens
-until min_new_tokens -> greedy argmax, or divide by T -> top-k -> top-p over what top-k left ->
-min-p (drop tokens whose probability is below min_p times the most likely one's) -> draw. A draw is an inverse-CDF
-lookup of one uniform from the sequence's own generator (so a seeded request draws the same tokens
-whatever else shares its batch), done in two levels (token blocks, then tokens) so no full-width
-cumulative sum is needed. Work a batch does not need is skipped: penalties only for sequences that
-have them, top-k/top-p only when a row filters, one shared normaliser when the sampling
-distribution is the logprob's.
-"""
+are the model's raw logits and T the request's temperature (T = 1 for greedy), taken BEFORE
+penalties, min_new_tokens masking and any filtering: exactly what the trainer recomputes. A draw
+uses one uniform from the sequence's own generator, so a seeded request draws the same tokens
+whatever shares its batch. The order and the draw: docs/inference.md, "Sampling and logprobs"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Continuous batching: which sequences run in the next step, and preemption when blocks run out.
 
-Policy (each `schedule()` call is one model step):
-- Prefill first: admit waiting sequences in FIFO order while they fit `max_num_seqs` (a request
-  with n samples counts n), `max_num_batched_tokens` (the first prefill of a step may exceed it
-  alone, so a long prompt cannot stall the queue) and the free blocks. If any were admitted, the
-  step is a prefill of exactly those sequences.
-- Otherwise every running sequence decodes one token. When a sequence cannot get a slot, the most
-  recently admitted running sequence is preempted (by recompute: its blocks are freed and it goes
-  back to the front of the waiting queue with its tokens, so re-prefilling prompt + output continues
-  it exactly); a sequence that is alone and still does not fit preempts itself.
-Sequences leave the running queue as soon as they finish, so the batch changes every step.
-"""
+Each `schedule()` call is one model step: a prefill of the waiting sequences admitted in FIFO
+order under `max_num_seqs`, `max_num_batched_tokens` and the free blocks, else one decode token
+for every running sequence. A decode that finds no block preempts the most recently admitted
+running sequence by recompute (back to the front of the waiting queue with its tokens). See
+docs/inference.md, "Scheduling policy"."""
 
 from __future__ import annotations
 
@@ -50,6 +44,7 @@ class Scheduler:
             seq = self.waiting[0]
             if num_seqs + seq.fork_n > self.max_num_seqs:
                 break
+            # The first prefill may exceed the budget alone, so a long prompt cannot stall the queue.
             if batch and num_tokens + len(seq) > self.max_num_batched_tokens:
                 break
             if not self.block_manager.can_allocate(seq):
@@ -69,7 +64,7 @@ class Scheduler:
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
-                else:
+                else:  # alone and still no block: it preempts itself
                     self.preempt(seq)
                     break
             else:

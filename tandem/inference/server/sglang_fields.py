@@ -1,18 +1,8 @@
 """Every field of SGLang's `/generate` request (`GenerateReqInput`) and its `sampling_params`
-(`SamplingParams`), sorted into what `tandem serve` does with it (docs/inference.md, "SGLang fields").
-
-- honoured: parsed and acted on by the route (`HONOURED_*`).
-- accepted: no effect on what this server computes (routing hints, metrics, multimodal fields sent
-  empty); any value is taken (`ACCEPTED_*`).
-- refused unless neutral: the field asks for something this server cannot do exactly (grammars,
-  LoRA, multimodal data, ...). Its neutral value (null, false, 0, "", [], {}, or the SGLang default
-  named in `NEUTRAL`) is accepted, since clients send defaults; anything else is a 400 naming the
-  field and why (`REFUSED_*`).
-
-Numbers as strings: SGLang's HTTP server validates the top-level fields with pydantic (lax), so
-"5" and 5.0 are integers and "true", "yes", 1 booleans there; `sampling_params` is a plain dict handed to its
-`SamplingParams` unvalidated, so its numbers must be JSON numbers. This module does the same.
-"""
+(`SamplingParams`), sorted into what `tandem serve` does with it: honoured (`HONOURED_*`), accepted
+with no effect (`ACCEPTED_*`), or refused unless neutral (`REFUSED_*`, neutral values in
+`NEUTRAL`: a 400 names the field and why). Numbers in strings as SGLang takes them: lax at the top
+level, JSON numbers inside `sampling_params`. See docs/inference.md, "SGLang fields"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""`WeightReceiver`: all weight-update state of one server and the work behind its weight routes
-(docs/weight-sync.md, docs/inference.md "Weight updates").
+"""`WeightReceiver`: all weight-update state of one server and the work behind its weight routes.
 
-Every update is staged and validated before anything is swapped (names, shapes, finite values); a
+Every update is staged and validated (names, shapes, finite values) before anything is swapped; a
 refused one raises ControlError and the previous weights and version keep serving. Bucket 0 (or a
-one-shot update) starts a new staged set, dropping any earlier one; bucket k > 0 must follow
-bucket k - 1; any failed bucket drops the whole set. Flat distributed buckets and copied
-shared-memory buckets land in persistent staging buffers, one per bucket index. Ping-pong: when a
-whole set came in that way (or as zero-copy segments) in the serving dtype, the swap rebinds every
-parameter to its view (no copy) and the buffers that backed the parameters until then become the
-next update's staging buffers; otherwise the swap copies into the parameters in place.
-"""
+one-shot update) starts a new staged set; bucket k > 0 must follow k - 1; a failed bucket drops
+the whole set. Staging buffers are ping-ponged with the live weights where the swap can rebind
+(no copy). See docs/weight-sync.md, "Transports", and docs/inference.md, "Weight updates"."""
 
 from __future__ import annotations
 
