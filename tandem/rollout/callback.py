@@ -1,16 +1,11 @@
 """`RolloutCallback`: the trainer workers' `Fleet`, reached through the rollout controller.
 
-`send(op, request, targets)` POSTs `{"request": ..., "targets": ...}` (`tandem.fleet.wire`) to the
-controller's `/fleet/{op.name}` with the run's secret; the controller runs it on its own fleet (the
-targets, or its members) and answers with the per-server results. `topology()` and `admit()` are
-`GET /fleet/topology` and `POST /fleet/admit`. Deadlines and capabilities come from the
-controller (`GET /fleet/info`, fetched once), so this side never gives up before the controller's
-per-server timeouts, which name the server. Failures raise `FleetError` naming the phase and each
-failing server, or the controller when it could not be reached or refused the secret.
-
-A callback is two strings: pickle it into a worker process, or pass `callback.env()` and rebuild it
-there with `RolloutCallback.from_env()`.
-"""
+Every operation, `topology()` and `admit()` go to the controller's callback routes with the run's
+secret; the controller runs them on its own fleet. Deadlines and capabilities come from the
+controller (read once), so the controller's per-server timeouts fire first. Failures raise
+`FleetError` naming the phase and each failing server, or the controller itself. A callback is two
+strings: pickle it into a worker process, or pass `callback.env()` and rebuild it there with
+`RolloutCallback.from_env()`. See docs/rollout.md, "Controller and callbacks"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """The rollout controller's callback server: a FastAPI app under uvicorn on an event loop of its
-own, in a daemon thread, that trainer workers (`RolloutCallback`) and rollout worker processes
-reach over HTTP with the run's secret. Control plane only.
+own, in a daemon thread, that trainer workers (`RolloutCallback`), rollout worker processes,
+`tandem fleet` and joining servers reach over HTTP. Control plane only.
 
-| route | caller | effect |
-|---|---|---|
-| `POST /fleet/{op}` | `RolloutCallback` in trainer workers | every operation of `tandem.fleet.ops.OPS`: the body is `{"request": <the request, tandem.fleet.wire>, "targets": [addresses] or null}`, the answer the `FleetResult` |
-| `GET /fleet/info` | `RolloutCallback` | servers, health, world size, version, capabilities, the fleet's deadlines |
-| `GET /fleet/topology` | `RolloutCallback` | the `Topology` a weight update works with |
-| `POST /fleet/admit` | `RolloutCallback` | `{"addresses": [...], "version": int}`: warmed servers joined the group |
-| `GET /fleet/members` | `tandem fleet` (join token) | every server's state, version, load and last error |
-| `POST /fleet/join` | `tandem serve --join` (join token) | `{"address": str, "pid": int or null}`: a new server |
-| `POST /rollout/episode` | rollout worker processes | one finished episode; resolves the future its executor slot awaits |
-| `POST /rollout/worker_ready` | rollout worker processes | a worker is up |
-
-Every route needs `Authorization: Bearer <secret>` (constant-time comparison), the two marked
-with the join token also take `Bearer <join token>` (which `RUN_DIR/controller.json` holds and
-which grants nothing else); 401 otherwise.
-Fleet operations are awaited as futures off the controller's fleet, so a long transfer never
-blocks a worker's report. Nothing polls: uvicorn's main loop here waits on
-an event (its stock one wakes every 0.1 s to check a flag).
-"""
+Every route needs `Authorization: Bearer <secret>` (constant-time comparison); `GET /fleet/members`
+and `POST /fleet/join` also take the join token; 401 otherwise. Fleet operations are awaited as
+futures, so a long transfer never blocks a worker's report. The routes: docs/rollout.md,
+"Controller and callbacks"."""
 
 from __future__ import annotations
 

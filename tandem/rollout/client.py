@@ -1,21 +1,12 @@
-"""The inference client: interruptible generation over a pool of servers (protocol.md section 5).
+"""The inference client: interruptible generation over a pool of servers.
 
-`agenerate` loops: POST the current ids (prompt + everything generated so far) with the remaining
-budget, append what comes back, tag each new token with the weight version that produced it, and
-resubmit after an `abort` (a weight update paused the server) until the server says stop/length or
-the budget is spent. Transport failures are retried with exponential backoff, on another server when
-the first one is gone (a *resubmission*: prompt + the tokens received so far, their versions kept),
-all inside one deadline per request; while no server may serve (the fleet is warming up or every
-server was evicted) the request waits, inside the same deadline. A call in flight to a server that
-the membership evicts (`ServerPool.abandon`: a stopped server never answers nor closes) is given up
-at once and resubmitted the same way, not left to its call timeout or the request's deadline.
-
-With `ClientConfig.routed_expert_layout` (a MoE model; routing replay) every call asks for the
-routed experts, and the response carries them for prompt and output (`ModelResponse.routed_experts`). A
-resubmitted call's answer covers the whole prefix again (the server reads them from the KV that
-made its tokens), so each chunk's rows replace the earlier ones wherever they are known
-(`splice_routed_experts`).
-"""
+`agenerate` POSTs prompt + everything generated so far with the remaining budget, tags each new
+token with the weight version that produced it, and resubmits after an `abort` (a weight update)
+until stop/length or the budget is spent. Transport failures are retried with backoff, on another
+server when needed (the tokens so far and their versions kept), all inside one deadline per
+request; a call to a server the membership evicts is given up at once and resubmitted. With
+`ClientConfig.routed_expert_layout` (MoE) the response carries the routed experts
+(`splice_routed_experts`). See docs/rollout.md, "The inference client"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """`RolloutController`: the rollout side of the controller process.
 
-It owns the servers as the rollout side sees them (the `ElasticFleet`: membership, health
-monitor, routing; the `ServerPool`, its `InferenceClient`, the `WeightVersion`), the
-`WorkflowExecutor` (episodes, the one `StalenessManager`), optional rollout worker processes, and
-the callback server (`callback_server.py`) through which trainer workers (`RolloutCallback`),
-rollout workers, `tandem fleet` and joining servers reach it.
-
-It is a `Fleet` itself: `send(op, request, targets)` forwards any operation to the elastic fleet
-(which evicts servers that fail). Three operations get behaviour around them (protocol.md section
-5 step 4): `pause_generation` stops dispatching new episodes before the servers pause;
-`continue_generation` resumes dispatch after they continue; a successful `set_version` moves the
-`WeightVersion` (capacity grows) before the caller hears of it. Episodes start only while at least
-`rollout.min_servers` servers are healthy; after `rollout.min_servers_grace_s` below that, the
-rollouts fail with `FleetTooSmall` (the run ends saying why).
-"""
+It owns the `ElasticFleet` (membership, health monitor, routing), the `ServerPool`, its
+`InferenceClient`, the `WeightVersion`, the `WorkflowExecutor` (the one `StalenessManager`),
+optional rollout worker processes and the callback server. It is a `Fleet`: `send` forwards any
+operation to the elastic fleet, and `pause_generation` stops dispatch before the servers pause,
+`continue_generation` resumes it after they continue, and a successful `set_version` moves the
+`WeightVersion` before the caller hears of it. Episodes start only while `rollout.min_servers`
+are healthy; after `min_servers_grace_s` below that, rollouts fail with `FleetTooSmall`. See
+docs/rollout.md, "Controller and callbacks"."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """`ElasticFleet`: the controller's `Fleet`, over a membership that changes while the run goes on.
 
-It owns the `Membership` (who is joining, warming, healthy, suspect, evicted), the `HealthMonitor`
-that probes every server on a timer, and the `HttpFleet` that carries the operations. What it does:
-
-- routing: the healthy set goes to the `ServerPool` (and to whoever else `watch`es it: rollout
-  worker processes), so only healthy servers get requests;
-- operations: `send(op, request, targets)` goes to `targets`, by default the members (healthy and
-  suspect). A server that fails an operation that is not collective is evicted (a collective one
-  fails on every server when one dies; the trainer leaves the culprit out of its next attempt).
-  A `set_version(v)` that succeeds evicts every member it did not reach: such a server missed
-  the update and would serve stale weights (it comes back through warm-up);
-- weight updates: `topology()` and `admit()` (see `tandem.fleet.interface.Topology`);
-- joins: `join(address, pid)` registers a server (`tandem serve --join`), which the monitor moves
-  on to warming once it answers;
-- size: while fewer than `min_servers` are healthy the controller holds rollouts back
-  (`ready`); after `min_servers_grace_s` of that, `on_too_small` is told once.
-"""
+It owns the `Membership`, the `HealthMonitor` and the `HttpFleet` that carries the operations; the
+healthy set goes to the `ServerPool` and to every `watch`er. `send(op, request, targets)` goes to
+`targets`, by default the members; a server that fails an operation that is not collective is
+evicted, and a successful `set_version` evicts every member it did not reach (it would serve stale
+weights). `topology()` / `admit()` serve weight updates, `join(address, pid)` registers a server,
+and `ready` holds rollouts back while fewer than `min_servers` are healthy (`on_too_small` is told
+once after `min_servers_grace_s`). See docs/fleet.md, "Elastic membership"."""
 
 from __future__ import annotations
 

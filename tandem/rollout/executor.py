@@ -1,24 +1,12 @@
 """The workflow executor: episodes run on an asyncio loop in a thread, bounded by staleness.
 
-Callers (the controller's thread) submit items; the loop thread starts an episode whenever the
-staleness capacity allows and dispatch is not paused. Nothing polls: a submission, a finished
-episode, a new weight version and `resume` each trigger one dispatch pass on the loop, and finished
-episodes notify a `threading.Condition` that `wait` / `prepare_batch` block on.
-
-Order (`ExecutorConfig.order`):
-- "dispatch" (default): accepted episodes are handed out in the order they were *started*; an
-  episode that is still running holds back younger finished ones. This makes the staleness bound
-  hold for every trajectory (docs/rollout.md derives it).
-- "completion": handed out as they finish; no head-of-line wait, but a straggler overtaken by
-  younger episodes can be consumed later than the bound promises.
-
-Failures: an episode whose workflow raises is counted as failed (and rejected). Identical errors
-are logged once with their traceback, then as a running count (`tandem.log_repeats`). When
-`max_consecutive_failures` episodes in a row failed (no accepted episode in between), the executor
-stops starting episodes and every waiter gets `EpisodeFailureStorm`, naming the count and the
-first error of the streak: a broken reward or a server refusing every request ends a run instead
-of burning the dataset.
-"""
+Callers submit items; the loop starts an episode whenever the staleness capacity allows and
+dispatch is not paused, and finished episodes notify a `threading.Condition` that `wait` /
+`prepare_batch` block on (nothing polls). `ExecutorConfig.order`: "dispatch" (default) hands out
+accepted episodes in start order, which makes the staleness bound hold for every trajectory;
+"completion" hands them out as they finish. A failed episode is rejected; after
+`max_consecutive_failures` in a row every waiter gets `EpisodeFailureStorm`. See docs/rollout.md,
+"The staleness bound" and "The executor"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The trained frontier of a run's item stream, and the sampling seeds derived from it.
 
-A run draws its train items from one ordered stream; each drawn item carries its position in it
-(`item[STREAM_INDEX]`, set by the loader). An item is *resolved* once its episode was handed to
-the trainer or rejected (failed, filtered). The frontier is the lowest position not resolved yet:
-every item before it is done with, for good. A checkpoint saves the frontier and the resolved
-positions beyond it (`FrontierState`); a resumed run draws again from the frontier and skips
-those, so the items that were in flight, queued or ready but untrained at the save are drawn
-again, and none is trained twice or skipped.
-
-`sampling_seed` derives a request's seed from (run seed, stream position, sample index), and
-`continuation_seed` the seed of each call that continues it after an abort: an item drawn again
-after a resume asks the servers for the same tokens.
-"""
+Each drawn item carries its stream position (`item[STREAM_INDEX]`); it is *resolved* once its
+episode was handed to the trainer or rejected. The frontier is the lowest unresolved position;
+`FrontierState` (the frontier and the resolved positions beyond it) is what a checkpoint saves, so
+a resumed run trains no item twice and skips none. `sampling_seed` (run seed, position, sample
+index) and `continuation_seed` make an item drawn again ask for the same tokens. See
+docs/recovery.md."""
 
 from __future__ import annotations
 

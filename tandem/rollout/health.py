@@ -1,14 +1,10 @@
 """`HealthMonitor`: probes every server of a `Membership` on a timer and reports what it saw.
 
-Every `interval_s` (measured from the start of a round) it sends `GET <address><health_path>` to
-every server the membership wants probed, all at once, each bounded by `timeout_s`: a 200 is
-`probe_ok` (with the `weight_version` the body names, if any: `tandem serve` says it, SGLang and
-vLLM do not); anything else (an error status, a refused connection, no answer in time) is
-`probe_failed` with what happened. So a dead or stopped server is evicted within
-`interval_s * failure_threshold + timeout_s`. The probes run on their own thread and event loop
-(one aiohttp session); `stop()` returns at once, not after the interval. `on_round` runs after
-each round (the controller checks the fleet's size there).
-"""
+Every `interval_s` (from the start of a round) it sends `GET <address><health_path>` to every
+server the membership wants probed, at once, each bounded by `timeout_s`: a 200 is `probe_ok`
+(with the body's `weight_version`, if any), anything else `probe_failed`. The probes run on their
+own thread and event loop; `stop()` returns at once; `on_round` runs after each round. See
+docs/fleet.md, "Elastic membership"."""
 
 from __future__ import annotations
 

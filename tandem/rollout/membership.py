@@ -1,32 +1,12 @@
 """`Membership`: which inference servers the run has, and what each may do (control plane, no I/O).
 
-The controller owns one. Each server is in one state:
-
-| state | gets requests | in weight updates | how it gets there |
-|---|---|---|---|
-| joining | no | no | registered (`tandem serve --join`, a replacement) or a listed server answering after eviction |
-| warming | no | warmed, then admitted | it answers its probes |
-| healthy | yes | yes | admitted after warm-up (or listed at start); a suspect answering at the current version |
-| suspect | no | yes | a failed probe |
-| evicted | no | no | `failure_threshold` failed probes in a row, a failed operation, a crash, stale weights |
-
-Transitions on a probe that succeeds (`probe_ok`): joining -> warming; suspect -> healthy when it
-holds the current version (or does not say), else evicted (it would serve stale weights: it comes
-back through the join path); an evicted server that was *listed* (configured or launched by the
-run; those keep being probed) -> joining. On a failed probe (`probe_failed`): healthy -> suspect;
-suspect and warming -> evicted at `failure_threshold` failures in a row; joining stays (it may still
-be loading). `evict` takes any server out at once; `admit` moves warmed servers to healthy.
-
-`topology()` is what a weight update works with: the members (healthy and suspect, in the order
-they arrived) and the warming servers due to be warmed and admitted now. Additions wait
-`topology_cooldown_s` after the first of them began warming *and* after the last change of the
-members, so a burst of joins costs one rebuild of the transfer group and additions come at most
-once per window; a server evicted before waits 1, 2, 4, then 8 cooldowns after its last eviction,
-so a flapping server's additions (and the removals that follow them) thin out. Removals leave the
-members at once (a dead server cannot stay in a transfer group). `generation` grows with every
-change of the members. `watch(callback)` is told the healthy list whenever it changes, and
-`watch_evictions(callback)` each evicted address, after the healthy list (both outside the lock).
-"""
+The controller owns one. Each server is joining, warming, healthy, suspect or evicted (the states,
+their transitions on `probe_ok` / `probe_failed`, `evict` and `admit`: docs/fleet.md, "Elastic
+membership"). `topology()` is what a weight update works with: the members (healthy and suspect,
+in arrival order) and the warming servers due now, additions held back by `topology_cooldown_s`
+(longer for servers evicted before), removals at once. `generation` grows with every change of the
+members; `watch` is told the healthy list when it changes and `watch_evictions` each evicted
+address, after it (both outside the lock)."""
 
 from __future__ import annotations
 

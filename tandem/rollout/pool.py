@@ -1,25 +1,11 @@
 """A pool of inference servers: routing, outstanding-request counts, tokens served, health marks.
 
-Which servers may get traffic is the membership's decision (`tandem.rollout.membership`): the
-controller hands the healthy set to `set_routable`, and only those are chosen. Servers that leave
-the set keep their counters (`snapshot`, `tandem fleet`).
-
-Routing: a request id (rid) that already has a server goes back to it while that server is healthy
-(its prefix cache holds the prompt and partial output); otherwise the healthy server with the fewest
-outstanding requests wins (ties: the one that has served fewest requests, then address order).
-
-Health here is only what requests observe, between membership probes: a connection failure marks a
-server unhealthy at once, repeated 5xx answers after `max_consecutive_errors`, any success marks
-it healthy again. When every routable server is marked unhealthy the pool still routes (least
-outstanding among them), so a fleet-wide blip slows requests down instead of failing them all;
-with no routable server at all, `choose` raises `NoServerError` (the client waits for one).
-
-A server the membership evicts is also given up on mid-call: `abandon(address)` runs the
-`on_abandon` callback of every call leased on it, and the client resubmits those requests elsewhere
-(a stopped server keeps its connections open and would otherwise hold them until their deadline).
-
-Thread-safe (one lock); the lock is never held across I/O.
-"""
+Only the servers the membership made routable (`set_routable`) are chosen: a rid goes back to its
+server while that one is healthy, else the healthy server with the fewest outstanding requests
+wins. Health here is what requests observe between probes; when every routable server is marked
+unhealthy the pool still routes, and with none routable `choose` raises `NoServerError`.
+`abandon(address)` gives up the calls leased on an evicted server. Thread-safe (one lock, never
+held across I/O). See docs/rollout.md, "The inference client"."""
 
 from __future__ import annotations
 

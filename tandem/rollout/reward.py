@@ -1,30 +1,13 @@
 """Reward functions run in a process pool, off the event loop, each under a timeout.
 
-A reward function is a plain, importable (picklable) function:
-
     def reward(prompt_text, completion_text, prompt_ids, completion_ids, **item_fields) -> float
 
-Two layers keep a bad reward from stalling a run:
-1. inside the worker, an interval timer (SIGALRM) interrupts Python-level hangs at `timeout_s`;
-2. in the parent, a hard deadline (`timeout_s + grace_s`) catches what the timer cannot (C code, a
-   function that blocks the signal): the pool is retired, its worker processes are killed and a
-   fresh pool is started, so stuck workers never accumulate. Innocent calls that were running in
-   the retired pool (for less than `timeout_s`) are retried once on the fresh one.
-Both clocks start when a worker takes the call up: each worker posts the call it runs, and since
-when, on the pool's `_StartBoard`, so a pool's start-up on a loaded machine (workers import the
-reward's modules) never counts against a reward's time. A call no worker has taken up within
-`start_timeout_s` retires the pool like a stuck one.
-A reward that raises, hangs or returns a non-number gives `RewardResult(value=None, error=...)`;
-the workflow turns that into a rejected sample with the reason logged.
-
-The timeout measures execution, not queueing: at most `max_workers` calls per event loop are in
-the pool at once (an asyncio semaphore), so a stuck worker cannot make queued calls time out.
-
-The pool's processes die with the process that owns the runner, even when it is SIGKILLed: each
-worker starts with `tandem.launch.guard.die_with_creator` (see docs/launch.md), and the
-multiprocessing resource tracker then unlinks the pool's semaphores. (With the spawn method the
-workers are children of the thread that submits first, and die when it ends: see the guard.)
-"""
+A Python-level hang is interrupted inside the worker at `timeout_s`; a worker still stuck at
+`timeout_s + grace_s` is killed with its pool and a fresh one starts (innocent calls are retried
+once). Both clocks start when a worker takes the call up, and at most `max_workers` calls per event
+loop are in the pool. A reward that raises, hangs or returns a non-number gives
+`RewardResult(value=None, error=...)`. Workers die with the runner's owner
+(`tandem.launch.guard.die_with_creator`). See docs/rollout.md, "Rewards"."""
 
 from __future__ import annotations
 

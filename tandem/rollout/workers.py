@@ -1,20 +1,11 @@
 """Rollout worker processes: run workflows away from the controller, report each episode over HTTP.
 
-With `rollout.workers = K` the controller starts K processes (spawn). Each has its own event loop and
-`InferenceClient` over the same servers. The controller's executor still decides *when* an episode
-starts (one `StalenessManager`, in the controller); what it runs is a `RemoteWorkflow`, which sends
-the item to the worker with the fewest episodes in flight and awaits a future. The worker runs the
-real workflow and POSTs the outcome (trajectories as JSON, a rejection, or the error with its
-traceback) to the controller's callback route `/rollout/episode`; that request resolves the future.
-Nothing polls: the controller -> worker direction is a pipe a reader thread blocks on, the worker ->
-controller direction is one HTTP request per finished episode, and worker deaths are noticed by a
-thread blocked on the processes' sentinels (their episodes fail at once and are rejected). A
-worker leaves when its command pipe reports EOF, and gets SIGKILL from the kernel if the controller
-dies (`tandem.launch.guard.die_with_creator`; start the pool from a long-lived thread, see there).
-
-A workflow used with workers must be picklable; it is sent to each worker once (RewardRunner
-pickles as its settings, and each worker starts its own reward pool).
-"""
+With `rollout.workers = K` the controller spawns K processes, each with its own event loop and
+`InferenceClient`. The controller's executor still decides when an episode starts; a
+`RemoteWorkflow` sends the item down a pipe to the least busy worker, which POSTs the outcome to
+`/rollout/episode`. A worker that dies fails its episodes at once. Workflows must be picklable
+(sent once per worker). Start the pool from a long-lived thread (`die_with_creator`). See
+docs/rollout.md, "Controller and callbacks"."""
 
 from __future__ import annotations
 

@@ -5,15 +5,9 @@ whose key authenticates it (`Authorization: Bearer <session key>`, i.e. the clie
     POST /v1/chat/completions   stream or not, tools (Qwen's tool-call format), usage, the weight version
     GET  /v1/models
 
-Sampling follows the run (`gen.*`), not the agent: the trainer recomputes logprobs at the run's
-temperature, so a request that asks for another temperature / top_p / top_k is refused (400
-naming the field). `max_tokens` may lower the per-call budget, never raise it above
-`gen.max_new_tokens`. Each call waits, inside the run's request deadline, while the fleet is
-paused for a weight update, and a call interrupted by one resumes on the new weights (the tokens
-keep the version that made them). A stream is sent once the call has finished, since a call may
-be resubmitted across a weight update. The version the controller held when a call was sent is
-pinned to it (`weight_version` in the answer, `sent_versions` in the trajectory's info).
-"""
+Sampling is the run's (`gen.*`): another temperature / top_p / top_k is a 400 naming the field, and
+`max_tokens` may only lower `gen.max_new_tokens`. A call waits out a weight update's pause and
+resumes on the new weights; a stream is sent once the call has finished. See docs/agents.md."""
 
 from __future__ import annotations
 

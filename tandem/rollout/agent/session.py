@@ -1,27 +1,12 @@
 """One agent episode's record: every model call the agent made through the proxy, with the exact
 tokens, logprobs and weight versions, how the calls chain, and the rewards; exported as trajectories.
 
-Chaining (token-exact multi-turn). A call whose messages start with an earlier call's messages
-followed by that call's answer is that call's *child*: its prompt is the parent's prompt ids and
-output ids as they were, then only the new messages tokenised (`ChatTokens.continuation_ids`).
-The longest such parent wins. Nothing already generated is ever re-tokenised, so a chain's
-trajectory holds exactly the tokens the policy produced and the logprobs it produced them with.
-A call with no parent (or whose template renders the history differently once it grows) starts
-a new chain from a fresh rendering.
-
-Dropped calls. A call the SDK retried (the `x-stainless-retry-count` header of the `openai`
-client; the same request again) supersedes the earlier attempt with the same request: the agent
-never saw that answer, so it is not trained on. A call whose client went away before the answer
-was ready is cancelled and never recorded.
-
-Rewards. The agent's return value: a number is the reward of its last call; a dict maps call
-ids (`ChatCompletion.id`) to rewards. With `discount` g the rewards flow backwards in call order:
-`r[i] += g * r[i + 1]` (unset rewards count as 0), so with a single final reward every call gets
-`g ** (calls after it) * reward`.
-
-Export. `concat`: one trajectory per chain (its last call, with every ancestor's output trained),
-reward = the last call's (discounted) reward. `individual`: one trajectory per call.
-"""
+A call whose messages extend an earlier call's messages and answer is its child: its prompt is the
+parent's ids as they were plus only the new messages tokenised, so nothing generated is ever
+re-tokenised. A retried call supersedes its earlier attempt; a cancelled one is never recorded.
+Rewards (a number for the last call, or a dict by call id) flow backwards with `discount`; export
+is one trajectory per chain (`concat`) or per call (`individual`). See docs/agents.md, "What is
+recorded" and "Rewards and trajectories"."""
 
 from __future__ import annotations
 

@@ -4,14 +4,9 @@ the calls it made exported as trajectories of one group (docs/agents.md).
 
     async def run(client: openai.AsyncOpenAI, item: dict) -> float | dict[str, float]
 
-`item` is the task item (`id`, `prompt`, `messages`, `answer`, `tools`, ...; a copy, without the
-rendered `input_ids`). The agent's return value is its reward (`AgentSession.assign_rewards`). An
-agent that raises, returns something else or runs past `rollout.agent.timeout_s` fails the
-episode (the executor logs it and counts it towards `rollout.max_consecutive_failures`).
-
-One proxy serves every episode on an event loop; it starts with the first episode there and
-stops with `aclose_proxy` (on that loop) or `close`.
-"""
+An agent that raises, returns something else or runs past `rollout.agent.timeout_s` fails the
+episode. One proxy per event loop serves every episode there; it starts with the first episode and
+stops with `aclose_proxy` (on that loop) or `close`."""
 
 from __future__ import annotations
 

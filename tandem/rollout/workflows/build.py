@@ -1,17 +1,7 @@
-"""The workflow `rollout.workflow` names, built from the rollout config.
-
-- `rlvr`: `RLVRWorkflow`, `n_samples` answers to each prompt scored by the reward, one group.
-- `multi_turn`: `n_samples` conversations per prompt (`GroupWorkflow` over `MultiTurnWorkflow`,
-  one group): after each answer the reward scores it (`RewardFeedback`, in the reward pool); a
-  reward of at least `rollout.multi_turn.success_reward` ends the conversation, a lower one gets
-  `rollout.multi_turn.retry_message` as the next user turn, up to `rollout.multi_turn.max_turns`
-  answers. A conversation's reward is its last answer's.
-- `agent`: `AgentWorkflow`, the user's agent function (`rollout.agent.entry`) run `n_samples`
-  times per item, each run with an OpenAI client on the agent proxy (docs/agents.md); the reward
-  is what the agent returns, so `rollout.reward` does not apply.
-
-Every workflow built here pickles (rollout worker processes, `rollout.workers > 0`).
-"""
+"""The workflow `rollout.workflow` names, built from the rollout config: `rlvr` (`RLVRWorkflow`),
+`multi_turn` (`GroupWorkflow` over `MultiTurnWorkflow` with `RewardFeedback`) or `agent`
+(`AgentWorkflow`, whose reward is what the agent returns, so `rollout.reward` does not apply).
+Every workflow built here pickles (rollout worker processes). See docs/rl.md, "Workflows"."""
 
 from __future__ import annotations
 
