@@ -1,15 +1,11 @@
-"""From accepted trajectories to the training batch: shaped rewards, dynamic filtering, then
-(once the trainer ranks have added what their models say about it) advantages.
+"""From accepted trajectories to the training batch, in two halves (PPO's advantages need the
+reference's `ref_logprobs` and the critic's `values`, which the trainer ranks add in between):
 
-A step in two halves, because PPO's advantages need model outputs the controller does not have:
-
-    tb, stats = build_training_batch(trajs, algo, version)     # shaped, filtered
-    ... the reference's `ref_logprobs` and the critic's `values` are added to tb.batch's sequences
+    tb, stats = build_training_batch(trajs, algo, version)     # shaped rewards, dynamic filtering
     stats |= add_training_advantages(tb, algo)                 # KL reward term, GAE, normalisation
 
-Advantages are computed here, on the controller, over the whole batch: group normalisation needs
-every sample of a group, and data-parallel ranks only ever see a shard.
-"""
+Advantages are computed on the controller over the whole batch: group normalisation needs every
+sample of a group, and data-parallel ranks only ever see a shard."""
 
 from __future__ import annotations
 

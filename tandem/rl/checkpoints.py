@@ -1,19 +1,11 @@
 """A trial's checkpoints: immutable directories, written whole or not at all, and a `LATEST` pointer.
 
-    checkpoints/
-      step00000004/          trainer/ (weights, optimizer, LR schedule, per-rank RNG: DCP)
-                             critic/ (the same for PPO's critic, when the run has one)
-                             loop_state.json (step, the stream's frontier, the run seed)
-      step00000006/
-      LATEST                 "step00000006"
+    checkpoints/step00000004/{trainer/, critic/ (PPO), loop_state.json}   checkpoints/LATEST
 
-A save writes everything into a hidden directory (`.step00000006.partial-<pid>`), fsyncs every
-file and directory in it, renames it to its final name, fsyncs `checkpoints/`, and only then
-replaces `LATEST` (written to a temporary file, fsynced, renamed, the directory fsynced again).
-A save cut short at any point leaves `LATEST` on the previous complete checkpoint; what it left
-behind is removed by the next save. After `LATEST` moves, checkpoints beyond the newest `keep`
-are deleted, oldest first.
-"""
+`save_checkpoint` writes into a hidden `.stepNNNNNNNN.partial-<pid>` directory, fsyncs it, renames
+it and only then replaces `LATEST` (atomically), so a save cut short leaves `LATEST` on the
+previous complete checkpoint; the next save removes the leftovers and all but the newest `keep`
+checkpoints. See docs/recovery.md, "What a checkpoint holds" and "Writing a checkpoint, atomically"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """`ServerKeeper`: the launcher's side of an elastic fleet, for servers this run started.
 
-- A launched server that exits is evicted at once (the launcher saw the crash; no need to wait
-  for failed probes).
-- With `rollout.replace_dead=true` a replacement is started in its place (a new port) and joins
-  like any server (`tandem serve --join`): warmed from disk, admitted at the next rebuild. At most
-  `MAX_REPLACEMENTS_PER_SERVER` per launched server, so a server that crashes at start-up does
-  not loop.
-- The pids of launched servers go to the membership (`tandem fleet` shows them).
-- At the end of the run, a server the fleet already evicted (a failed call found it gone) while
-  its launcher process still runs gets up to `EXIT_REPORT_WAIT_S` to exit, so the log says why it
-  left: `srun` ends some seconds after Slurm killed the job's server.
-
-Replacements are started from one long-lived thread: a launched server is tied to the thread that
-started it (it is killed when that thread ends, `tandem.launch.guard`), so never from a thread
-that would end after starting it.
-"""
+A launched server that exits is evicted at once; with `rollout.replace_dead=true` a replacement
+(a new port) joins like any server, at most `MAX_REPLACEMENTS_PER_SERVER` per launched server. The
+pids of launched servers go to the membership (`tandem fleet`). `close()` gives a server the fleet
+already evicted up to `EXIT_REPORT_WAIT_S` to exit, so the log says why it left. See docs/fleet.md,
+"Elastic membership"."""
 
 from __future__ import annotations
 
@@ -32,7 +22,8 @@ from tandem.rollout.membership import MemberState
 
 logger = logging.getLogger("tandem.run")
 
-MAX_REPLACEMENTS_PER_SERVER = 3
+MAX_REPLACEMENTS_PER_SERVER = 3  # so a server that crashes at start-up does not loop
+# `srun` ends some seconds after Slurm killed the job's server, so a failed call may evict it first.
 EXIT_REPORT_WAIT_S = 10.0
 
 
@@ -52,6 +43,8 @@ class ServerKeeper:
         self._told: set[str] = set()  # process names whose exit was reported
         self._watcher = ExitWatcher(self._on_exit)
         self._dead: queue.Queue[str | None] = queue.Queue()
+        # One long-lived thread starts every replacement: a launched server is killed when the thread
+        # that started it ends (`tandem.launch.guard`).
         self._replacer = threading.Thread(target=self._replace_loop, name="tandem-replace-servers", daemon=True)
         self._replacer.start()
         for handle in handles:

@@ -1,22 +1,12 @@
 """`tandem train`: asynchronous RL end to end.
 
-One step, as data (see docs/architecture.md):
-  1. the rollout controller hands over the oldest `batch_size` accepted episodes while the fleet
-     keeps generating ahead, up to the staleness bound;
-  2. rewards are shaped and groups filtered; the batch is split across data-parallel ranks by
-     Karmarkar–Karp; with PPO's models, the reference's logprobs and the critic's values come
-     back from the ranks; advantages are computed on the controller (group normalisation needs
-     whole groups; `tandem.rl.models`);
-  3. each rank runs the decoupled PPO update on its shard (the proximal logprobs recomputed),
-     and the critic its value update;
-  4. the trainer pushes the new weights to every server (pause -> transfer -> commit -> version ->
-     continue), which bumps the version the staleness bound counts from;
-  5. stats, evaluation and checkpoints on their timers.
-
-What the trial directory holds and whether this launch resumes is decided by `tandem.rl.trial`
-before anything starts. The run says what it does as it goes (`tandem.rl.console`): each role it
-launches with its log and readiness time, the first evaluation, then the progress bar.
-"""
+One step: the rollout controller hands over the oldest `batch_size` accepted episodes while the
+fleet generates ahead (up to the staleness bound); rewards are shaped, groups filtered and
+advantages computed on the controller; the batch is split over the data-parallel ranks, each runs
+the decoupled PPO update (and the critic its value update); the new weights go to every server,
+which bumps the version; stats, evaluation and checkpoints run on their timers. The trial
+directory's fate is decided first (`tandem.rl.trial`); progress is reported by `tandem.rl.console`.
+See docs/rl.md, "One step"."""
 
 from __future__ import annotations
 

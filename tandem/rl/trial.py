@@ -1,22 +1,13 @@
 """What a launch of `tandem train` into a trial directory does: start, resume, replace, or refuse.
 
-`runs/<experiment.name>/<experiment.trial>/` is one trial. A launch into it:
-
-- `train.resume_from=DIR`: continues from that checkpoint (of this trial or another);
-- otherwise, when the trial has a checkpoint (`checkpoints/LATEST`, `tandem.rl.checkpoints`),
-  `recover.mode=auto` (the default) and `resume` continue from it, as if `train.resume_from` named
-  it, and `off` refuses; a trial whose latest checkpoint already reached `train.total_steps` is
-  complete and is refused (raise `train.total_steps` to go on); `recover.mode=resume` refuses a
-  trial without one;
-- otherwise, when the trial holds the outputs of an earlier run (metrics, summary, ...) but no
-  checkpoint, it is refused, naming `train.overwrite=true` and a new `experiment.trial`;
-- `train.overwrite=true` removes the RL outputs of earlier runs and starts at step 0. Logs are
-  kept: each launch appends its own lines to `logs/<role>.log`, and `tandem sft`'s outputs in the
-  same trial are not RL outputs.
-
-Deciding reads the file system only (no torch, no processes), so a refusal comes in well under a
-second; `TrialPlan.prepare()` then makes the directory (and removes what overwrite replaces).
-"""
+`runs/<experiment.name>/<experiment.trial>/` is one trial. `train.resume_from` continues from that
+checkpoint; otherwise the trial's `checkpoints/LATEST` is resumed (`recover.mode=auto` or `resume`)
+or refused (`off`, or already at `train.total_steps`), `recover.mode=resume` refuses a trial
+without one, and earlier RL outputs without a checkpoint are refused. `train.overwrite=true`
+removes the earlier RL outputs (logs and `tandem sft`'s outputs are kept) and, without
+`train.resume_from`, starts at step 0. `plan_trial` reads the file system only (a refusal comes in
+well under a second); `TrialPlan.prepare()` then makes the directory. The cases: docs/rl.md,
+"Launching into a trial again, and resuming"."""
 
 from __future__ import annotations
 
