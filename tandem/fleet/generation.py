@@ -11,7 +11,7 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class GenerationParams:
-    """Sampling parameters; names follow SGLang's `sampling_params` (protocol.md section 2)."""
+    """Sampling parameters; names follow SGLang's `sampling_params` (docs/inference.md, "SGLang fields")."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
