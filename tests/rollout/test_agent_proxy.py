@@ -23,7 +23,7 @@ from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.version import WeightVersion
 from tandem.rollout.workflows.agent import AgentError, AgentWorkflow, load_agent
 from tests.inference.conftest import make_model_dir
-from tests.inference.server_utils import ServerProcess
+from tests.inference.server_utils import ServerProcess, wait_for
 from tests.rollout.fake_server import FakeServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -199,15 +199,22 @@ def test_a_call_waits_while_the_server_is_paused_and_an_sdk_retry_replaces_its_a
     print(f"agent proxy: a call waited {waited:.1f}s for a paused server; {len(session.calls)} recorded, 1 live")
 
 
+def _generated_tokens(server: ServerProcess) -> int:
+    return server.ok("/get_server_info", method="GET", timeout=10)["engine_stats"]["generated_tokens"]
+
+
 def test_the_version_is_pinned_when_a_call_is_sent(server, tokenizer):
+    """The update lands mid-call: observed from the server's token count, not slept into (the tiny
+    model decoded all of a 400-token budget within the 0.5 s this test used to sleep)."""
     version = WeightVersion(0)
 
     async def body(proxy, client):
-        session = proxy.open_session("item", GenerationParams(max_new_tokens=400, temperature=1.0, ignore_eos=True))
+        session = proxy.open_session("item", GenerationParams(max_new_tokens=3000, temperature=1.0, ignore_eos=True))
         oai = _oai(proxy, session.key)
+        before = await asyncio.to_thread(_generated_tokens, server)
         call = asyncio.ensure_future(oai.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "count"}]))
-        await asyncio.sleep(0.5)
+        await asyncio.to_thread(wait_for, lambda: _generated_tokens(server) > before, 30, 0.01)
         # a weight update as the controller runs it: pause (abort), new version, continue
         await asyncio.to_thread(server.ok, "/pause_generation", {"mode": "abort"})
         version.set(1)
