@@ -1,26 +1,11 @@
 """Routed experts in the training batch: routing replay (`actor.router_replay`) and route agreement.
 
-A batch may carry, per sequence, `[L, moe layers, top_k]` integer expert ids in input alignment
-(row t: the experts token t went through; layers in `args.moe_layers` order; a row holding a
-negative id is unknown and routes live):
-
-- `ROUTED_EXPERTS`: what the rollout server used (`Trajectory.routed_experts`);
-- `PROX_ROUTED_EXPERTS`: what the trainer's own proximal-logprob pass used (routing replay r2).
-
-Modes (`ROUTER_REPLAY` in `tandem.train.config`):
-- `off`: every forward routes live;
-- `r3`: every forward of the step (proximal pass and update passes) replays `ROUTED_EXPERTS`;
-- `r2`: the update passes replay `PROX_ROUTED_EXPERTS`, which `tandem.train.rl_step` stores in the
-  shard after the proximal pass (`TrainEngine.forward_logprobs(..., record_experts=True)`); a forward of
-  a batch without them routes live.
-
-A replayed row fixes which experts a token goes to; the gate weights are the live router
-probabilities of those experts (`tandem.models.common.moe.MoE`), so the router keeps its gradient.
-
-Route agreement: whenever a micro-batch carries the server's routed experts, its forward also
-records the router's *live* top-k (what it would choose, whether or not a row was replayed) and
-counts the (token, MoE layer) pairs whose live top-k set equals the server's set, over every token
-that has a known server row (prompt tokens included: they shape the generated tokens' logprobs).
+A sequence may carry `[L, moe layers, top_k]` expert ids in input alignment (a row with a
+negative id is unknown and routes live): `ROUTED_EXPERTS`, what the rollout server used, and
+`PROX_ROUTED_EXPERTS`, what the trainer's proximal pass used (r2). `routing_for` turns a
+micro-batch's rows into the `Routing` its forward replays and records (off / r2 / r3); the
+agreement counts (token, MoE layer) pairs whose live top-k set equals the server's. The modes,
+the layout under CP/TP/EP and the agreement metric: docs/training.md, "MoE routing replay".
 """
 
 from __future__ import annotations
