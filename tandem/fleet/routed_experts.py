@@ -51,7 +51,7 @@ class RoutedExpertLayout:
     def of_model(cls, path: str | Path) -> RoutedExpertLayout | None:
         """The layout of the HF model directory `path` (its config.json), None for a dense model.
         Imports the model registry (and torch): call it in the launcher, not in rollout workers."""
-        from tandem.models import get_model_spec, read_hf_config
+        from tandem.models import get_model_spec, read_hf_config  # torch: rollout workers need none
 
         cfg = read_hf_config(path)
         return cls.of_args(get_model_spec(cfg.get("model_type")).args_from_hf_config(cfg))

@@ -25,6 +25,7 @@ from tandem.rollout.agent.session import AgentSession, SessionError
 from tandem.rollout.client import InferenceClient
 from tandem.rollout.frontier import STREAM_INDEX
 from tandem.rollout.workflows.base import RolloutWorkflow
+from tandem.user_code import import_user_object
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float | dict[str, float]]]
 
@@ -139,8 +140,6 @@ def agent_item(item: dict[str, Any]) -> dict[str, Any]:
 def load_agent(path: str) -> AgentFn:
     """The agent function at `path` ('module:function' or 'file.py:function'); AgentError when it
     is missing or not an async function."""
-    from tandem.user_code import import_user_object
-
     try:
         fn = import_user_object(path)
     except Exception as exc:
