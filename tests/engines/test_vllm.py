@@ -119,9 +119,10 @@ def test_pause_resume_with_a_running_request(vllm_server):
     logprob still equals the recompute."""
     version = WeightVersion(0)
     client = client_for(vllm_server, version, deadline_s=LONG_DEADLINE_S)
-    # Long enough to be running at the pause, which is sent as soon as 20 tokens are out (about
-    # 15 s of decoding left at vLLM's quiet CPU speed).
-    budget = 1024
+    # Long enough to be running at the pause, which is sent as soon as 20 tokens are out: the whole
+    # context (max_model_len), about 10 s of decoding at vLLM's quiet CPU speed here (1024 tokens,
+    # 2.4 s, finished before the pause in a loaded suite run).
+    budget = 4096 - len(PROMPTS[0]) - 1
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
         # vLLM labels each token with the version set last: 0 here, as `tandem train` sets it first

@@ -152,17 +152,20 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
     client = client_for(vllm_server, version, deadline_s=LONG_DEADLINE_S)
     budget = 4096 - len(PROMPTS[0]) - 1  # max_model_len: the update forms its group while this decodes
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
-    # Read before generation starts: torch's two threads here and vLLM's busy core slow each other
-    # down tenfold (the request could finish first).
+    # The checkpoint is read and the updater built before generation starts, so that only `update`
+    # runs between the first tokens and its pause: torch's two threads here and vLLM's busy core
+    # slow each other down tenfold, and a loaded suite run saw the request finish first.
     source = CheckpointSource(other_model)
-    before = generated_tokens(vllm_server.url)
-    running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
+    meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
+    with fleet_for(vllm_server) as http, WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
+        before = generated_tokens(vllm_server.url)
+        running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
+        try:
+            wait_generating(vllm_server.url, before)
+            updater.update(1)
+        finally:
+            concurrent.futures.wait([running], LONG_DEADLINE_S + 30)  # the group outlives the request
     try:
-        wait_generating(vllm_server.url, before)
-        with fleet_for(vllm_server) as http:
-            meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=DEADLINES)
-            with WeightUpdater(source, LabellingFleet(http, version), meta) as updater:
-                updater.update(1)
         [r] = running.result(LONG_DEADLINE_S + 30)  # raises what the request raised
         before = r.output_versions.count(0)
         assert r.num_aborts >= 1 and 0 < before < budget, (r.num_aborts, before)
