@@ -112,17 +112,12 @@ def test_logprobs_equal_tandem_recompute(vllm_server, temperature):
     assert worst < 1e-5
 
 
-def test_pause_resume_with_a_running_request(vllm_server):
-    """A long request is aborted by the pause and resubmitted (prompt + partial) by the client; it
-    waits while the server is paused and completes after resume; tokens before the pause carry
-    version 0, after it version 1 (set on the servers and on the client while paused); every
-    logprob still equals the recompute."""
+def _pause_during_a_request(vllm_server, budget: int) -> tuple[ModelResponse, bool]:
+    """One long request at version 0, paused once it decodes, version 1 set while paused, then
+    resumed; returns the response and whether the request had already finished when PAUSE went out
+    (a loaded machine). Asserts what holds while paused."""
     version = WeightVersion(0)
     client = client_for(vllm_server, version, deadline_s=LONG_DEADLINE_S)
-    # Long enough to be running at the pause, which is sent as soon as 20 tokens are out: the whole
-    # context (max_model_len), about 10 s of decoding at vLLM's quiet CPU speed here (1024 tokens,
-    # 2.4 s, finished before the pause in a loaded suite run).
-    budget = 4096 - len(PROMPTS[0]) - 1
     params = GenerationParams(max_new_tokens=budget, temperature=0.7, ignore_eos=True)
     with HttpFleet([vllm_server.url], adapter=VLLMAdapter(vllm_server.name)) as fleet:
         # vLLM labels each token with the version set last: 0 here, as `tandem train` sets it first
@@ -130,14 +125,34 @@ def test_pause_resume_with_a_running_request(vllm_server):
         before = generated_tokens(vllm_server.url)
         running = generate_in_background(client, ModelRequest(list(PROMPTS[0]), params))
         wait_generating(vllm_server.url, before)
+        finished_first = running.done()
         fleet.send(ops.PAUSE, ops.PauseGeneration()).result(30)
         assert get(vllm_server, "/is_paused") == {"is_paused": True}
         fleet.send(ops.SET_VERSION, ops.SetVersion(1)).result(30)
         version.set(1)
         time.sleep(1.0)
-        assert not running.done(), "the request finished while the server was paused"
+        assert finished_first or not running.done(), "the request finished while the server was paused"
         fleet.send(ops.CONTINUE, ops.ContinueGeneration()).result(30)
         [r] = running.result(LONG_DEADLINE_S + 30)
+    return r, finished_first
+
+
+def test_pause_resume_with_a_running_request(vllm_server):
+    """A long request is aborted by the pause and resubmitted (prompt + partial) by the client; it
+    waits while the server is paused and completes after resume; tokens before the pause carry
+    version 0, after it version 1 (set on the servers and on the client while paused); every
+    logprob still equals the recompute. An attempt whose request had already finished when the
+    pause went out shows nothing (vLLM's token counter, which says the request decodes, can lag on
+    a loaded machine) and is made again, up to 3 times."""
+    # The whole context (max_model_len): about 10 s of decoding at vLLM's quiet CPU speed here.
+    budget = 4096 - len(PROMPTS[0]) - 1
+    for attempt in range(1, 4):
+        r, finished_first = _pause_during_a_request(vllm_server, budget)
+        if not finished_first:
+            break
+        print(f"attempt {attempt}: the request finished before the pause; again")
+    else:
+        pytest.fail("in 3 attempts the request always finished before the pause")
     assert get(vllm_server, "/weight_info") == {"weight_version": "1"}
     assert r.finish_reason == "length" and len(r.output_ids) == budget and r.num_aborts >= 1
     before = r.output_versions.count(0)
