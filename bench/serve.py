@@ -12,14 +12,17 @@ the requested tokens count):
 - **sorted** (for transparency): prompts sorted by requested output length before batching, an
   oracle a real user does not have (it minimises the padding of outputs).
 Both sides are warmed up, then timed `--reps` times, interleaved (server, arrival, sorted, server, ...)
-so drifting load on a shared machine hits all alike; medians are reported. The server's prefix
+so drifting load on a shared machine hits all alike, each repetition after the machine went quiet
+(bench/quiet.py: vLLM's engine spins a core for ~1 s after its last request); medians are reported. The server's prefix
 cache is flushed before every repetition so no repetition reuses an earlier one's prompts.
-With `--vllm`, a vLLM column: the same requests (token-id prompts, n=4, max_tokens, ignore_eos,
+With `--vllm`, vLLM columns (`--vllm-modes`: eager, `--enforce-eager`, and compiled, its default; the
+faster of the two on each row is the baseline of the ratio): the same requests (token-id prompts, n=4, max_tokens, ignore_eos,
 temperature 1.0) on the `/v1/completions` of vLLM's CPU build (.venv-vllm, or `--vllm-python`),
 started with tandem.launch.vllm's command (same dtype; OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND
 give it the same thread count as tandem serve), its prefix cache reset before every repetition; the
 Tandem / vLLM tokens/s ratio is reported. `--dtypes float32 bfloat16` applies to every side;
 `--no-hf` skips transformers.
+`--profile` instead prints where a decode step's time goes (bench/decode_profile.py).
 Run: `.venv/bin/python bench/serve.py [--vllm] [--no-hf]`; prints the tables and appends them to
 docs/benchmarks.md (`--no-report` to skip).
 """
@@ -42,6 +45,8 @@ import torch
 import transformers
 from _report import append_benchmark
 from current import record, this_command
+from decode_profile import profile_decode, profile_table
+from quiet import wait_quiet
 
 from tandem.launch import vllm as vllm_launch
 from tandem.launch.process import free_port
@@ -106,13 +111,15 @@ class _BoundSpec(VLLMServerSpec):
         return env
 
 
-def start_vllm(python: str, model: Path, threads: int, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm(python: str, model: Path, threads: int, dtype: str, log: Path,
+               mode: str = "eager") -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server with Tandem's flags (tandem.launch.vllm), `threads` OpenMP threads bound to
     CPUs 0..threads-1 (VLLM_CPU_OMP_THREADS_BIND; vLLM's default `auto` keeps one CPU of the node for
-    its scheduler process, which would leave it one thread here), the same sequence limit as tandem serve."""
+    its scheduler process, which would leave it one thread here), the same sequence limit as tandem serve.
+    `mode`: "eager" (`--enforce-eager`) or "compiled" (vLLM's default, what a user gets with no flags)."""
     spec = _BoundSpec(python, str(model), free_port(), dtype=dtype, served_model_name="bench", threads=threads,
-                      kv_cache_gib=4, extra_args=["--max-num-seqs", "256", "--seed", "0"])
-    return vllm_launch.start(spec, log, timeout_s=600.0), spec.url
+                      kv_cache_gib=4, enforce_eager=mode == "eager", extra_args=["--max-num-seqs", "256", "--seed", "0"])
+    return vllm_launch.start(spec, log, timeout_s=900.0), spec.url
 
 
 async def run_vllm(url: str, work: Work) -> tuple[int, float]:
@@ -168,32 +175,44 @@ def run_hf(model, work: Work, batch: int, device: str, order: str) -> tuple[int,
     return tokens, time.perf_counter() - start
 
 
+def preset_model(tmp: Path, preset: str) -> Path:
+    """The preset's model under `tmp`, made on first use (every dtype runs the same checkpoint)."""
+    model_dir = tmp / preset
+    if (model_dir / "config.json").exists():
+        return model_dir
+    return init_model(model_dir, arch="qwen3", preset=preset, seed=0)
+
+
 def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
                  ) -> tuple[list[str], list[str], dict[str, float]]:
     """One preset and dtype: returns (transformers table row(s), vLLM table row(s), tokens/s by side:
-    srv, arrival, sorted, vllm)."""
-    model_dir = init_model(tmp / preset, arch="qwen3", preset=preset, seed=0)
+    srv, arrival, sorted, vllm-eager, vllm-compiled)."""
+    model_dir = preset_model(tmp, preset)
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
     work = workload(0, vocab)
-    sides = ["srv"] + (["arrival", "sorted"] if args.hf else []) + (["vllm"] if args.vllm_python else [])
+    vllm_sides = [f"vllm-{m}" for m in args.vllm_modes] if args.vllm_python else []
+    sides = ["srv"] + (["arrival", "sorted"] if args.hf else []) + vllm_sides
     runs: dict[str, list[tuple[int, float]]] = {k: [] for k in sides}
-    proc, vproc, model, vllm_url = None, None, None, None
-    log = tmp / f"vllm-{preset}-{dtype}.log"
+    proc, model = None, None
+    vprocs: list[subprocess.Popen] = []
+    vllm_urls: dict[str, str] = {}
     try:
         proc, url = start_server(model_dir, args.threads, args.device, dtype)
         asyncio.run(wait_ready(url))
-        if args.vllm_python:
-            vproc, vllm_url = start_vllm(args.vllm_python, model_dir, args.threads, dtype, log)
-            binding = vllm_threads(log)
-            print(f"  vLLM {preset} {dtype}: OMP_NUM_THREADS={args.threads}, "
-                  f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1} (log: core ids={binding}); "
+        for side in vllm_sides:  # one after the other: starting (compiling) is CPU-bound
+            log = tmp / f"{side}-{preset}-{dtype}.log"
+            vproc, vllm_urls[side] = start_vllm(args.vllm_python, model_dir, args.threads, dtype, log,
+                                                mode=side.removeprefix("vllm-"))
+            vprocs.append(vproc)
+            print(f"  {side} {preset} {dtype}: OMP_NUM_THREADS={args.threads}, "
+                  f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1} (log: core ids={vllm_threads(log)}); "
                   f"tandem serve --num-threads {args.threads}", flush=True)
         if args.hf:
             model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
             model = model.to(args.device).eval()
         # Warm-up: the whole workload once per server, one short batch for transformers.
         asyncio.run(run_http(url, work))
-        if vllm_url:
+        for vllm_url in vllm_urls.values():
             asyncio.run(run_vllm(vllm_url, work))
         if model is not None:
             hf_generate(model, work[: args.hf_batch], args.device, max_new=8)
@@ -201,14 +220,15 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
         # alike; the servers are idle (no CPU) while another side runs.
         for _ in range(args.reps):
             for side in sides:
+                wait_quiet()  # the side before may still spin (vLLM's engine: ~1 s after its last request)
                 if side == "srv":
                     runs[side].append(asyncio.run(run_http(url, work)))
-                elif side == "vllm":
-                    runs[side].append(asyncio.run(run_vllm(vllm_url, work)))
+                elif side in vllm_urls:
+                    runs[side].append(asyncio.run(run_vllm(vllm_urls[side], work)))
                 else:
                     runs[side].append(run_hf(model, work, args.hf_batch, args.device, side))
     finally:
-        if vproc is not None:
+        for vproc in vprocs:
             vllm_launch.stop(vproc)  # its process group (the engine core is a child)
         if proc is not None:
             proc.terminate()
@@ -228,10 +248,13 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
         hf_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {b:,.0f} | **{a / b:.2f}x** | "
                        f"{c:,.0f} | {a / c:.2f}x | {tokens} | {secs['srv']:.1f} | {secs['arrival']:.1f} "
                        f"| {secs['sorted']:.1f} |")
-    if args.vllm_python:
-        v = tps["vllm"]
-        vllm_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {v:,.0f} | **{a / v:.2f}x** | "
-                         f"{tokens} | {secs['srv']:.1f} | {secs['vllm']:.1f} |")
+    if vllm_sides:
+        best = max(vllm_sides, key=lambda k: tps[k])
+        tps["vllm"] = tps[best]  # vLLM at its best on this row: the acceptance baseline
+        cells = " | ".join(f"{tps[k]:,.0f} | {a / tps[k]:.2f}x" for k in vllm_sides)
+        vllm_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {cells} | "
+                         f"**{a / tps[best]:.2f}x** ({best.removeprefix('vllm-')}) | {tokens} | "
+                         + " | ".join(f"{secs[k]:.1f}" for k in ["srv", *vllm_sides]) + " |")
     for row in hf_rows + vllm_rows:
         print(row, flush=True)
     print(f"  {preset} {dtype} seconds per repetition: "
@@ -251,10 +274,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers columns")
     ap.add_argument("--vllm", action="store_true", help="add the vLLM column (its CPU build, over HTTP)")
+    ap.add_argument("--vllm-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                    help="vLLM columns: --enforce-eager and/or its default compiled mode (the faster is the baseline)")
     ap.add_argument("--vllm-python", default=None,
                     help="interpreter of the vLLM install (default: .venv-vllm/bin/python); implies --vllm")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the throughput runs: where a decode step's time goes (bench/decode_profile.py)")
+    ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled per preset and dtype")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
+    if args.profile:
+        return profile(args)
     if args.vllm and not args.vllm_python:
         args.vllm_python = default_vllm_python(Path(__file__).resolve().parent.parent)
         if args.vllm_python is None:
@@ -265,9 +295,11 @@ def main() -> None:
     hf_rows = ["| preset | dtype | params | tandem serve tok/s | hf arrival tok/s | **ratio (arrival)** "
                "| hf sorted tok/s | ratio (sorted) | output tokens | tandem s | hf arrival s | hf sorted s |",
                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    vllm_rows = ["| preset | dtype | params | tandem serve tok/s | vLLM tok/s | **Tandem / vLLM** | output tokens "
-                 "| tandem s | vLLM s |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    modes = args.vllm_modes
+    vllm_rows = ["| preset | dtype | params | tandem serve tok/s | "
+                 + " | ".join(f"vLLM {m} tok/s | Tandem / vLLM {m}" for m in modes)
+                 + " | **Tandem / vLLM's best** | output tokens | tandem s | " + " | ".join(f"vLLM {m} s" for m in modes) + " |",
+                 "|---|---|---:|---:|" + "---:|---:|" * len(modes) + "---:|---:|---:|" + "---:|" * len(modes)]
     rates: dict[tuple[str, str], dict[str, float]] = {}  # (dtype, preset) -> tokens/s by side
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
@@ -288,7 +320,9 @@ def main() -> None:
                  f"the acceptance baseline, *sorted* = batches formed after sorting by output length, an oracle)")
     if args.vllm_python:
         body += (f"{' and' if args.hf else ''} vs vLLM's OpenAI server (CPU build, started as "
-                 f"`tandem.launch.vllm` starts it: `--enforce-eager --logprobs-mode processed_logprobs`, "
+                 f"`tandem.launch.vllm` starts it: `--logprobs-mode processed_logprobs`, in "
+                 f"{' and '.join(modes)} mode ({'`--enforce-eager`' if 'eager' in modes else ''}"
+                 f"{' / ' if len(modes) == 2 else ''}{'no flag: its default, compiled' if 'compiled' in modes else ''}); "
                  f"`--max-num-seqs 256`, VLLM_CPU_KVCACHE_SPACE=4) with the same {N_PROMPTS} x n={N_SAMPLES} "
                  f"requests on `/v1/completions` (token-id prompts, max_tokens = the requested output, ignore_eos, "
                  f"temperature 1.0), OMP_NUM_THREADS={args.threads} with VLLM_CPU_OMP_THREADS_BIND="
@@ -300,6 +334,30 @@ def main() -> None:
         (["transformers"] if args.hf else []) + (["vLLM"] if args.vllm_python else [])) + ")"
     append_benchmark(title, body)
     record_current(args, rates)
+
+
+def profile(args: argparse.Namespace) -> None:
+    """`--profile`: the decode-step breakdown of every preset and dtype, one engine in this process."""
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            for preset in args.presets:
+                model_dir = preset_model(Path(tmp), preset)
+                work = workload(0, transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+                rows.append((preset, dtype, profile_decode(model_dir, getattr(torch, dtype), work, N_SAMPLES,
+                                                           steps=args.profile_steps, device=args.device)))
+                print(profile_table(rows[-1:]).splitlines()[-1], flush=True)
+    table = profile_table(rows)
+    print("\n" + table)
+    if not args.no_report:
+        append_benchmark("Decode step profile (tandem serve's engine)", (
+            f"`bench/serve.py --profile`: serve.py's {N_PROMPTS} prompts x n={N_SAMPLES} in one in-process engine, "
+            f"every sample decoding to the longest output so the batch stays full; after the prefills and 3 "
+            f"warm-up decodes, the mean of {args.profile_steps} decode steps under torch.profiler "
+            f"({args.threads} torch threads). Each ATen call is charged to its region (bench/decode_profile.py); "
+            f"host = step wall time outside every ATen call. Times include the profiler's own overhead.\n\n"
+            + table))
 
 
 def record_current(args: argparse.Namespace, rates: dict[tuple[str, str], dict[str, float]]) -> None:

@@ -70,13 +70,16 @@ class VLLMServerSpec:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     threads: int | None = None  # OMP_NUM_THREADS
     worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
+    enforce_eager: bool = True  # vLLM's eager mode (starts faster); False: its default, compiled
     extra_args: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--max-model-len",
                str(self.max_model_len)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.worker_extension:
