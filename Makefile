@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps review
+.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps review
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ lint: $(STAMP)
 # The project's venv, vLLM's venv and Debian's Slurm install side by side: each mostly waits on
 # downloads and unpacking.
 test-deps:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps
+	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps
 
 test: test-deps lint
 	$(PY) -m pytest -q -n 2 --durations=40
@@ -45,6 +45,17 @@ slurm-deps:
 	    ) > .slurm-install.log 2>&1 \
 	 || { echo "apt-get install slurm-wlm munge failed (see .slurm-install.log): $$(tail -n 2 .slurm-install.log | tr '\n' ' ')" > $(SLURM_FAILED); \
 	      cat $(SLURM_FAILED); }
+
+# g++ and ninja build Tandem's CPU kernels (tandem/inference/csrc, built on a server's first start);
+# installed when missing. Without them servers log a warning and run the PyTorch forms, and the
+# kernel tests fail saying so.
+cxx-deps:
+	@command -v g++ >/dev/null && command -v ninja >/dev/null \
+	 || ( export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get $(APT_WAIT) install -y -q g++ ninja-build \
+	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q g++ ninja-build; } \
+	    ) > .cxx-install.log 2>&1 \
+	 || echo "apt-get install g++ ninja-build failed (see .cxx-install.log): the CPU kernels will not build"
 
 # A second venv with vLLM's CPU build, pinned, for the tests against a real vLLM server
 # (tests/engines). Its CUDA builds of torchvision/torchaudio/torchcodec do not load on CPU and are

@@ -14,6 +14,7 @@ import itertools
 import torch
 from torch import nn
 
+from tandem.inference import cpu_kernels
 from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend, build_decode_metadata
 from tandem.inference.routed_expert_cache import RoutedExpertCache
 from tandem.inference.sequence import Sequence
@@ -37,6 +38,9 @@ class ModelRunner:
             scale=args.head_dim**-0.5,
         )
         self.routed_expert_cache = RoutedExpertCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
+        # Decode attention in the CPU kernel where it serves (built on first use; else PyTorch's).
+        self.attention_kernel = (self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                                 and cpu_kernels.paged_attention() is not None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, k and v) before they are written."""
@@ -111,7 +115,8 @@ class ModelRunner:
             max_query_len=1,
             max_context_len=max(lens),
             no_cached_prefix=False,
-            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev, pad_block=self.pad_block),
+            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev, pad_block=self.pad_block,
+                                         kernel=self.attention_kernel),
         )
         return (torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

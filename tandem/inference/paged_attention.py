@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.inference import cpu_kernels
 from tandem.models.common import packed_causal_attention
 
 
@@ -38,9 +39,23 @@ class ChunkPass:
 
 
 @dataclass
+class KernelPass:
+    """One batch of attention work for the CPU kernel (`csrc/paged_attention.cpp`): task u is R
+    query rows over the keys of blocks `blocks[u]`, `nkeys[u]` of them, read in place."""
+
+    rows: torch.Tensor  # [U, R] int64 the sequence whose query fills each row of each task
+    blocks: torch.Tensor  # [U, max blocks] int64, each task's key blocks in order (0 past its keys)
+    nkeys: torch.Tensor  # [U] int64
+    seq_row: torch.Tensor | None  # as ChunkPass.seq_row
+
+
+Pass = ChunkPass | KernelPass
+
+
+@dataclass
 class DecodeMetadata:
-    suffix: ChunkPass  # every sequence: its keys past its shared prefix (at least its newest one)
-    prefix: list[ChunkPass]  # shared prefixes, one pass per padded group size
+    suffix: Pass  # every sequence: its keys past its shared prefix (at least its newest one)
+    prefix: list[Pass]  # shared prefixes, one pass per padded group size
 
 
 @dataclass
@@ -129,13 +144,6 @@ def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_se
     valid_t = torch.tensor(valid, device=device)
     key_bias = torch.zeros(len(valid), span, device=device)
     key_bias.masked_fill_(torch.arange(span, device=device)[None, :] >= valid_t[:, None], float("-inf"))
-    seq_row = None
-    if not identity:
-        row_of = [len(tasks) * rows] * num_seqs
-        for t, (members, _, _) in enumerate(tasks):
-            for r, s in enumerate(members):
-                row_of[s] = t * rows + r
-        seq_row = torch.tensor(row_of, device=device)
     return ChunkPass(
         q_rows=torch.tensor(q_rows, device=device),
         blocks=torch.tensor(blocks, device=device),
@@ -143,18 +151,42 @@ def _chunk_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_se
         chunk_task=torch.tensor(chunk_task, device=device),
         num_tasks=len(tasks),
         single_chunk=len(chunk_task) == len(tasks),
-        seq_row=seq_row,
+        seq_row=None if identity else _seq_rows(tasks, rows, num_seqs, device),
+    )
+
+
+def _seq_rows(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs: int,
+              device: torch.device) -> torch.Tensor:
+    """`[B]` the flat row (task * rows + r) of each sequence; `len(tasks) * rows` (the sentinel
+    row) for a sequence in no task."""
+    row_of = [len(tasks) * rows] * num_seqs
+    for t, (members, _, _) in enumerate(tasks):
+        for r, s in enumerate(members):
+            row_of[s] = t * rows + r
+    return torch.tensor(row_of, device=device)
+
+
+def _kernel_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs: int, device: torch.device,
+                 identity: bool = False) -> KernelPass:
+    """tasks -> the kernel's tensors (`_chunk_pass`'s arguments; padding rows repeat the first)."""
+    width = max(len(b) for _, b, _ in tasks)
+    return KernelPass(
+        rows=torch.tensor([m + [m[0]] * (rows - len(m)) for m, _, _ in tasks], dtype=torch.long, device=device),
+        blocks=torch.tensor([b + [0] * (width - len(b)) for _, b, _ in tasks], dtype=torch.long, device=device),
+        nkeys=torch.tensor([n for _, _, n in tasks], dtype=torch.long, device=device),
+        seq_row=None if identity else _seq_rows(tasks, rows, num_seqs, device),
     )
 
 
 def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int], shared_blocks: list[int],
-                          block_size: int, device: torch.device, pad_block: int = 0) -> DecodeMetadata:
+                          block_size: int, device: torch.device, pad_block: int = 0,
+                          kernel: bool = False) -> DecodeMetadata:
     """Per step, for all layers. `shared_blocks[i]`: how many leading (full) blocks of sequence i
     other sequences may share. Sequences whose leading `shared_blocks` block ids are identical form
     a group whose prefix is attended once; groups are batched by their size rounded up to a power
     of two (the rows of one prefix task). `pad_block`: the block chunks are padded with (its keys
     are masked, but read: it must hold finite values; the model runner keeps one that nothing
-    writes)."""
+    writes). `kernel`: passes for the CPU kernel (`KernelPass`, no chunks) instead of PyTorch's."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (table, k) in enumerate(zip(block_tables, shared_blocks, strict=True)):
         k = min(k, len(table) - 1)  # the last block is the sequence's own (it writes there)
@@ -172,6 +204,11 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
     suffix_tasks = [([i], table[prefix_len[i]:], n - prefix_len[i] * block_size)
                     for i, (table, n) in enumerate(zip(block_tables, context_lens, strict=True))]
     num_seqs = len(block_tables)
+    if kernel:
+        return DecodeMetadata(
+            suffix=_kernel_pass(suffix_tasks, 1, num_seqs, device, identity=True),
+            prefix=[_kernel_pass(tasks, rows, num_seqs, device) for rows, tasks in sorted(by_rows.items())],
+        )
     return DecodeMetadata(
         suffix=_chunk_pass(suffix_tasks, 1, num_seqs, block_size, device, identity=True, pad_block=pad_block),
         prefix=[_chunk_pass(tasks, rows, num_seqs, block_size, device, pad_block=pad_block)
@@ -180,9 +217,15 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
 
 
 def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 p: ChunkPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 p: Pass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qv `[B, H_kv, G, D]` (pre-scaled) -> per sequence (m `[H_kv, B, G]`, den `[H_kv, B, G]`,
-    o `[H_kv, B, G, D]`): running max of the scores, sum of exp(score - m), sum of exp * value."""
+    o `[H_kv, B, G, D]`): running max of the scores, sum of exp(score - m), sum of exp * value.
+    A `KernelPass` runs in the CPU kernel (float32 results, qv float32)."""
+    if isinstance(p, KernelPass):
+        kernel = cpu_kernels.paged_attention()
+        assert kernel is not None, "a KernelPass is built only where the kernel loaded"
+        m, den, o = kernel.attend_pass(qv, k_cache, v_cache, p.rows, p.blocks, p.nkeys)
+        return _by_sequence(m, den, o, p.seq_row, qv.shape[0], qv.shape[2])
     num_seqs, h_kv, g, d = qv.shape
     num_chunks, rows = p.q_rows.shape
     span = p.key_bias.shape[1]
@@ -206,12 +249,19 @@ def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not p.single_chunk:
         den = torch.zeros_like(m).index_add_(1, p.chunk_task, den)
         o = torch.zeros(h_kv, p.num_tasks, rows * g, d, device=o.device, dtype=o.dtype).index_add_(1, p.chunk_task, o)
-    if p.seq_row is None:
+    return _by_sequence(m, den, o, p.seq_row, num_seqs, g)
+
+
+def _by_sequence(m: torch.Tensor, den: torch.Tensor, o: torch.Tensor, seq_row: torch.Tensor | None,
+                 num_seqs: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pass's per-row results (`[H_kv, tasks, rows * G(, D)]`) -> per sequence (`[H_kv, B, G(, D)]`)."""
+    h_kv, d = o.shape[0], o.shape[-1]
+    if seq_row is None:
         return m.view(h_kv, num_seqs, g), den.view(h_kv, num_seqs, g), o.view(h_kv, num_seqs, g, d)
     # Rows -> sequences; a sequence outside this pass reads the sentinel row (-inf, 0, 0).
-    m = torch.cat([m.reshape(h_kv, -1, g), m.new_full((h_kv, 1, g), -math.inf)], 1).index_select(1, p.seq_row)
-    den = torch.cat([den.reshape(h_kv, -1, g), den.new_zeros(h_kv, 1, g)], 1).index_select(1, p.seq_row)
-    o = torch.cat([o.reshape(h_kv, -1, g, d), o.new_zeros(h_kv, 1, g, d)], 1).index_select(1, p.seq_row)
+    m = torch.cat([m.reshape(h_kv, -1, g), m.new_full((h_kv, 1, g), -math.inf)], 1).index_select(1, seq_row)
+    den = torch.cat([den.reshape(h_kv, -1, g), den.new_zeros(h_kv, 1, g)], 1).index_select(1, seq_row)
+    o = torch.cat([o.reshape(h_kv, -1, g, d), o.new_zeros(h_kv, 1, g, d)], 1).index_select(1, seq_row)
     return m, den, o
 
 
@@ -220,7 +270,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q `[B, H, D]` (one new token per sequence, its k/v already written) -> `[B, H, D]`."""
     num_seqs, num_heads, d = q.shape
     h_kv = k_cache.shape[0]
-    qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
+    if isinstance(meta.suffix, KernelPass):  # the kernel scores in float32 (a bf16 query is widened first)
+        qv = (q.float() * scale).view(num_seqs, h_kv, num_heads // h_kv, d)
+    else:
+        qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
     m, den, o = _attend_pass(qv, k_cache, v_cache, meta.suffix)  # finite: every sequence has its newest key
     for p in meta.prefix:
         m2, den2, o2 = _attend_pass(qv, k_cache, v_cache, p)
@@ -230,7 +283,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o = o * w[..., None] + o2 * w2[..., None]
         m = m_new
     out = o / den[..., None]  # [H_kv, B, G, D]
-    return out.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, d)
+    return out.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, d).to(q.dtype)
 
 
 class PagedAttentionBackend:

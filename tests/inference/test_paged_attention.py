@@ -1,4 +1,5 @@
-"""Decode (cascade, chunked) attention equals plain attention over each sequence's keys."""
+"""Decode (cascade, chunked) attention equals plain attention over each sequence's keys, in
+PyTorch and in the CPU kernel (`tandem/inference/csrc/paged_attention.cpp`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tandem.inference import cpu_kernels
 from tandem.inference.paged_attention import (
     AttentionMetadata,
     _choose_chunk,
@@ -53,9 +55,18 @@ def _workload(seed: int, bs: int, groups: list[int], singles: int, num_blocks: i
     return [tables[i] for i in order], [lens[i] for i in order], [shared[i] for i in order]
 
 
+def test_the_cpu_kernel_builds_on_this_machine():
+    """The kernel tests below would otherwise test the PyTorch path twice: a machine that cannot
+    build it (no g++ or ninja) fails here, saying so, instead of passing quietly."""
+    assert cpu_kernels.paged_attention() is not None, (
+        "the CPU paged attention kernel did not build: see the warning logged by tandem.inference.cpu_kernels "
+        "(make test-deps installs g++ and ninja)")
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("heads", [(4, 2), (8, 8), (6, 1)])
 @pytest.mark.parametrize("groups,singles", [([4] * 6, 0), ([4, 4, 3, 2, 5, 1, 16], 7), ([], 9), ([2], 0)])
-def test_decode_attention_equals_plain_attention(heads, groups, singles):
+def test_decode_attention_equals_plain_attention(heads, groups, singles, kernel):
     torch.manual_seed(0)
     n_heads, h_kv = heads
     bs, d, num_blocks = 16, 32, 400
@@ -64,7 +75,7 @@ def test_decode_attention_equals_plain_attention(heads, groups, singles):
     v_cache = torch.randn(h_kv, num_blocks, bs, d)
     q = torch.randn(len(tables), n_heads, d)
     scale = d**-0.5
-    meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"))
+    meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=kernel)
     if groups and max(groups) > 1:
         assert meta.prefix, "shared prefixes should go through a prefix pass"
     out = decode_attention(q, k_cache, v_cache, meta, scale)
@@ -83,7 +94,8 @@ def test_decode_attention_equals_plain_attention(heads, groups, singles):
     assert (paged_attention(q, k_cache, v_cache, pmeta, scale) - out).abs().max() < 1e-6
 
 
-def test_wrong_shared_counts_stay_exact():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_wrong_shared_counts_stay_exact(kernel):
     """Shared counts are hints: sequences group only on identical block ids, and a count past the
     last block is capped, so an over-estimate never changes the result."""
     torch.manual_seed(1)
@@ -94,8 +106,29 @@ def test_wrong_shared_counts_stay_exact():
     q = torch.randn(4, 4, d)
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.3)
     for shared in ([9, 9, 9, 9], [2, 2, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
-        meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"))
+        meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=kernel)
         assert (decode_attention(q, k_cache, v_cache, meta, 0.3).double() - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("groups,singles", [([4] * 6, 3), ([], 5)])
+def test_kernel_on_a_bfloat16_cache_rounds_once(groups, singles):
+    """A bf16 cache and query: the kernel widens what it reads and rounds only its output, so it is
+    within half a bf16 ulp of the float64 answer from the same bf16 values (PyTorch's bf16 path,
+    which rounds scores and probabilities too, is looser)."""
+    torch.manual_seed(2)
+    bs, d, h_kv, n_heads = 16, 64, 2, 4
+    tables, lens, shared = _workload(11, bs, groups, singles)
+    k_cache = torch.randn(h_kv, 400, bs, d).bfloat16()
+    v_cache = torch.randn(h_kv, 400, bs, d).bfloat16()
+    q = torch.randn(len(tables), n_heads, d).bfloat16()
+    meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=True)
+    out = decode_attention(q, k_cache, v_cache, meta, d**-0.5)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q, k_cache, v_cache, tables, lens, d**-0.5)
+    exact = ref.bfloat16().double()  # the correctly rounded answer
+    ulp = (ref.abs().clamp(min=1e-30).log2().floor() - 7).exp2()  # bf16 spacing at each value
+    assert ((out.double() - ref).abs() <= ulp * 0.5 + 1e-6).all()
+    assert (out.double() == exact).float().mean() > 0.95
 
 
 def test_chunk_choice():
@@ -106,7 +139,8 @@ def test_chunk_choice():
 
 def test_engine_cascade_equals_unshared_decode(qwen3_dir, monkeypatch):
     """End to end: n-sample groups decoded with the prefix pass give the same tokens and logprobs
-    as the same requests decoded with every sequence attending alone; logprobs agree to fp32 rounding
+    as the same requests decoded with every sequence attending alone, and as PyTorch's passes in
+    place of the CPU kernel; logprobs agree to fp32 rounding
     through the layers (the test model's logprobs reach ~-20, where one float32 ulp is ~2e-6)."""
     from tandem.inference.engine import LLMEngine
     from tandem.inference.sampling_params import SamplingParams
@@ -127,7 +161,12 @@ def test_engine_cascade_equals_unshared_decode(qwen3_dir, monkeypatch):
     alone_engine = LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64)
     monkeypatch.setattr(alone_engine.block_manager, "num_shared_blocks", lambda s: 0)
     alone = outputs(alone_engine)
-    assert grouped.keys() == alone.keys()
+    torch_engine = LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64)
+    assert grouped_engine.runner.attention_kernel and torch_engine.runner.attention_kernel
+    torch_engine.runner.attention_kernel = False  # PyTorch's chunked passes instead of the CPU kernel
+    in_torch = outputs(torch_engine)
+    assert grouped.keys() == alone.keys() == in_torch.keys()
     for key, out in grouped.items():
-        assert out.output_ids == alone[key].output_ids
-        assert max(abs(a - b) for a, b in zip(out.output_logprobs, alone[key].output_logprobs, strict=True)) < 1e-5
+        for other in (alone[key], in_torch[key]):
+            assert out.output_ids == other.output_ids
+            assert max(abs(a - b) for a, b in zip(out.output_logprobs, other.output_logprobs, strict=True)) < 1e-5
