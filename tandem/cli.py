@@ -140,7 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-model", help="write a randomly initialised HF-format model with a local tokenizer")
     p.add_argument("out_dir", help="directory to create")
     p.add_argument("--arch", choices=["qwen3", "qwen2", "qwen3_moe"], default="qwen3")
-    p.add_argument("--preset", choices=["tiny", "small", "medium"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "medium", "base"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
     p.add_argument("--untied", action="store_true", help="a separate output head (default: tied to the embedding)")

@@ -74,7 +74,8 @@ def test_same_seed_same_weights_other_seed_differs(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("preset", "low", "high"), [("tiny", 80_000, 130_000), ("small", 2_000_000, 3_000_000), ("medium", 20_000_000, 30_000_000)]
+    ("preset", "low", "high"), [("tiny", 80_000, 130_000), ("small", 2_000_000, 3_000_000), ("medium", 20_000_000, 30_000_000),
+                                 ("base", 90_000_000, 110_000_000)]
 )
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_preset_sizes(arch, preset, low, high):

@@ -27,11 +27,13 @@ class Preset:
     intermediate_size: int
 
 
-# Parameter counts (tied embeddings, qwen3): tiny ~107k, small ~2.9M, medium ~23M.
+# Parameter counts (tied embeddings, qwen3): tiny ~107k, small ~2.9M, medium ~23M, base ~101M
+# (base: head_dim 64 and 3 query heads per KV head, the shape of a real small model's decode).
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(512, 64, 2, 4, 2, 16, 128),
     "small": Preset(2048, 256, 4, 4, 2, 64, 512),
     "medium": Preset(8192, 512, 6, 8, 4, 64, 1536),
+    "base": Preset(16384, 768, 14, 12, 4, 64, 2048),
 }
 ARCHES = ("qwen3", "qwen2", "qwen3_moe")
 # What a qwen3_moe model of a preset adds: 8 experts, 2 per token, each a quarter of the dense
