@@ -5,7 +5,7 @@ temperature 1.0), steps until every prompt is prefilled, then `torch.profiler` r
 decode steps at full batch (after as many unprofiled ones, whose mean is the reference step time).
 A region's time is its wall time, Python included: the model runner's metadata (`prepare`), the
 KV write, attention (`decode_attention`), sampling (`sample`, `top_logprobs`). An ATen call outside
-them is charged by its name to GEMM (mm, addmm, linear, matmul, bmm) or "other ops" (elementwise,
+them is charged by its name to GEMM (mm, addmm, linear, matmul, bmm, oneDNN's prepacked linear) or "other ops" (elementwise,
 norms, RoPE, casts, copies). "Host" is the rest of the step's wall time: Python between ATen
 calls, the scheduler, the engine's bookkeeping. "ATen calls per layer" counts those inside one
 transformer block (attention and KV write included). Regions are marked by wrapping those functions
@@ -32,7 +32,9 @@ from tandem.inference.sampling_params import SamplingParams
 from tandem.models.qwen.model import TransformerBlock
 
 REGIONS = ("metadata", "kv write", "attention", "sampling")
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
+            "mkldnn::_linear_pointwise"}
+OP_NAMESPACES = ("aten::", "mkldnn::", "mkl::")  # the ops counted (prepacked linears are mkldnn::)
 PREFIX = "tandem:"
 
 
@@ -76,11 +78,11 @@ def _scopes(event: FunctionEvent) -> list[str]:
 
 def _is_top_aten(event: FunctionEvent) -> bool:
     """An ATen call not inside another ATen call (its time includes its children's)."""
-    if not event.name.startswith("aten::"):
+    if not event.name.startswith(OP_NAMESPACES):
         return False
     e = event.cpu_parent
     while e is not None:
-        if e.name.startswith("aten::"):
+        if e.name.startswith(OP_NAMESPACES):
             return False
         e = e.cpu_parent
     return True

@@ -20,6 +20,7 @@ from tandem.inference.block_manager import BlockManager
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.model_runner import ModelRunner
 from tandem.inference.outputs import ABORT_BEFORE_PREFILL, Detokenizer, RequestOutput, TokenDelta, make_output
+from tandem.inference.packed_linear import pack_linears, packing_available
 from tandem.inference.request import GenerationRequest
 from tandem.inference.sampler import logprob_temperature, sample, top_logprobs
 from tandem.inference.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ class LLMEngine:
         self.model_path = str(model_path)
         self.device, self.dtype = torch.device(device), dtype
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
+        if packing_available(self.device, dtype):
+            pack_linears(self.model)  # prepacked oneDNN weights, repacked after every weight change
         self.max_model_len = int(self.model.args.max_seq_len)
         self.vocab_size = int(self.model.args.vocab_size)
         self.eos_ids = _eos_ids(model_path)
