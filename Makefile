@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps review
+.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps kernels review
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,7 @@ lint: $(STAMP)
 # downloads and unpacking.
 test-deps:
 	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps
+	@$(MAKE) --no-print-directory kernels
 
 test: test-deps lint
 	$(PY) -m pytest -q -n 2 --durations=40
@@ -56,6 +57,11 @@ cxx-deps:
 	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q g++ ninja-build; } \
 	    ) > .cxx-install.log 2>&1 \
 	 || echo "apt-get install g++ ninja-build failed (see .cxx-install.log): the CPU kernels will not build"
+
+# Build the CPU kernels now rather than in the first server a test starts (~20 s of CPU, more
+# under load, against the servers' start-up deadlines). A failed build is reported, not fatal.
+kernels: $(STAMP)
+	@$(PY) -c "from tandem.inference.cpu_kernels import build_all; build_all()"
 
 # A second venv with vLLM's CPU build, pinned, for the tests against a real vLLM server
 # (tests/engines). Its CUDA builds of torchvision/torchaudio/torchcodec do not load on CPU and are

@@ -99,3 +99,10 @@ def _import(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_all() -> None:
+    """`make kernels`: build (or find) every kernel and say where."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = paged_attention()
+    print(f"CPU kernels: paged attention {'ready: ' + str(built.__file__) if built else 'NOT built (see above)'}")
