@@ -217,7 +217,7 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
         if model is not None:
             hf_generate(model, work[: args.hf_batch], args.device, max_new=8)
         # Repetitions interleave the sides, so drifting load on a shared machine hits all of them
-        # alike; the servers are idle (no CPU) while another side runs.
+        # alike; each starts once the side before has stopped using the CPU.
         for _ in range(args.reps):
             for side in sides:
                 wait_quiet()  # the side before may still spin (vLLM's engine: ~1 s after its last request)

@@ -4,8 +4,8 @@
 holds the SAME weight and bias parameters (names, checksums, `/get_weights_by_name` and weight
 swaps see nothing new) plus a packed copy of the weight that oneDNN multiplies without reordering
 it per call. On this machine's CPUs that is 2.2-5.5x faster than `F.linear` in float32 (MKL's
-path here is not its AVX-512 one) and 1.03-1.8x in bfloat16 (bench/serve.py --profile; the
-per-shape figures: docs/inference.md, "Linear layers").
+path here is not its AVX-512 one) and 1.03-1.8x in bfloat16 (per-shape figures: docs/inference.md,
+"Linear layers").
 
 The packed copy is derived state: before each multiply the layer compares its weight's storage
 and version counter with those it packed from and repacks on any change, so an update that
@@ -22,10 +22,7 @@ from torch import nn
 
 from tandem.inference import cpu_kernels
 
-PACKING_BATCH_HINT = 256  # the rows oneDNN tunes the layout for; any batch works
-
-
-ROW_STEP, MAX_ROWS = 16, 256
+ROW_STEP, MAX_ROWS = 16, 256  # MAX_ROWS is also the row count oneDNN tunes the packed layout for
 
 
 def rows_bucket(rows: int) -> int:
@@ -63,7 +60,7 @@ class PackedLinear(nn.Module):
         stamp = self._stamp()
         if stamp != self._source:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor: packed outside a step too
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKING_BATCH_HINT)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), MAX_ROWS)
             self._source = stamp
         if x.shape[0] <= MAX_ROWS:
             return self._multiply(x)

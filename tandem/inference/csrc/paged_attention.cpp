@@ -5,12 +5,12 @@
 // returns, per query row (R rows x G query heads of that KV head), the running max of the scores
 // m, the normaliser den = sum exp(s - m) and o = sum exp(s - m) * v, all in float32; the caller
 // combines passes by log-sum-exp and divides. Keys are visited one cache block at a time (scores
-// of the block, one rescale per block), so no key or value is copied and nothing is rounded to the
-// cache's dtype after it is read: bf16 caches are widened as they are read.
+// of the block, one rescale per block): nothing is gathered into a new tensor, and nothing is
+// rounded to the cache's dtype after it is read (bf16 blocks are widened as they are read).
 //
 // qv      [B, H_kv, G, D] float32, already multiplied by the softmax scale
 // k, v    [H_kv, num_blocks, block_size, D], float32 or bfloat16, contiguous
-// rows    [U, R] int64: the sequence (index into qv) of each task row; -1 marks a padding row
+// rows    [U, R] int64: the sequence (index into qv) of each task row (padding rows repeat one)
 // blocks  [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
 // nkeys   [U] int64: each task's key count (>= 1)
 #include <torch/extension.h>
@@ -52,11 +52,8 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
       float* m = m_all + (h * num_tasks + u) * rg;
       float* den = den_all + (h * num_tasks + u) * rg;
       float* o = o_all + (h * num_tasks + u) * rg * d;
-      for (int64_t i = 0; i < r; ++i) {
-        const int64_t seq = row_seq[u * r + i];
-        for (int64_t j = 0; j < g; ++j)  // a padding row (-1) repeats the task's first query (dropped by the caller)
-          qrow[i * g + j] = q + ((std::max<int64_t>(seq, row_seq[u * r]) * h_kv + h) * g + j) * d;
-      }
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < g; ++j) qrow[i * g + j] = q + ((row_seq[u * r + i] * h_kv + h) * g + j) * d;
       std::fill(m, m + rg, neg_inf);
       std::fill(den, den + rg, 0.0f);
       std::fill(o, o + rg * d, 0.0f);
