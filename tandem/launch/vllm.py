@@ -70,7 +70,7 @@ class VLLMServerSpec:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     threads: int | None = None  # OMP_NUM_THREADS
     worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
-    enforce_eager: bool = True  # vLLM's eager mode (starts faster); False: its default, compiled
+    enforce_eager: bool = False  # True: --enforce-eager (starts faster, decodes slower); False: vLLM's default, compiled
     extra_args: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:

@@ -90,7 +90,7 @@ def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str,
     specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype,
                            served_model_name=cfg.rollout.model, max_model_len=v.max_model_len,
                            kv_cache_gib=v.kv_cache_gib, threads=v.threads or None, worker_extension=v.worker_extension,
-                           extra_args=list(v.args))
+                           enforce_eager=v.enforce_eager, extra_args=list(v.args))
     began = time.monotonic()
     handles = vllm.start_servers(scheduler, specs, env=env, timeout_s=v.start_timeout_s)
     logger.info("rollout: %d vLLM server(s) healthy after %.1f s", len(handles), time.monotonic() - began)

@@ -50,6 +50,9 @@ class VLLMLaunchConfig:
     threads: int = _f(0, "OMP_NUM_THREADS of each vLLM server (0: vLLM's default).", min=0)
     args: list[str] = field(default_factory=list, metadata={"help": "Extra vLLM server options, e.g. ['--seed', '1']."})
     start_timeout_s: float = _f(300.0, "Seconds for a vLLM server to become healthy.", gt=0.0)
+    enforce_eager: bool = _f(
+        False, "Pass --enforce-eager: vLLM runs eagerly (starts faster, decodes slower). false: vLLM's default, "
+        "its model compiled with torch.compile at start-up (the faster mode; docs/engines.md).")
     worker_extension: bool = _f(
         True, "The vLLM servers load Tandem's worker extension (--worker-extension-cls "
         "tandem.weights.vllm_worker.TandemWorkerExtension; passed to servers Tandem starts): weight sync over a "

@@ -198,6 +198,7 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "rollout.vllm.threads": (T_LAUNCH_VLLM,),
     "rollout.vllm.args": (T_LAUNCH_VLLM,),
     "rollout.vllm.start_timeout_s": (T_LAUNCH_VLLM,),
+    "rollout.vllm.enforce_eager": (T_LAUNCH_VLLM, "tests/engines/test_vllm_train.py::test_train_with_a_launched_vllm_server"),
     "rollout.vllm.worker_extension": (
         T_LAUNCH_VLLM, f"{T_ROLLOUT_KEYS}::test_worker_extension_decides_how_vllm_servers_take_updates",
         "tests/config/test_loader.py::test_train_refuses_servers_that_cannot_take_its_weight_sync"),

@@ -4,13 +4,17 @@ a venv that exists but whose server does not come up fails them."""
 
 from __future__ import annotations
 
-import re
+import concurrent.futures
+import contextlib
+import json
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -19,6 +23,7 @@ from tandem.launch.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "small"
+T = TypeVar("T")
 
 
 def vllm_python() -> str:
@@ -79,19 +84,31 @@ def vllm_server(tmp_path_factory, small_model, vllm_python_path):
         vllm.stop(proc)
 
 
-def generated_tokens(url: str) -> float:
-    """The server's count of generated tokens so far (its Prometheus counter `vllm:generation_tokens`)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+@contextlib.contextmanager
+def busy_engine(server: VLLMServer, count: int = 16, max_tokens: int = 3000) -> Iterator[None]:
+    """`count` long completions (raw HTTP, their answers ignored) running beside a test's request
+    until the block ends and they finish or a pause aborts them: every engine step then carries
+    `count` + 1 sequences, so the test's request decodes for tens of seconds, not the ~7 s it takes
+    alone on compiled vLLM. A pause sent a few seconds after that request then finds it running
+    however late the request reached the engine or however long the machine stalled (both seen in
+    suite runs: a 0.5 s sleep that took 5 s; a request that reached the engine after the pause)."""
+    body = json.dumps({"model": server.name, "prompt": [11, 12, 13], "max_tokens": max_tokens,
+                       "ignore_eos": True, "temperature": 1.0}).encode()
+
+    def complete() -> None:
+        request = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            resp.read()
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        running = [pool.submit(complete) for _ in range(count)]
+        yield
+        concurrent.futures.wait(running, 300)
 
 
-def wait_generating(url: str, since: float, tokens: int = 20, timeout_s: float = 60.0) -> None:
-    """Until the server generated `tokens` more than `since` (`generated_tokens` before the request
-    started): a test pauses it only once its request is decoding. (The `vllm:num_requests_running`
-    gauge is no such sign: it keeps its last value while the engine is idle.)"""
-    deadline = time.monotonic() + timeout_s
-    while generated_tokens(url) < since + tokens:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{url} generated fewer than {tokens} tokens within {timeout_s:.0f}s")
-        time.sleep(0.02)
+def start_decoding(submit: Callable[[], T], settle_s: float = 2.0) -> T:
+    """Call `submit` (which starts one request) and return `settle_s` later, when the request has
+    reached the engine and decodes (inside `busy_engine`, it runs for tens of seconds more)."""
+    submitted = submit()
+    time.sleep(settle_s)
+    return submitted

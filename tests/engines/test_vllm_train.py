@@ -1,6 +1,7 @@
 """`tandem train` with `rollout.backend=vllm:d1`: Tandem starts the vLLM server itself (the
 interpreter `rollout.vllm.python`, with Tandem's worker extension) and moves the trainer's weights
-to it after every step, from disk or over a transfer group (staged in the worker, then committed)."""
+to it after every step, from disk or over a transfer group (staged in the worker, then committed).
+The server runs compiled (vLLM's default and faster mode), as `tandem train` starts it by default."""
 
 from __future__ import annotations
 
@@ -32,5 +33,7 @@ def test_train_with_a_launched_vllm_server(tmp_path, small_model, vllm_python_pa
     log = (run_dir(tmp_path) / "logs" / "rollout-0.log")
     text = log.read_text() if log.is_file() else ""
     assert "vllm.entrypoints.openai.api_server" in text and "TandemWorkerExtension" in text, text[-2000:]
+    # compiled, vLLM's default (rollout.vllm.enforce_eager=false): its engine says so and compiles at start-up
+    assert "enforce_eager=False" in text and "Warming up model for the compilation" in text, text[-2000:]
     # disk: stage + commit per update; distributed: join, buckets, commit
     assert text.count("/collective_rpc") >= (4 if sync == "disk" else 6), text[-2000:]

@@ -106,7 +106,7 @@ FAKE_VLLM = textwrap.dedent("""\
 def test_launched_vllm_servers_take_the_vllm_keys(tmp_path, model_dir, monkeypatch):
     """Catches a `rollout.vllm.*` key (or `rollout.model`) not reaching the vLLM server Tandem
     starts: the configured interpreter runs it with --max-model-len, --served-model-name, the
-    extra arguments and the worker extension as configured, VLLM_CPU_KVCACHE_SPACE and
+    extra arguments, the worker extension and --enforce-eager as configured, VLLM_CPU_KVCACHE_SPACE and
     OMP_NUM_THREADS in its environment; a server that does not become healthy within
     start_timeout_s fails the launch."""
     record = tmp_path / "vllm.json"
@@ -126,7 +126,7 @@ def test_launched_vllm_servers_take_the_vllm_keys(tmp_path, model_dir, monkeypat
     default = launch()
     configured = launch("rollout.vllm.max_model_len=321", "rollout.vllm.kv_cache_gib=3", "rollout.vllm.threads=2",
                         "rollout.vllm.args=[--seed, '7']", "rollout.vllm.worker_extension=false",
-                        "rollout.model=policy")
+                        "rollout.vllm.enforce_eager=true", "rollout.model=policy")
 
     def option(run: dict, name: str) -> str | None:
         return run["args"][run["args"].index(name) + 1] if name in run["args"] else None
@@ -135,6 +135,7 @@ def test_launched_vllm_servers_take_the_vllm_keys(tmp_path, model_dir, monkeypat
     assert (option(default, "--served-model-name"), option(configured, "--served-model-name")) == (None, "policy")
     assert (option(default, "--seed"), option(configured, "--seed")) == (None, "7")
     assert "--worker-extension-cls" in default["args"] and "--worker-extension-cls" not in configured["args"]
+    assert "--enforce-eager" not in default["args"] and "--enforce-eager" in configured["args"]  # compiled by default
     assert (default["env"]["VLLM_CPU_KVCACHE_SPACE"], configured["env"]["VLLM_CPU_KVCACHE_SPACE"]) == ("1", "3")
     assert configured["env"]["OMP_NUM_THREADS"] == "2" and default["env"]["OMP_NUM_THREADS"] != "2"
 
