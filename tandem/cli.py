@@ -325,6 +325,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=0, help="seeds the draws of requests that bring no seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a sequence's logits do not depend on what else is in the batch (prefill attention per "
+                        "sequence, no shared-prefix decode passes): bit-identical reruns under any batching")
     p.add_argument("--weight-sync-timeout", type=float, default=120.0,
                    help="seconds to form a weight-update group or receive one tensor over it")
     p.add_argument("--weights-dir", action="append", default=[], metavar="DIR",

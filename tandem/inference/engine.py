@@ -33,7 +33,8 @@ from tandem.models import load_model, read_hf_config
 class LLMEngine:
     def __init__(self, model_path: str | os.PathLike[str], *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 32768, block_size: int = 16,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 batch_invariant: bool = False):
         self.model_path = str(model_path)
         self.device, self.dtype = torch.device(device), dtype
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
@@ -48,7 +49,11 @@ class LLMEngine:
             raise RequestError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {block_size} tokens")
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype)
+        # Batch invariance: a sequence's logits do not depend on what else is in its steps. Linears
+        # are row-invariant as packed (measured), decode attention runs per sequence; what remains
+        # is prefill attention (per sequence here) and the shared-prefix decode passes (off).
+        self.batch_invariant = batch_invariant
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, batch_invariant)
         self.weight_version = 0  # set by each weight swap that names one; stamped on every output
         self._seeds = torch.Generator().manual_seed(seed)
         self._live: dict[str, list[Sequence]] = {}  # rid -> its sequences (one until forked)
@@ -134,7 +139,7 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if seqs:
             copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-            shared = None if is_prefill else [self.block_manager.num_shared_blocks(s) for s in seqs]
+            shared = None if is_prefill or self.batch_invariant else [self.block_manager.num_shared_blocks(s) for s in seqs]
             logits = self.runner.run(seqs, is_prefill, copies, shared)
             rows, batch = [], []
             for row, seq in enumerate(seqs):

@@ -22,8 +22,9 @@ from tandem.inference.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device | str, dtype: torch.dtype):
+                 device: torch.device | str, dtype: torch.dtype, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # prefill attention per sequence (decode is per sequence already)
         self.block_size = block_size
         self.device = torch.device(device)
         args = model.args
@@ -97,6 +98,7 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in itertools.pairwise(cu_q)),
             max_context_len=max(len(s) for s in seqs),
             no_cached_prefix=all(s.num_computed_tokens == 0 for s in seqs),
+            per_sequence=self.batch_invariant,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

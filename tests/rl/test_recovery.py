@@ -41,11 +41,11 @@ def config(root: Path, model: Path, staleness: int, ppo: bool = False, **train) 
     return write_config(
         root, model,
         **{**sections, "actor": {**sections["actor"], "deterministic": True}},
-        # One sequence per forward: CPU matmuls round a row differently with other rows beside it, so
-        # bit-identical logprobs need the server to batch the same way in both runs (measured in CI with
-        # default batching: step 4's loss differed by 7e-8 after a resume).
+        # Default batching (up to 256 sequences a step), batch-invariant: a sequence's logprobs do not
+        # depend on what else shares its steps, which differs between a run and its rerun (without
+        # --batch-invariant, measured in CI: step 4's loss differed by 7e-8 after a resume).
         rollout={"backend": "tandem:d1", "max_head_offpolicyness": staleness, "seed_sampling": True,
-                 "server_args": ["--num-threads", "1", "--max-num-seqs", "1"],
+                 "server_args": ["--num-threads", "1", "--batch-invariant"],
                  # A reward the tiny random model earns half the time (the last token's parity): groups
                  # differ, so every step has advantages, a loss and a gradient to reproduce (arithmetic
                  # would give 0).

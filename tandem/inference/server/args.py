@@ -24,6 +24,7 @@ class ServerArgs:
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None
+    batch_invariant: bool = False  # a sequence's logits do not depend on the rest of its batch
     weight_sync_timeout: float = 120.0
     weights_dir: list[str] = field(default_factory=list)  # beside the model's: where disk updates may load from
     log_level: str = "warning"

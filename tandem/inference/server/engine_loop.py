@@ -103,7 +103,8 @@ class EngineLoop:
             self.engine = LLMEngine(a.model_path, max_num_seqs=a.max_num_seqs,
                                     max_num_batched_tokens=a.max_num_batched_tokens,
                                     kv_cache_tokens=a.kv_cache_tokens, block_size=a.block_size,
-                                    device=a.device, dtype=a.torch_dtype, seed=a.seed)
+                                    device=a.device, dtype=a.torch_dtype, seed=a.seed,
+                                    batch_invariant=a.batch_invariant)
         except Exception as exc:  # the first line (what /health reports) says why
             self.error = f"engine failed to load: {exc}\n" + traceback.format_exc()
             log.error(self.error)
