@@ -22,6 +22,8 @@ started with tandem.launch.vllm's command (same dtype; OMP_NUM_THREADS and VLLM_
 give it the same thread count as tandem serve), its prefix cache reset before every repetition; the
 Tandem / vLLM tokens/s ratio is reported. `--dtypes float32 bfloat16` applies to every side;
 `--no-hf` skips transformers.
+`--batch-invariant` adds a second `tandem serve` with `--batch-invariant` on the same requests
+(interleaved like the others) and a table of its cost: its tokens/s over the default server's.
 `--profile` instead prints where a decode step's time goes (bench/decode_profile.py).
 Run: `.venv/bin/python bench/serve.py [--vllm] [--no-hf]`; prints the tables and appends them to
 docs/benchmarks.md (`--no-report` to skip).
@@ -63,9 +65,10 @@ def workload(seed: int, vocab: int) -> Work:
             for _ in range(N_PROMPTS)]
 
 
-def start_server(model: Path, threads: int, device: str, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, threads: int, device: str, dtype: str, *extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--port", "0", "--num-threads",
-           str(threads), "--kv-cache-tokens", "65536", "--max-num-seqs", "256", "--device", device, "--dtype", dtype]
+           str(threads), "--kv-cache-tokens", "65536", "--max-num-seqs", "256", "--device", device, "--dtype", dtype,
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = proc.stdout.readline()
     m = re.search(r"listening on (http://\S+)", line)
@@ -184,21 +187,25 @@ def preset_model(tmp: Path, preset: str) -> Path:
 
 
 def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
-                 ) -> tuple[list[str], list[str], dict[str, float]]:
-    """One preset and dtype: returns (transformers table row(s), vLLM table row(s), tokens/s by side:
-    srv, arrival, sorted, vllm-eager, vllm-compiled)."""
+                 ) -> tuple[list[str], list[str], list[str], dict[str, float]]:
+    """One preset and dtype: returns (transformers table row(s), vLLM table row(s), batch-invariant
+    row(s), tokens/s by side: srv, srv-bi, arrival, sorted, vllm-eager, vllm-compiled)."""
     model_dir = preset_model(tmp, preset)
     vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
     work = workload(0, vocab)
     vllm_sides = [f"vllm-{m}" for m in args.vllm_modes] if args.vllm_python else []
-    sides = ["srv"] + (["arrival", "sorted"] if args.hf else []) + vllm_sides
+    sides = ["srv"] + (["srv-bi"] if args.batch_invariant else []) + (["arrival", "sorted"] if args.hf else []) \
+        + vllm_sides
     runs: dict[str, list[tuple[int, float]]] = {k: [] for k in sides}
-    proc, model = None, None
+    proc, model, proc_bi, url_bi = None, None, None, ""
     vprocs: list[subprocess.Popen] = []
     vllm_urls: dict[str, str] = {}
     try:
         proc, url = start_server(model_dir, args.threads, args.device, dtype)
         asyncio.run(wait_ready(url))
+        if args.batch_invariant:
+            proc_bi, url_bi = start_server(model_dir, args.threads, args.device, dtype, "--batch-invariant")
+            asyncio.run(wait_ready(url_bi))
         for side in vllm_sides:  # one after the other: starting (compiling) is CPU-bound
             log = tmp / f"{side}-{preset}-{dtype}.log"
             vproc, vllm_urls[side] = start_vllm(args.vllm_python, model_dir, args.threads, dtype, log,
@@ -212,6 +219,8 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
             model = model.to(args.device).eval()
         # Warm-up: the whole workload once per server, one short batch for transformers.
         asyncio.run(run_http(url, work))
+        if url_bi:
+            asyncio.run(run_http(url_bi, work))
         for vllm_url in vllm_urls.values():
             asyncio.run(run_vllm(vllm_url, work))
         if model is not None:
@@ -221,8 +230,8 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
         for _ in range(args.reps):
             for side in sides:
                 wait_quiet()  # the side before may still spin (vLLM's engine: ~1 s after its last request)
-                if side == "srv":
-                    runs[side].append(asyncio.run(run_http(url, work)))
+                if side in ("srv", "srv-bi"):
+                    runs[side].append(asyncio.run(run_http(url if side == "srv" else url_bi, work)))
                 elif side in vllm_urls:
                     runs[side].append(asyncio.run(run_vllm(vllm_urls[side], work)))
                 else:
@@ -230,9 +239,10 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
     finally:
         for vproc in vprocs:
             vllm_launch.stop(vproc)  # its process group (the engine core is a child)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        for p in (proc, proc_bi):
+            if p is not None:
+                p.terminate()
+                p.wait(30)
     counts = {t for r in runs.values() for t, _ in r}
     assert len(counts) == 1, counts  # same output tokens counted on every side and repetition
     tokens = counts.pop()
@@ -241,8 +251,11 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
     params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(model_dir)).parameters()) if model is None else \
         sum(p.numel() for p in model.parameters())
-    hf_rows, vllm_rows = [], []
+    hf_rows, vllm_rows, bi_rows = [], [], []
     a = tps["srv"]
+    if args.batch_invariant:
+        bi_rows.append(f"| {preset} | {dtype} | {a:,.0f} | {tps['srv-bi']:,.0f} | **{tps['srv-bi'] / a:.2f}x** | "
+                       f"{secs['srv']:.1f} | {secs['srv-bi']:.1f} |")
     if args.hf:
         b, c = tps["arrival"], tps["sorted"]
         hf_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {b:,.0f} | **{a / b:.2f}x** | "
@@ -255,11 +268,11 @@ def bench_preset(args: argparse.Namespace, tmp: Path, preset: str, dtype: str
         vllm_rows.append(f"| {preset} | {dtype} | {params / 1e6:.1f}M | {a:,.0f} | {cells} | "
                          f"**{a / tps[best]:.2f}x** ({best.removeprefix('vllm-')}) | {tokens} | "
                          + " | ".join(f"{secs[k]:.1f}" for k in ["srv", *vllm_sides]) + " |")
-    for row in hf_rows + vllm_rows:
+    for row in hf_rows + vllm_rows + bi_rows:
         print(row, flush=True)
     print(f"  {preset} {dtype} seconds per repetition: "
           + ", ".join(f"{k} {[round(t, 2) for _, t in r]}" for k, r in runs.items()), flush=True)
-    return hf_rows, vllm_rows, tps
+    return hf_rows, vllm_rows, bi_rows, tps
 
 
 def main() -> None:
@@ -281,6 +294,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="instead of the throughput runs: where a decode step's time goes (bench/decode_profile.py)")
     ap.add_argument("--profile-steps", type=int, default=20, help="decode steps profiled per preset and dtype")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="add a `tandem serve --batch-invariant` side and the table of its cost")
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
     if args.profile:
@@ -289,8 +304,8 @@ def main() -> None:
         args.vllm_python = default_vllm_python(Path(__file__).resolve().parent.parent)
         if args.vllm_python is None:
             ap.error("--vllm: no .venv-vllm/bin/python; pass --vllm-python")
-    if not args.hf and not args.vllm_python:
-        ap.error("--no-hf needs --vllm: nothing to compare with")
+    if not args.hf and not args.vllm_python and not args.batch_invariant:
+        ap.error("--no-hf needs --vllm or --batch-invariant: nothing to compare with")
     torch.set_num_threads(args.threads)
     hf_rows = ["| preset | dtype | params | tandem serve tok/s | hf arrival tok/s | **ratio (arrival)** "
                "| hf sorted tok/s | ratio (sorted) | output tokens | tandem s | hf arrival s | hf sorted s |",
@@ -300,14 +315,18 @@ def main() -> None:
                  + " | ".join(f"vLLM {m} tok/s | Tandem / vLLM {m}" for m in modes)
                  + " | **Tandem / vLLM's best** | output tokens | tandem s | " + " | ".join(f"vLLM {m} s" for m in modes) + " |",
                  "|---|---|---:|---:|" + "---:|---:|" * len(modes) + "---:|---:|---:|" + "---:|" * len(modes)]
+    bi_rows = ["| preset | dtype | tandem serve tok/s | --batch-invariant tok/s | **cost (invariant / default)** "
+               "| default s | invariant s |", "|---|---|---:|---:|---:|---:|---:|"]
     rates: dict[tuple[str, str], dict[str, float]] = {}  # (dtype, preset) -> tokens/s by side
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             for preset in args.presets:
-                h, v, rates[dtype, preset] = bench_preset(args, Path(tmp), preset, dtype)
+                h, v, b, rates[dtype, preset] = bench_preset(args, Path(tmp), preset, dtype)
                 hf_rows += h
                 vllm_rows += v
-    tables = ([("\n".join(hf_rows))] if args.hf else []) + ([("\n".join(vllm_rows))] if args.vllm_python else [])
+                bi_rows += b
+    tables = ([("\n".join(hf_rows))] if args.hf else []) + ([("\n".join(vllm_rows))] if args.vllm_python else []) \
+        + ([("\n".join(bi_rows))] if args.batch_invariant else [])
     print("\n" + "\n\n".join(tables))
     if args.no_report:
         return
@@ -327,11 +346,15 @@ def main() -> None:
                  f"requests on `/v1/completions` (token-id prompts, max_tokens = the requested output, ignore_eos, "
                  f"temperature 1.0), OMP_NUM_THREADS={args.threads} with VLLM_CPU_OMP_THREADS_BIND="
                  f"0-{args.threads - 1} (vLLM's default `auto` keeps one CPU for its scheduler process)")
+    if args.batch_invariant:
+        body += (f"{' and' if args.hf or args.vllm_python else ''} vs the same server started with "
+                 f"`--batch-invariant` (its cost: invariant tokens/s over default)")
     body += (f"; {args.threads} torch threads each, device {args.device}, dtype {dtypes}; warm-up, then the median "
              f"of {args.reps} repetitions per side, repetitions interleaved (prefix caches flushed before each "
              f"server repetition).\n\n" + "\n\n".join(tables))
     title = "Inference server throughput (tandem serve vs " + " and ".join(
-        (["transformers"] if args.hf else []) + (["vLLM"] if args.vllm_python else [])) + ")"
+        (["transformers"] if args.hf else []) + (["vLLM"] if args.vllm_python else [])
+        + (["--batch-invariant"] if args.batch_invariant else [])) + ")"
     append_benchmark(title, body)
     record_current(args, rates)
 
