@@ -140,7 +140,7 @@ def test_pause_resume_with_a_running_request(vllm_server):
     """A long request is aborted by the pause and resubmitted (prompt + partial) by the client; it
     waits while the server is paused and completes after resume; tokens before the pause carry
     version 0, after it version 1 (set on the servers and on the client while paused); every
-    logprob still equals the recompute. The pause goes out 2 s after the request, 16 others decoding
+    logprob still equals the recompute. The pause goes out 1 s after the request, 32 others decoding
     beside it (`busy_engine`): an attempt where it did not cut the request (the request had not started or had finished when the
     pause reached the engine: a stalled machine) shows nothing and is made again, up to 5 times; a
     pause that does not abort a running request fails every attempt."""

@@ -182,8 +182,8 @@ def test_update_in_the_middle_of_generation(vllm_server, other_model):
     """A long request is running when the trainer updates the server to seed 1 over the group: the
     pause aborts it, the client resubmits prompt + partial output, and it finishes on the new
     weights. Tokens labelled 0 have seed 0's logprobs, tokens labelled 1 seed 1's (each recomputed
-    by Tandem's model teacher-forced on everything before it). The update starts 2 s after the
-    request, 16 others decoding beside it (`busy_engine`): an attempt where its pause did not cut the request (the request had not
+    by Tandem's model teacher-forced on everything before it). The update starts 1 s after the
+    request, 32 others decoding beside it (`busy_engine`): an attempt where its pause did not cut the request (the request had not
     started or had finished when the pause reached the engine: a stalled machine) shows nothing
     and is made again, up to 5 times; a pause that does not abort a running request fails every
     attempt."""
