@@ -49,10 +49,6 @@ class LLMEngine:
             raise RequestError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {block_size} tokens")
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        # Batch invariance: a sequence's logits do not depend on what else is in its steps. Linears
-        # are row-invariant as packed (measured), decode attention runs per sequence; what remains
-        # is prefill attention (per sequence here) and the shared-prefix decode passes (off).
-        self.batch_invariant = batch_invariant
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, dtype, batch_invariant)
         self.weight_version = 0  # set by each weight swap that names one; stamped on every output
         self._seeds = torch.Generator().manual_seed(seed)
@@ -139,7 +135,8 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if seqs:
             copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-            shared = None if is_prefill or self.batch_invariant else [self.block_manager.num_shared_blocks(s) for s in seqs]
+            shared = (None if is_prefill or self.runner.batch_invariant
+                      else [self.block_manager.num_shared_blocks(s) for s in seqs])
             logits = self.runner.run(seqs, is_prefill, copies, shared)
             rows, batch = [], []
             for row, seq in enumerate(seqs):

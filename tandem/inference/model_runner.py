@@ -24,7 +24,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, batch_invariant: bool = False):
         self.model = model
-        self.batch_invariant = batch_invariant  # prefill attention per sequence (decode is per sequence already)
+        # Batch invariance: prefill attention per sequence, decodes without shared-prefix passes
+        # (linears are row-invariant as packed, measured; the decode kernel is per sequence).
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.device = torch.device(device)
         args = model.args
@@ -98,8 +100,9 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in itertools.pairwise(cu_q)),
             max_context_len=max(len(s) for s in seqs),
             no_cached_prefix=all(s.num_computed_tokens == 0 for s in seqs),
-            per_sequence=self.batch_invariant,
         )
+        if self.batch_invariant and len(seqs) > 1:  # built once per step, read by every layer
+            self.attn.meta.parts = self.attn.meta.split()
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))
 

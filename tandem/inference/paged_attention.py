@@ -68,22 +68,24 @@ class AttentionMetadata:
     max_context_len: int
     no_cached_prefix: bool  # every sequence attends only to its new tokens (plain prefill)
     decode: DecodeMetadata | None = None  # set for decode steps (one new token per sequence)
-    per_sequence: bool = False  # prefill: each sequence attends as it would alone (batch invariance)
+    # Batch invariance (prefill): each sequence's rows and its metadata alone (`split`); attention
+    # then runs per sequence, with exactly the calls and shapes it would run by itself.
+    parts: list[tuple[slice, AttentionMetadata]] | None = None
 
-    def sequence(self, i: int) -> AttentionMetadata:
-        """Prefill metadata of sequence `i` alone: its own block table, lengths and slots."""
-        start, end = int(self.cu_seqlens_q[i]), int(self.cu_seqlens_q[i + 1])
+    def split(self) -> list[tuple[slice, AttentionMetadata]]:
+        """Prefill: per sequence, its rows of the step's tokens and its metadata alone (its block
+        table keeps the step's padding, whose keys past its context are sliced off)."""
         assert self.block_tables is not None, "per-sequence metadata is for prefills"
-        context = int(self.context_lens[i])
-        return AttentionMetadata(
+        cu, contexts = self.cu_seqlens_q.tolist(), self.context_lens.tolist()
+        return [(slice(start, end), AttentionMetadata(
             slot_mapping=self.slot_mapping[start:end],
             cu_seqlens_q=self.cu_seqlens_q.new_tensor([0, end - start]),
             context_lens=self.context_lens[i:i + 1],
-            block_tables=self.block_tables[i:i + 1],  # padding blocks past `context` are sliced off
+            block_tables=self.block_tables[i:i + 1],
             max_query_len=end - start,
             max_context_len=context,
             no_cached_prefix=end - start == context,
-        )
+        )) for i, (start, end, context) in enumerate(zip(cu[:-1], cu[1:], contexts, strict=True))]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -316,15 +318,11 @@ class PagedAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode is not None:
             return decode_attention(q, k_cache, v_cache, meta.decode, self.scale)
-        if meta.per_sequence and meta.context_lens.shape[0] > 1:
-            # Batch invariance: a sequence's rows are computed by the same calls, on the same
-            # shapes, as when it is the only one (padding to the batch's longest sequence changes
-            # the reduction order of the softmax, measured: logprobs moved by up to 1e-6).
-            outs = []
-            for i in range(meta.context_lens.shape[0]):
-                start, end = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
-                outs.append(self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta.sequence(i)))
-            return torch.cat(outs)
+        if meta.parts is not None:
+            # Batch invariance: padding to the step's longest sequence changes the softmax's
+            # reduction order (measured: logprobs moved by up to 1e-6), so each sequence runs alone.
+            return torch.cat([self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, part)
+                              for rows, part in meta.parts])
         return self._prefill(q, k, v, k_cache, v_cache, meta)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
