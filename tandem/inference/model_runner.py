@@ -1,7 +1,7 @@
 """Runs the trainer's native model over a step's sequences with a paged KV cache.
 
 Owns the KV tensors (one `[n_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim]`
-tensor), turns a scheduled batch into packed inputs + attention metadata (once per step, for every
+tensor, each layer's keys stored transposed within a block: `layer_caches`), turns a scheduled batch into packed inputs + attention metadata (once per step, for every
 layer) and returns float32 logits of each sequence's last position. The extra block (`pad_block`,
 outside the block manager's range) pads block tables and key chunks and is never written. A MoE
 model's runner also records each forwarded token's experts per KV slot
@@ -35,15 +35,21 @@ class ModelRunner:
         self.pad_block = num_blocks
         shape = (args.n_layers, 2, args.n_kv_heads, num_blocks + 1, block_size, args.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.attn = PagedAttentionBackend(
-            [self.kv_cache[i, 0] for i in range(args.n_layers)],
-            [self.kv_cache[i, 1] for i in range(args.n_layers)],
-            scale=args.head_dim**-0.5,
-        )
+        self.attn = PagedAttentionBackend(*self.layer_caches(), scale=args.head_dim**-0.5)
         self.routed_expert_cache = RoutedExpertCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
         # Decode attention in the CPU kernel where it serves (built on first use; else PyTorch's).
         self.attention_kernel = (self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                                  and cpu_kernels.paged_attention() is not None)
+
+    def layer_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, views of `kv_cache`: keys `[n_kv_heads, blocks, head_dim, block_size]`
+        (transposed within each block, `tandem.inference.paged_attention`), values
+        `[n_kv_heads, blocks, block_size, head_dim]`; empty lists while the cache is released."""
+        if self.kv_cache.dim() != 6:
+            return [], []
+        n_layers, _, h, blocks, bs, d = self.kv_cache.shape
+        return ([self.kv_cache[i, 0].view(h, blocks, d, bs) for i in range(n_layers)],
+                [self.kv_cache[i, 1] for i in range(n_layers)])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, k and v) before they are written."""

@@ -3,6 +3,7 @@ PyTorch and in the CPU kernel (`tandem/inference/csrc/paged_attention.cpp`)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -15,7 +16,14 @@ from tandem.inference.paged_attention import (
     build_decode_metadata,
     decode_attention,
     paged_attention,
+    prefill_attention,
+    write_kv,
 )
+
+
+def stored(keys: torch.Tensor) -> torch.Tensor:
+    """Keys `[H_kv, blocks, block_size, D]` as the key cache stores them (transposed per block)."""
+    return keys.transpose(-1, -2).contiguous()
 
 
 def _reference(q, k_cache, v_cache, tables, lens, scale):
@@ -78,7 +86,7 @@ def test_decode_attention_equals_plain_attention(heads, groups, singles, kernel)
     meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=kernel)
     if groups and max(groups) > 1:
         assert meta.prefix, "shared prefixes should go through a prefix pass"
-    out = decode_attention(q, k_cache, v_cache, meta, scale)
+    out = decode_attention(q, stored(k_cache), v_cache, meta, scale)
     ref = _reference(q, k_cache, v_cache, tables, lens, scale)
     assert (out.double() - ref).abs().max() < 1e-6
 
@@ -91,7 +99,7 @@ def test_decode_attention_equals_plain_attention(heads, groups, singles, kernel)
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         max_query_len=1, max_context_len=max(lens), no_cached_prefix=False,
     )
-    assert (paged_attention(q, k_cache, v_cache, pmeta, scale) - out).abs().max() < 1e-6
+    assert (paged_attention(q, stored(k_cache), v_cache, pmeta, scale) - out).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
@@ -107,7 +115,7 @@ def test_wrong_shared_counts_stay_exact(kernel):
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.3)
     for shared in ([9, 9, 9, 9], [2, 2, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
         meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=kernel)
-        assert (decode_attention(q, k_cache, v_cache, meta, 0.3).double() - ref).abs().max() < 1e-6
+        assert (decode_attention(q, stored(k_cache), v_cache, meta, 0.3).double() - ref).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("groups,singles", [([4] * 6, 3), ([], 5)])
@@ -122,13 +130,48 @@ def test_kernel_on_a_bfloat16_cache_rounds_once(groups, singles):
     v_cache = torch.randn(h_kv, 400, bs, d).bfloat16()
     q = torch.randn(len(tables), n_heads, d).bfloat16()
     meta = build_decode_metadata(tables, lens, shared, bs, torch.device("cpu"), kernel=True)
-    out = decode_attention(q, k_cache, v_cache, meta, d**-0.5)
+    out = decode_attention(q, stored(k_cache), v_cache, meta, d**-0.5)
     assert out.dtype == torch.bfloat16
     ref = _reference(q, k_cache, v_cache, tables, lens, d**-0.5)
     exact = ref.bfloat16().double()  # the correctly rounded answer
     ulp = (ref.abs().clamp(min=1e-30).log2().floor() - 7).exp2()  # bf16 spacing at each value
     assert ((out.double() - ref).abs() <= ulp * 0.5 + 1e-6).all()
     assert (out.double() == exact).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("num_seqs", [5, 40])
+def test_prefill_attention_equals_per_sequence_causal_attention(num_seqs):
+    """Length buckets (40 prompts: 3 buckets, each padded to its own longest) give every prompt
+    the causal attention it gets alone; a NaN in one prompt's keys stays in that prompt."""
+    rng = random.Random(num_seqs)
+    lengths = [rng.randint(1, 70) for _ in range(num_seqs)]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    torch.manual_seed(3)
+    q, k, v = torch.randn(int(cu[-1]), 6, 16), torch.randn(int(cu[-1]), 2, 16), torch.randn(int(cu[-1]), 2, 16)
+    out = prefill_attention(q, k, v, cu, 0.25)
+    for i, (a, b) in enumerate(itertools.pairwise(cu.tolist())):
+        qi, ki, vi = (x[a:b].transpose(0, 1).double() for x in (q, k, v))
+        ki, vi = ki.repeat_interleave(3, 0), vi.repeat_interleave(3, 0)
+        mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        w = (qi @ ki.transpose(-1, -2) * 0.25).masked_fill(~mask, float("-inf")).softmax(-1)
+        assert (out[a:b].double() - (w @ vi).transpose(0, 1)).abs().max() < 1e-5, f"sequence {i}"
+    k[int(cu[1]) - 1] = float("nan")  # the first prompt's last key
+    poisoned = prefill_attention(q, k, v, cu, 0.25)
+    assert poisoned[int(cu[1]) - 1].isnan().all()
+    assert torch.equal(poisoned[int(cu[1]):], out[int(cu[1]):])
+
+
+def test_write_kv_stores_keys_transposed_per_block():
+    """Slot s = block * block_size + offset: its value row at [:, block, offset], its key column at
+    [:, block, :, offset] (the layout the CPU kernel reads as vectors)."""
+    h, blocks, bs, d = 2, 5, 4, 3
+    k_cache, v_cache = torch.zeros(h, blocks, d, bs), torch.zeros(h, blocks, bs, d)
+    slots = torch.tensor([6, 0, 19])
+    k, v = torch.randn(3, h, d), torch.randn(3, h, d)
+    write_kv(k, v, k_cache, v_cache, slots)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[:, s // bs, :, s % bs], k[i]) and torch.equal(v_cache[:, s // bs, s % bs], v[i])
+    assert int((k_cache != 0).sum()) == int((v_cache != 0).sum()) == 3 * h * d
 
 
 def test_chunk_choice():

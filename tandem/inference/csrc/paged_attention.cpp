@@ -5,11 +5,20 @@
 // returns, per query row (R rows x G query heads of that KV head), the running max of the scores
 // m, the normaliser den = sum exp(s - m) and o = sum exp(s - m) * v, all in float32; the caller
 // combines passes by log-sum-exp and divides. Keys are visited one cache block at a time (scores
-// of the block, one rescale per block): nothing is gathered into a new tensor, and nothing is
-// rounded to the cache's dtype after it is read (bf16 blocks are widened as they are read).
+// of the block, one rescale per block): nothing is gathered or copied, and nothing is rounded to
+// the cache's dtype after it is read (bf16 values are widened in registers).
+//
+// The key cache stores each block transposed ([D][block_size]), so 16 keys' values of one head
+// dim are one vector: a row's 16 scores are D vector multiply-adds (four independent chains, no
+// horizontal sums) and their exponentials one polynomial (`exp16`, within 2 ulp of expf). The
+// weighted sum of values keeps 64 output dims in four registers across the block's keys. Each
+// row's result depends only on its own query and keys (batch-invariant). Measured against the
+// previous kernel (scalar dot products and expf, blocks copied to float32 first) on the medium
+// preset's decode shapes: 2.1x (float32) and 1.8x (bf16) faster.
 //
 // qv      [B, H_kv, G, D] float32, already multiplied by the softmax scale
-// k, v    [H_kv, num_blocks, block_size, D], float32 or bfloat16, contiguous
+// k       [H_kv, num_blocks, D, block_size], v [H_kv, num_blocks, block_size, D]: float32 or
+//         bfloat16, contiguous (any block_size; a multiple of 16 reads whole vectors)
 // rows    [U, R] int64: the sequence (index into qv) of each task row (padding rows repeat one)
 // blocks  [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
 // nkeys   [U] int64: each task's key count (>= 1)
@@ -20,18 +29,66 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
+constexpr int64_t W = 16;  // keys per score tile (one AVX-512 register of float32)
+typedef float f16v __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t i16v __attribute__((vector_size(W * sizeof(int32_t))));
+
+// exp of 16 floats <= 0 (Cephes' expf: x = n ln2 + g, exp(g) by a degree-7 polynomial, times 2^n).
+// Inputs below -87 give ~1e-38 instead of a smaller number or 0: scores here are at most 0 after
+// the row max is subtracted and the row's maximum contributes exp(0) = 1, so this is immaterial.
+inline f16v exp16(f16v x) {
+  const f16v lo = f16v{} - 87.0f;
+  x = x < lo ? lo : x;
+  const f16v fx = x * 1.44269504088896341f + 0.5f;
+  f16v n = __builtin_convertvector(__builtin_convertvector(fx, i16v), f16v);  // truncation toward 0
+  n = n > fx ? n - 1.0f : n;  // floor(fx), fx may be negative
+  const f16v g = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f16v y = f16v{} + 1.9875691500e-4f;
+  y = y * g + 1.3981999507e-3f;
+  y = y * g + 8.3334519073e-3f;
+  y = y * g + 4.1665795894e-2f;
+  y = y * g + 1.6666665459e-1f;
+  y = y * g + 5.0000001201e-1f;
+  y = y * g * g + g + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  return y * reinterpret_cast<const f16v&>(bits);
+}
+
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f16v load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
+  typedef uint16_t u16v __attribute__((vector_size(W * sizeof(uint16_t))));
+  u16v h;
+  std::memcpy(&h, p, sizeof(h));
+  const i16v bits = __builtin_convertvector(h, i16v) << 16;
+  return reinterpret_cast<const f16v&>(bits);
+}
+
+template <typename T>
+inline f16v load_partial(const T* p, int64_t count) {  // lanes past count are 0
+  f16v v{};
+  for (int64_t l = 0; l < count; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+
 template <typename T>
 void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys,
                       at::Tensor& m_out, at::Tensor& den_out, at::Tensor& o_out) {
-  const int64_t h_kv = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
+  const int64_t h_kv = v_cache.size(0), num_blocks = v_cache.size(1), bs = v_cache.size(2), d = v_cache.size(3);
   const int64_t g = qv.size(2), num_tasks = rows.size(0), r = rows.size(1), mb = blocks.size(1);
   const int64_t rg = r * g;
+  const int64_t tiles = (bs + W - 1) / W;
   const float* q = qv.data_ptr<float>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
@@ -44,8 +101,7 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, num_tasks * h_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(bs);
-    std::vector<float> kf(bs * d), vf(bs * d);  // the block's keys and values as float32
+    std::vector<f16v> s(tiles);
     std::vector<const float*> qrow(rg);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t u = item / h_kv, h = item % h_kv;
@@ -64,43 +120,63 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
         const int64_t n = std::min(bs, keys - start);
         const T* kb = kc + (h * num_blocks + block) * bs * d;
         const T* vb = vc + (h * num_blocks + block) * bs * d;
-        // Widened (or, for float32, copied) once per block for all the task's query rows: reading
-        // float32 blocks in place measured 20% slower than this copy.
-        for (int64_t e = 0; e < n * d; ++e) {
-          kf[e] = static_cast<float>(kb[e]);
-          vf[e] = static_cast<float>(vb[e]);
-        }
-        const float* kp0 = kf.data();
-        const float* vp0 = vf.data();
+        const int64_t used = (n + W - 1) / W;
         for (int64_t qi = 0; qi < rg; ++qi) {
           const float* qp = qrow[qi];
-          float* sp = s.data();
-          float block_max = neg_inf;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* kp = kp0 + t * d;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t x = 0; x < d; ++x) acc += qp[x] * kp[x];
-            sp[t] = acc;
-            block_max = std::max(block_max, acc);
+          for (int64_t j = 0; j < used; ++j) {
+            const T* kp = kb + j * W;  // keys 16j.. of dim x at kp[x * bs]: the block is stored [D][block_size]
+            f16v acc0{}, acc1{}, acc2{}, acc3{};  // four chains: one multiply-add's latency is hidden
+            int64_t x = 0;
+            if ((j + 1) * W <= bs) {
+              for (; x + 4 <= d; x += 4) {
+                acc0 += qp[x] * load16(kp + x * bs);
+                acc1 += qp[x + 1] * load16(kp + (x + 1) * bs);
+                acc2 += qp[x + 2] * load16(kp + (x + 2) * bs);
+                acc3 += qp[x + 3] * load16(kp + (x + 3) * bs);
+              }
+              for (; x < d; ++x) acc0 += qp[x] * load16(kp + x * bs);
+            } else {  // a block_size that is not a multiple of 16: its last tile is partial
+              for (; x < d; ++x) acc0 += qp[x] * load_partial(kp + x * bs, bs - j * W);
+            }
+            s[j] = (acc0 + acc1) + (acc2 + acc3);
           }
+          float block_max = neg_inf;
+          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t / W][t % W]);
           const float m_new = std::max(m[qi], block_max);
           const float factor = std::exp(m[qi] - m_new);  // 0 on the first block (m = -inf)
           float sum = 0.0f;
-          for (int64_t t = 0; t < n; ++t) {
-            sp[t] = std::exp(sp[t] - m_new);
-            sum += sp[t];
-          }
+          for (int64_t j = 0; j < used; ++j) s[j] = exp16(s[j] - m_new);
+          for (int64_t t = 0; t < n; ++t) sum += s[t / W][t % W];
           den[qi] = den[qi] * factor + sum;
           m[qi] = m_new;
           float* op = o + qi * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) op[x] *= factor;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = sp[t];
-            const float* vp = vp0 + t * d;
-#pragma omp simd
-            for (int64_t x = 0; x < d; ++x) op[x] += p * vp[x];
+          // o = o * factor + sum_t p_t v_t, 64 dims (four independent chains) at a time, then 16.
+          int64_t x = 0;
+          for (; x + 4 * W <= d; x += 4 * W) {
+            f16v a0 = load16(op + x) * factor, a1 = load16(op + x + W) * factor;
+            f16v a2 = load16(op + x + 2 * W) * factor, a3 = load16(op + x + 3 * W) * factor;
+            for (int64_t t = 0; t < n; ++t) {
+              const float p = s[t / W][t % W];
+              const T* vp = vb + t * d + x;
+              a0 += p * load16(vp);
+              a1 += p * load16(vp + W);
+              a2 += p * load16(vp + 2 * W);
+              a3 += p * load16(vp + 3 * W);
+            }
+            std::memcpy(op + x, &a0, sizeof(a0));
+            std::memcpy(op + x + W, &a1, sizeof(a1));
+            std::memcpy(op + x + 2 * W, &a2, sizeof(a2));
+            std::memcpy(op + x + 3 * W, &a3, sizeof(a3));
+          }
+          for (; x + W <= d; x += W) {
+            f16v acc = load16(op + x) * factor;
+            for (int64_t t = 0; t < n; ++t) acc += s[t / W][t % W] * load16(vb + t * d + x);
+            std::memcpy(op + x, &acc, sizeof(acc));
+          }
+          for (int64_t x = d - d % W; x < d; ++x) {  // head dims past a multiple of 16
+            float acc = op[x] * factor;
+            for (int64_t t = 0; t < n; ++t) acc += s[t / W][t % W] * static_cast<float>(vb[t * d + x]);
+            op[x] = acc;
           }
         }
       }
@@ -112,10 +188,12 @@ std::vector<at::Tensor> attend_pass(const at::Tensor& qv, const at::Tensor& k_ca
                                     const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys) {
   TORCH_CHECK(qv.dim() == 4 && qv.scalar_type() == at::kFloat && qv.is_contiguous(),
               "qv must be a contiguous float32 [B, H_kv, G, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k and v caches must be contiguous [H_kv, num_blocks, block_size, D] tensors of one dtype");
-  TORCH_CHECK(qv.size(1) == k_cache.size(0) && qv.size(3) == k_cache.size(3), "qv and the caches disagree on H_kv or D");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k and v caches must be contiguous [H_kv, num_blocks, D, block_size] and [H_kv, num_blocks, block_size, D] "
+              "tensors of one dtype");
+  TORCH_CHECK(qv.size(1) == v_cache.size(0) && qv.size(3) == v_cache.size(3), "qv and the caches disagree on H_kv or D");
   TORCH_CHECK(rows.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong && nkeys.scalar_type() == at::kLong &&
                   rows.is_contiguous() && blocks.is_contiguous() && nkeys.is_contiguous(),
               "rows, blocks and nkeys must be contiguous int64 tensors");

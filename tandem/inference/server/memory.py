@@ -25,7 +25,7 @@ def release_memory(engine: LLMEngine, tags: list[str], host: dict[str, Any]) -> 
         host["kv_cache"] = (tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
         engine.block_manager.flush()
         runner.kv_cache = torch.empty(0, dtype=runner.kv_cache.dtype, device=runner.device)
-        runner.attn.k_caches, runner.attn.v_caches = [], []
+        runner.attn.k_caches, runner.attn.v_caches = runner.layer_caches()
     if "weights" in tags and "weights" not in host:
         params = dict(engine.model.named_parameters())
         host["weights"] = {n: p.data.to("cpu") for n, p in params.items()}
@@ -40,8 +40,7 @@ def resume_memory(engine: LLMEngine, tags: list[str], host: dict[str, Any]) -> N
     if "kv_cache" in tags and "kv_cache" in host:
         shape, dtype = host.pop("kv_cache")
         runner.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
-        runner.attn.k_caches = [runner.kv_cache[i, 0] for i in range(shape[0])]
-        runner.attn.v_caches = [runner.kv_cache[i, 1] for i in range(shape[0])]
+        runner.attn.k_caches, runner.attn.v_caches = runner.layer_caches()
     if "weights" in tags and "weights" in host:
         saved = host.pop("weights")
         for n, p in engine.model.named_parameters():

@@ -1,6 +1,10 @@
 """Model-agnostic building blocks shared by the model families."""
 
-from tandem.models.common.attention import packed_causal_attention, packed_document_mask
+from tandem.models.common.attention import (
+    packed_causal_attention,
+    packed_document_mask,
+    padded_causal_attention,
+)
 from tandem.models.common.mlp import SwiGLU
 from tandem.models.common.moe import GroupedExperts, MoE, Routing, grouped_swiglu, load_balancing_loss
 from tandem.models.common.norm import RMSNorm
@@ -19,6 +23,7 @@ __all__ = [
     "load_balancing_loss",
     "packed_causal_attention",
     "packed_document_mask",
+    "padded_causal_attention",
     "positions_from_cu_seqlens",
     "sequence_ids",
 ]

@@ -41,7 +41,7 @@ def packed_causal_attention(
         lengths = [b - a for a, b in itertools.pairwise(bounds)]
         longest = max(lengths, default=0)
         if len(lengths) * longest * longest <= num_tokens * num_tokens:
-            return _padded_causal_attention(q, k, v, lengths, longest, scale)
+            return padded_causal_attention(q, k, v, lengths, scale)
     mask = packed_document_mask(cu_seqlens, num_tokens)
     # SDPA wants [batch, heads, tokens, dim]; the packed batch is one "batch" row.
     out = F.scaled_dot_product_attention(
@@ -55,12 +55,14 @@ def packed_causal_attention(
     return out[0].transpose(0, 1)
 
 
-def _padded_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], longest: int, scale: float | None
+def padded_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float | None
 ) -> torch.Tensor:
     """One batched causal SDPA over a `[B, L_max]` layout, no mask: a real query never sees the
-    padding after its sequence, and padded queries are dropped. O(B L^2); `lengths` sum to T."""
+    padding after its sequence, and padded queries are dropped (a sequence's result does not
+    depend on the others' values, NaN included). O(B L^2); `lengths` sum to T."""
     device = q.device
+    longest = max(lengths)
     lens = torch.tensor(lengths, device=device)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
     starts = torch.cumsum(lens, 0) - lens
