@@ -48,15 +48,16 @@ slurm-deps:
 	      cat $(SLURM_FAILED); }
 
 # g++ and ninja build Tandem's CPU kernels (tandem/inference/csrc, built on a server's first start);
-# installed when missing. Without them servers log a warning and run the PyTorch forms, and the
-# kernel tests fail saying so.
+# tcmalloc is the allocator `tandem serve` preloads (tandem/launch/allocator.py). Installed when
+# missing. Without them servers log a warning and run the PyTorch forms (on glibc's malloc), and
+# the kernel and allocator tests fail saying so.
 cxx-deps:
-	@command -v g++ >/dev/null && command -v ninja >/dev/null \
+	@command -v g++ >/dev/null && command -v ninja >/dev/null && ldconfig -p | grep -q libtcmalloc_minimal \
 	 || ( export DEBIAN_FRONTEND=noninteractive; \
-	      apt-get $(APT_WAIT) install -y -q g++ ninja-build \
-	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q g++ ninja-build; } \
+	      apt-get $(APT_WAIT) install -y -q g++ ninja-build libtcmalloc-minimal4 \
+	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q g++ ninja-build libtcmalloc-minimal4; } \
 	    ) > .cxx-install.log 2>&1 \
-	 || echo "apt-get install g++ ninja-build failed (see .cxx-install.log): the CPU kernels will not build"
+	 || echo "apt-get install g++ ninja-build libtcmalloc-minimal4 failed (see .cxx-install.log): the CPU kernels will not build"
 
 # Build the CPU kernels now rather than in the first server a test starts (~20 s of CPU, more
 # under load, against the servers' start-up deadlines). A failed build is reported, not fatal.

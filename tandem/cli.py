@@ -328,6 +328,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a sequence's logits do not depend on what else is in the batch (prefill attention per "
                         "sequence, no shared-prefix decode passes): bit-identical reruns under any batching")
+    p.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
+                   help="tcmalloc (default; glibc's malloc where it is not installed, logged) or system: large "
+                        "batches reuse their memory instead of faulting it in each step")
     p.add_argument("--weight-sync-timeout", type=float, default=120.0,
                    help="seconds to form a weight-update group or receive one tensor over it")
     p.add_argument("--weights-dir", action="append", default=[], metavar="DIR",
@@ -363,6 +366,9 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.launch.allocator import reexec_with_allocator
+
+    reexec_with_allocator(args.allocator)  # before torch: tcmalloc must be loaded at process start
     from tandem.inference.server import ServerArgs, serve  # torch, the engine: ~1.5 s
 
     if args.host_towards:  # a scheduler on another host: bind the address the controller reaches
