@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -90,21 +90,36 @@ _board: _StartBoard | None = None  # worker side: this worker's board and slot (
 _slot = -1
 
 
-def _run_with_alarm(fn: RewardFn, timeout_s: float, args: tuple, kwargs: dict[str, Any], label: str = "",
-                    token: int = 0) -> float:
-    """Worker side: post `token` as started, then call `fn` with a soft timeout (the worker runs it
-    on its main thread)."""
+def _run_with_alarm(fn: RewardFn, timeout_s: float, calls: list[tuple], kwargs: dict[str, Any], label: str = "",
+                    token: int = 0) -> list[tuple[bool, Any]]:
+    """Worker side: post `token` as started, then call `fn` on each argument tuple in turn, each
+    under its own soft timeout (the worker runs them on its main thread). Per call (True, value)
+    or (False, why), so that one failing call leaves its siblings' values."""
     if _board is not None:
         _board.post(_slot, token)
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        return fn(*args, **kwargs)
-    except _AlarmTimeout:
-        raise TimeoutError(f"reward {getattr(fn, '__name__', fn)!r} ran past {timeout_s:g}s{label}") from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    name = getattr(fn, "__name__", fn)
+    out: list[tuple[bool, Any]] = []
+    for args in calls:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except _AlarmTimeout:
+            out.append((False, f"reward {name!r} ran past {timeout_s:g}s{label}"))
+        except Exception as exc:  # the reward itself raised
+            out.append((False, f"{type(exc).__name__}: {exc}"))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return out
+
+
+def _result(name: str, ok: bool, value: Any) -> RewardResult:
+    if not ok:
+        return RewardResult(None, f"{name}: {value}")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return RewardResult(None, f"{name}: returned {value!r}, not a finite number")
+    return RewardResult(float(value))
 
 
 def _init_worker(creator_pid: int, board: _StartBoard) -> None:
@@ -194,33 +209,51 @@ class RewardRunner:
         completion_ids: list[int],
         **item_fields: Any,
     ) -> RewardResult:
-        args = (prompt_text, completion_text, list(prompt_ids), list(completion_ids))
-        async with self._slot():
-            return await self._score(fn, args, item_fields)
+        return (await self.ascore_group(fn, prompt_text, prompt_ids, [(completion_text, completion_ids)],
+                                        **item_fields))[0]
 
-    async def _score(self, fn: RewardFn, args: tuple, item_fields: dict[str, Any]) -> RewardResult:
+    async def ascore_group(
+        self,
+        fn: RewardFn,
+        prompt_text: str,
+        prompt_ids: list[int],
+        completions: Sequence[tuple[str, list[int]]],
+        **item_fields: Any,
+    ) -> list[RewardResult]:
+        """The rewards of several completions of one prompt (an RLVR group), in one call to one
+        worker: each completion still runs under its own `timeout_s`, and one that raises or runs
+        past it fails alone. A worker stuck for good is killed at `len(completions) * timeout_s +
+        grace_s`, and the whole group fails. One round trip to the pool instead of one per
+        completion (2 cores, 2 workers: 32 completions one by one 4.5-6.4 ms, as 8 groups of 4
+        1.2-1.5 ms)."""
+        calls = [(prompt_text, text, list(prompt_ids), list(ids)) for text, ids in completions]
+        async with self._slot():
+            return await self._score(fn, calls, item_fields)
+
+    async def _score(self, fn: RewardFn, calls: list[tuple], item_fields: dict[str, Any]) -> list[RewardResult]:
         name = getattr(fn, "__name__", repr(fn))
+        limit = len(calls) * self.timeout_s  # the soft timeouts of all the calls, back to back
+
+        def failed(why: str) -> list[RewardResult]:
+            return [RewardResult(None, f"{name}: {why}") for _ in calls]
+
         for attempt in range(2):
             pool, board = self._get_pool()
             token = next(self._tokens)
             try:
-                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, args, item_fields, self._label, token)
+                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, calls, item_fields, self._label, token)
             except RuntimeError:  # the pool was shut down (recycled or closed) between get and submit
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner is closed") from None
                 continue
             try:
-                value = await self._result_in_time(asyncio.wrap_future(cfut), board, token)
-            except TimeoutError:
-                # Either the soft timer fired inside the worker (a TimeoutError comes back through
-                # the future) or the worker is stuck for good; in the latter case kill and replace.
-                if cfut.done() and not cfut.cancelled() and isinstance(cfut.exception(), TimeoutError):
-                    return RewardResult(None, f"{name}: {cfut.exception()}")
+                outcomes = await self._result_in_time(asyncio.wrap_future(cfut), board, token, limit)
+            except TimeoutError:  # past every soft timeout and the grace: the worker is stuck for good
                 self._recycle(pool)
                 if board.started_at(token) is None:
-                    return RewardResult(None, f"{name}: no reward worker took the call up within "
-                                              f"{self.start_timeout_s:g}s (workers killed)")
-                return RewardResult(None, f"{name}: timed out after {self.timeout_s:g}s{self._label} (worker killed)")
+                    return failed(f"no reward worker took the call up within {self.start_timeout_s:g}s "
+                                  "(workers killed)")
+                return failed(f"timed out after {self.timeout_s:g}s{self._label} (worker killed)")
             except asyncio.CancelledError:
                 # Our own task cancelled: propagate. Otherwise the pool was retired because of
                 # another call while this one still waited in it (`shutdown(cancel_futures=True)`
@@ -232,27 +265,25 @@ class RewardRunner:
                     raise RewardRunnerClosed("the reward runner was closed during the call") from None
                 if attempt == 0:
                     continue
-                return RewardResult(None, f"{name}: reward worker pool unavailable (recycled twice)")
+                return failed("reward worker pool unavailable (recycled twice)")
             except BrokenProcessPool:
                 # The pool was retired because of another call. A victim that had not yet used its
                 # time is retried once; one that ran past its timeout was stuck too: no retry.
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner was closed during the call") from None
                 started = board.started_at(token)
-                if attempt == 0 and (started is None or time.monotonic() - started < self.timeout_s):
+                if attempt == 0 and (started is None or time.monotonic() - started < limit):
                     continue
-                return RewardResult(None, f"{name}: worker killed along with a stuck one")
-            except Exception as exc:  # the reward itself raised (including its soft timeout)
-                return RewardResult(None, f"{name}: {type(exc).__name__}: {exc}")
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-                return RewardResult(None, f"{name}: returned {value!r}, not a finite number")
-            return RewardResult(float(value))
-        return RewardResult(None, f"{name}: reward worker pool unavailable")
+                return failed("worker killed along with a stuck one")
+            except Exception as exc:  # the worker could not run the calls (e.g. unpicklable arguments)
+                return failed(f"{type(exc).__name__}: {exc}")
+            return [_result(name, ok, value) for ok, value in outcomes]
+        return failed("reward worker pool unavailable")
 
-    async def _result_in_time(self, fut: asyncio.Future, board: _StartBoard, token: int) -> Any:
-        """The call's result, or TimeoutError once it has run `timeout_s + grace_s` since a worker
-        took it up, or waited `start_timeout_s` for one to. Cancelling the caller cancels the call."""
-        budget = self.timeout_s + self.grace_s
+    async def _result_in_time(self, fut: asyncio.Future, board: _StartBoard, token: int, limit: float) -> Any:
+        """The call's result, or TimeoutError once it has run `limit + grace_s` since a worker took
+        it up, or waited `start_timeout_s` for one to. Cancelling the caller cancels the call."""
+        budget = limit + self.grace_s
         submitted = time.monotonic()
         while not fut.done():
             started = board.started_at(token)

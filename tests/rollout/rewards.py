@@ -58,3 +58,17 @@ def eval_hang_reward(prompt_text, completion_text, prompt_ids, completion_ids, s
 def first_token_reward(prompt_text, completion_text, prompt_ids, completion_ids, good=(), **fields) -> float:
     """1.0 when the answer starts with one of the item's `good` tokens (multi-turn tests)."""
     return float(bool(completion_ids) and completion_ids[0] in good)
+
+
+def scripted_reward(prompt_text, completion_text, prompt_ids, completion_ids, **fields) -> float:
+    """Does what the completion text says: "raise", "nan", "sleep" (soft timeout), "stubborn"
+    (defeats the soft timer), else returns it as a number."""
+    if completion_text == "raise":
+        raise ValueError("the grader crashed")
+    if completion_text == "nan":
+        return float("nan")
+    if completion_text == "sleep":
+        return sleepy_reward()
+    if completion_text == "stubborn":
+        return stubborn_reward()
+    return float(completion_text)

@@ -52,6 +52,33 @@ def test_hanging_reward_times_out_softly(runner):
     assert score(runner, rewards.parity_reward).value == 1.0  # the worker is reused
 
 
+def test_a_group_is_one_call_and_its_failures_stay_per_completion(runner):
+    """ascore_group: one round trip to the pool for the whole group; a completion that raises,
+    returns NaN or runs past its own soft timeout fails alone, its siblings keep their values."""
+    texts = ["0.5", "raise", "2", "nan", "sleep", "-1"]
+    before = next(runner._tokens)
+    results = run(runner.ascore_group(rewards.scripted_reward, "p", [1], [(t, [len(t)]) for t in texts]))
+    assert next(runner._tokens) == before + 2  # one call to the pool (and this probe)
+    assert [r.value for r in results] == [0.5, None, 2.0, None, None, -1.0]
+    assert "ValueError: the grader crashed" in results[1].error and "not a finite number" in results[3].error
+    assert "ran past 1s" in results[4].error and results[4].error.startswith("scripted_reward: ")
+
+
+def test_a_stuck_completion_fails_its_group_within_the_groups_deadline():
+    """A completion that defeats the soft timer: the worker is killed once the group's soft
+    timeouts and the grace have passed (3 x 1 s + 0.5 s), and every completion of the group fails."""
+    runner = RewardRunner(max_workers=1, timeout_s=1.0, grace_s=0.5)
+    try:
+        start = time.monotonic()
+        results = run(runner.ascore_group(rewards.scripted_reward, "p", [1], [("1", [1]), ("stubborn", [2]), ("3", [3])]))
+        assert 3.5 <= time.monotonic() - start < 20
+        assert all(r.value is None and "worker killed" in r.error for r in results)
+        assert runner.num_recycled == 1
+        assert run(runner.ascore(rewards.scripted_reward, "p", "4", [1], [2])).value == 4.0  # a fresh pool
+    finally:
+        runner.close()
+
+
 def test_worker_start_up_does_not_count_against_the_timeout():
     """Catches the hard deadline counting from submission: a fresh pool's workers import the
     reward's module first (1.5 s here, more on a loaded machine), which must not use up a 0.3 s

@@ -80,13 +80,10 @@ class RLVRWorkflow(RolloutWorkflow):
         prompt_text = item.get("prompt") or self._decode(prompt_ids)
         fields = reward_fields(item)
         t_reward = time.time()
-        async with asyncio.TaskGroup() as tg:  # cancelled together: no reward task outlives the episode
-            scoring = [
-                tg.create_task(self.reward_runner.ascore(
-                    self.reward_fn, prompt_text, self._decode(r.output_ids), prompt_ids, r.output_ids, **fields))
-                for r in responses
-            ]
-        rewards = [t.result() for t in scoring]
+        # The group in one call to one reward worker: one round trip instead of n.
+        rewards = await self.reward_runner.ascore_group(
+            self.reward_fn, prompt_text, prompt_ids, [(self._decode(r.output_ids), r.output_ids) for r in responses],
+            **fields)
         failed = [r.error for r in rewards if not r.ok]
         if failed:
             # One missing reward breaks the group's baseline: the whole episode fails (the executor
