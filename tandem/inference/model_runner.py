@@ -83,6 +83,7 @@ class ModelRunner:
                 shared_blocks: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (input_ids [T], positions [T]); sets the attention metadata for this step.
         `shared_blocks` (decode): leading blocks of each sequence that others may share."""
+        self.attn.kernel = cpu_kernels.paged_attention() if self.attention_kernel else None
         if not is_prefill:
             return self._prepare_decode(seqs, shared_blocks or [0] * len(seqs))
         input_ids: list[int] = []

@@ -161,14 +161,17 @@ def test_prefill_attention_equals_per_sequence_causal_attention(num_seqs):
     assert torch.equal(poisoned[int(cu[1]):], out[int(cu[1]):])
 
 
-def test_write_kv_stores_keys_transposed_per_block():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_keys_transposed_per_block(kernel, dtype):
     """Slot s = block * block_size + offset: its value row at [:, block, offset], its key column at
-    [:, block, :, offset] (the layout the CPU kernel reads as vectors)."""
+    [:, block, :, offset] (the layout the CPU kernel reads as vectors); the kernel's one-pass write
+    (from strided k/v, as the model hands them over) and PyTorch's agree."""
     h, blocks, bs, d = 2, 5, 4, 3
-    k_cache, v_cache = torch.zeros(h, blocks, d, bs), torch.zeros(h, blocks, bs, d)
+    k_cache, v_cache = torch.zeros(h, blocks, d, bs, dtype=dtype), torch.zeros(h, blocks, bs, d, dtype=dtype)
     slots = torch.tensor([6, 0, 19])
-    k, v = torch.randn(3, h, d), torch.randn(3, h, d)
-    write_kv(k, v, k_cache, v_cache, slots)
+    k, v = torch.randn(h, 3, d).to(dtype).transpose(0, 1), torch.randn(3, h, d).to(dtype)
+    write_kv(k, v, k_cache, v_cache, slots, cpu_kernels.paged_attention() if kernel else None)
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(k_cache[:, s // bs, :, s % bs], k[i]) and torch.equal(v_cache[:, s // bs, s % bs], v[i])
     assert int((k_cache != 0).sum()) == int((v_cache != 0).sum()) == 3 * h * d

@@ -244,8 +244,55 @@ std::vector<at::Tensor> attend_pass(const at::Tensor& qv, const at::Tensor& k_ca
   return {m, den, o};
 }
 
+template <typename T>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slots) {
+  const int64_t n = k.size(0), h_kv = k.size(1), d = k.size(2);
+  const int64_t num_blocks = v_cache.size(1), bs = v_cache.size(2);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * bs, "write_kv: slot ", slot[t], " out of range");
+  at::parallel_for(0, n * h_kv, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / h_kv, h = item % h_kv;
+      const int64_t block = slot[t] / bs, off = slot[t] % bs;
+      const T* ks = kp + (t * h_kv + h) * d;
+      T* kd = kc + (h * num_blocks + block) * d * bs + off;  // key column `off` of the block
+      for (int64_t x = 0; x < d; ++x) kd[x * bs] = ks[x];
+      std::memcpy(vc + ((h * num_blocks + block) * bs + off) * d, vp + (t * h_kv + h) * d, d * sizeof(T));
+    }
+  });
+}
+
+// k, v [T, H_kv, D] into their slots (block * block_size + offset) of the caches (layouts as above).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous(),
+              "write_kv: k and v must be contiguous [T, H_kv, D] tensors of one shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == v.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  v_cache.size(0) == k.size(1) && v_cache.size(3) == k.size(2) && k_cache.size(2) == k.size(2) &&
+                  k_cache.size(3) == v_cache.size(2),
+              "write_kv: the caches must be contiguous, of k's dtype, [H_kv, blocks, D, block_size] and "
+              "[H_kv, blocks, block_size, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "write_kv: slots must be a contiguous int64 tensor, one per token");
+  if (k.scalar_type() == at::kFloat) {
+    write_kv_impl<float>(k, v, k_cache, v_cache, slots);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    write_kv_impl<at::BFloat16>(k, v, k_cache, v_cache, slots);
+  } else {
+    TORCH_CHECK(false, "write_kv: dtype ", k.scalar_type(), " is not float32 or bfloat16");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend_pass", &attend_pass, "one pass of cascade decode attention over a paged KV cache (CPU)");
+  mod.def("write_kv", &write_kv, "the step's keys and values into their cache slots (CPU)");
 }
