@@ -1,6 +1,6 @@
 """Tandem's CPU kernels (C++ in `csrc/`), built for this machine on first use and cached.
 
-`paged_attention()` -> the extension module, or None where it cannot be had: not asked for
+`paged_attention()` and `rms_norm()` -> an extension module, or None where it cannot be had: not asked for
 (`TANDEM_CPU_KERNELS=0`), no compiler or ninja, or a failed build. None is a logged fallback to
 the pure-PyTorch path, never an error: the kernels change speed, not results beyond float
 rounding. Builds go to `$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name
@@ -65,6 +65,14 @@ def paged_attention() -> ModuleType | None:
     return _load(CSRC / "paged_attention.cpp", "paged attention")
 
 
+@functools.cache
+def rms_norm() -> ModuleType | None:
+    """The one-pass RMSNorm (`csrc/rms_norm.cpp`), or None (logged once)."""
+    if not enabled():
+        return None
+    return _load(CSRC / "rms_norm.cpp", "RMSNorm")
+
+
 def _load(source: Path, what: str) -> ModuleType | None:
     name = _build_name(source)
     build = _cache_dir() / name
@@ -104,5 +112,6 @@ def _import(name: str, path: Path) -> ModuleType:
 def build_all() -> None:
     """`make kernels`: build (or find) every kernel and say where."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = paged_attention()
-    print(f"CPU kernels: paged attention {'ready: ' + str(built.__file__) if built else 'NOT built (see above)'}")
+    for what, load in (("paged attention", paged_attention), ("RMSNorm", rms_norm)):
+        built = load()
+        print(f"CPU kernels: {what} {'ready: ' + str(built.__file__) if built else 'NOT built (see above)'}")

@@ -18,6 +18,7 @@ import torch
 
 from tandem.inference.block_manager import BlockManager
 from tandem.inference.errors import EngineBusyError, RequestError
+from tandem.inference.fused_norm import fuse_norms, fusing_available
 from tandem.inference.model_runner import ModelRunner
 from tandem.inference.outputs import ABORT_BEFORE_PREFILL, Detokenizer, RequestOutput, TokenDelta, make_output
 from tandem.inference.packed_linear import pack_linears, packing_available
@@ -40,6 +41,8 @@ class LLMEngine:
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         if packing_available(self.device, dtype):
             pack_linears(self.model)  # prepacked oneDNN weights, repacked after every weight change
+        if fusing_available(self.device, dtype):
+            fuse_norms(self.model)  # one C++ pass per row
         self.max_model_len = int(self.model.args.max_seq_len)
         self.vocab_size = int(self.model.args.vocab_size)
         self.eos_ids = _eos_ids(model_path)
