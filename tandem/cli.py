@@ -24,6 +24,7 @@ from tandem.config.loader import to_yaml
 from tandem.errors import ConfigError, TandemError
 from tandem.fleet.run_file import ControllerClient, read_controller_file
 from tandem.launch.affinity import apply_cpu_affinity_from_env
+from tandem.launch.allocator import reexec_with_allocator
 from tandem.launch.scheduler import ENV_SERVE_API_KEY
 from tandem.rl.console import CONTROLLER_LOG, setup_console
 
@@ -366,8 +367,6 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.launch.allocator import reexec_with_allocator
-
     reexec_with_allocator(args.allocator)  # before torch: tcmalloc must be loaded at process start
     from tandem.inference.server import ServerArgs, serve  # torch, the engine: ~1.5 s
 

@@ -20,14 +20,14 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         self.weight = norm.weight  # the same Parameter object
         self.eps = norm.eps
+        self._kernel = cpu_kernels.rms_norm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = cpu_kernels.rms_norm()
-        if (kernel is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
+        if (self._kernel is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
                 or x.dtype != self.weight.dtype or x.stride(-1) != 1 or x.dim() < 2):
             return RMSNorm.forward(self, x)  # type: ignore[arg-type]  (the module's PyTorch form)
-        rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1]) if x.dim() == 2 else x.flatten(0, -3)
-        return kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
+        rows = x[:, None] if x.dim() == 2 else x.flatten(0, -3)  # [A, B, D], heads read in place
+        return self._kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, fused"

@@ -37,9 +37,17 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.attn = PagedAttentionBackend(*self.layer_caches(), scale=args.head_dim**-0.5)
         self.routed_expert_cache = RoutedExpertCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
-        # Decode attention in the CPU kernel where it serves (built on first use; else PyTorch's).
-        self.attention_kernel = (self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                                 and cpu_kernels.paged_attention() is not None)
+        # KV writes and decode attention in the CPU kernel where it serves (built on first use; else PyTorch's).
+        self.attention_kernel = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+    @property
+    def attention_kernel(self) -> bool:
+        """Whether KV writes and decode attention run in the CPU kernel (else their PyTorch forms)."""
+        return self.attn.kernel is not None
+
+    @attention_kernel.setter
+    def attention_kernel(self, on: bool) -> None:
+        self.attn.kernel = cpu_kernels.paged_attention() if on else None
 
     def layer_caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, views of `kv_cache`: keys `[n_kv_heads, blocks, head_dim, block_size]`
@@ -83,7 +91,6 @@ class ModelRunner:
                 shared_blocks: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (input_ids [T], positions [T]); sets the attention metadata for this step.
         `shared_blocks` (decode): leading blocks of each sequence that others may share."""
-        self.attn.kernel = cpu_kernels.paged_attention() if self.attention_kernel else None
         if not is_prefill:
             return self._prepare_decode(seqs, shared_blocks or [0] * len(seqs))
         input_ids: list[int] = []

@@ -4,7 +4,9 @@ A layer's value cache is `[n_kv_heads, num_blocks, block_size, head_dim]` and it
 `[n_kv_heads, num_blocks, head_dim, block_size]`: keys are stored transposed within a block, so the
 CPU kernel reads 16 keys of one head dim as one vector (`keys_of` gives the usual layout). A step's
 tokens are packed as in training (`cu_seqlens_q`) and each sequence's keys are found through its
-block table. `paged_attention` serves prefills (one masked SDPA over padded sequences);
+block table. `prefill_attention` serves prefills with nothing cached (causal SDPA per bucket of
+similar lengths), `paged_attention` prefills over a cached prefix (one masked SDPA over padded
+sequences);
 `decode_attention` serves decodes (cascade attention in key chunks: a shared prompt prefix is read
 once per group, combined exactly by log-sum-exp), with indices built once per step by
 `build_decode_metadata`. These are what a CUDA kernel replaces. See docs/inference.md, "KV cache
@@ -326,6 +328,7 @@ class PagedAttentionBackend:
         self.k_caches, self.v_caches, self.scale = k_caches, v_caches, scale
         self.meta: AttentionMetadata | None = None
         self.kernel: ModuleType | None = None  # the CPU extension, where the model runner uses it
+        # (`ModelRunner.attention_kernel`): KV writes here, decode passes through the metadata
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
