@@ -155,6 +155,9 @@ class ServerAdapter:
     capabilities: Capabilities
     routes: ClassVar[dict[str, Encoder]]
     generate_path: str
+    # One generate call may ask for n samples of one prompt (sample i seeded `seed + i`, the prompt
+    # prefilled once), answered as n items in sample order.
+    samples_per_call: ClassVar[bool] = False
 
     def request(self, op: ops.FleetOp, request: Any, index: int) -> HttpCall:
         """The HTTP call that performs `op` with `request` on server `index` of the fleet."""
@@ -180,20 +183,29 @@ class ServerAdapter:
         return Answer(True, message, ops.Acknowledged())
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False, n: int = 1) -> dict[str, Any]:
         """The generate call's body; `return_routed_experts` asks for the experts each token was
-        routed to (SGLang's field; UnsupportedOperation where the server kind has none)."""
+        routed to (SGLang's field; UnsupportedOperation where the server kind has none); `n` > 1
+        samples of the prompt in one call, where `samples_per_call`."""
         raise NotImplementedError
 
     def parse_generate(self, body: dict[str, Any]) -> Chunk:
         raise NotImplementedError
+
+    def parse_samples(self, body: Any, n: int) -> list[Chunk]:
+        """The `n` samples of one generate call, in sample order (`n` 1: `parse_generate`)."""
+        if n == 1:
+            return [self.parse_generate(body)]
+        raise UnsupportedOperation(f"{self.kind} servers take one sample per generate call")
 
 
 class _SGLangProtocol(ServerAdapter):
     generate_path = "/generate"
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False, n: int = 1) -> dict[str, Any]:
+        if n > 1 and not self.samples_per_call:
+            raise UnsupportedOperation(f"{self.kind} servers take one sample per generate call")
         sampling: dict[str, Any] = {
             "max_new_tokens": max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k, "min_new_tokens": min(params.min_new_tokens, max_new_tokens),
@@ -201,6 +213,8 @@ class _SGLangProtocol(ServerAdapter):
         }
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
+        if n > 1:
+            sampling["n"] = n
         body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
         if return_routed_experts:
             body["return_routed_experts"] = True
@@ -220,9 +234,21 @@ class _SGLangProtocol(ServerAdapter):
         return Chunk([int(p[1]) for p in pairs], [float(p[0]) for p in pairs], finish,
                      parse_version(meta.get("weight_version")), routed)
 
+    def parse_samples(self, body: Any, n: int) -> list[Chunk]:
+        if n == 1:
+            return [self.parse_generate(body)]
+        if not isinstance(body, list) or len(body) != n:
+            raise ValueError(f"a generate call for n={n} samples must be answered by a list of {n} items, got "
+                             f"{len(body) if isinstance(body, list) else type(body).__name__}")
+        indices = sorted(int(item.get("index", -1)) for item in body)
+        if indices != list(range(n)):
+            raise ValueError(f"the {n} samples' 'index' fields are {indices}, not 0..{n - 1}")
+        return [self.parse_generate(item) for item in sorted(body, key=lambda item: int(item["index"]))]
+
 
 class TandemAdapter(_SGLangProtocol):
     kind = "tandem"
+    samples_per_call = True
     capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True, shared_memory=True,
                                 checksums=True)
     routes = TANDEM_ROUTES
@@ -352,7 +378,9 @@ class VLLMAdapter(ServerAdapter):
         return super().answer(op, status, data, text)
 
     def generate_body(self, rid: str, input_ids: list[int], params: GenerationParams,
-                      max_new_tokens: int, return_routed_experts: bool = False) -> dict[str, Any]:
+                      max_new_tokens: int, return_routed_experts: bool = False, n: int = 1) -> dict[str, Any]:
+        if n > 1:
+            raise UnsupportedOperation("vllm servers take one sample per generate call here")
         if return_routed_experts:
             raise UnsupportedOperation("vllm servers are not mapped for routed experts; routing replay (r3) needs "
                                        "a tandem or sglang server")

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from tandem.fleet.adapters import adapter_for
-from tandem.fleet.generation import Chunk, FinishReason, GenerationParams
+from tandem.fleet.generation import Chunk, FinishReason
 from tandem.fleet.routed_experts import (
     RoutedExpertLayout,
     RoutedExperts,
@@ -120,68 +120,124 @@ class InferenceClient:
 
     # -- generation -----------------------------------------------------------------------------
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        params = req.params
-        budget = params.max_new_tokens
+        sample = self._sample(req, time.monotonic())
+        try:
+            await self._finish(sample)
+        finally:
+            self.pool.forget(req.rid)
+        return self._response(sample)
+
+    async def agenerate_samples(self, req: ModelRequest, n: int) -> list[ModelResponse]:
+        """`n` samples of one prompt. Sample i is `req` with rid `{rid}-{i}` and, when seeded, seed
+        `req.params.seed + i`: the rule of a server that samples n at once, so either path draws the
+        same tokens. Where the server kind takes n samples per call (`samples_per_call`), the first
+        call asks for all n (one request, the prompt prefilled once); each sample it left unfinished
+        (a weight update aborted it) then continues alone. Elsewhere: n concurrent `agenerate`."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        seed = req.params.seed
+        requests = [dataclasses.replace(
+            req, rid=f"{req.rid}-{i}",
+            params=req.params if seed is None else dataclasses.replace(req.params, seed=seed + i)) for i in range(n)]
+        if n == 1 or not self.adapter.samples_per_call:
+            async with asyncio.TaskGroup() as tg:  # one failed sample cancels its siblings
+                tasks = [tg.create_task(self.agenerate(r)) for r in requests]
+            return [t.result() for t in tasks]
+        start = time.monotonic()
+        samples = [self._sample(r, start) for r in requests]
+        first = samples[0]  # all n share the prompt, the budget and the deadline
+        try:
+            call = _RequestState(rid=req.rid, deadline=first.state.deadline, deadline_s=first.state.deadline_s)
+            body = self.adapter.generate_body(req.rid, list(req.input_ids), req.params, first.budget,
+                                              return_routed_experts=self.config.routed_expert_layout is not None,
+                                              n=n)
+            chunks, server = await self._call(call, body, n)
+            for sample in samples:
+                sample.state.calls, sample.state.retries = call.calls, call.retries
+                sample.state.tried.update(call.tried)
+            for sample, chunk in zip(samples, chunks, strict=True):
+                self._absorb(sample, chunk, server, len(req.input_ids))
+            async with asyncio.TaskGroup() as tg:
+                for sample in samples:
+                    if sample.finish is None:
+                        tg.create_task(self._finish(sample))
+        finally:
+            self.pool.forget(req.rid)
+            for r in requests:
+                self.pool.forget(r.rid)
+        return [self._response(s) for s in samples]
+
+    def _sample(self, req: ModelRequest, start: float) -> _Sample:
+        budget = req.params.max_new_tokens
         if req.max_tokens is not None:
             budget = min(req.max_tokens - len(req.input_ids), budget)
         if budget <= 0:
             raise PromptTooLongError(
                 f"request {req.rid}: prompt of {len(req.input_ids)} tokens leaves no budget under "
-                f"max_tokens={req.max_tokens} (max_new_tokens={params.max_new_tokens})"
+                f"max_tokens={req.max_tokens} (max_new_tokens={req.params.max_new_tokens})"
             )
         deadline_s = req.deadline_s if req.deadline_s is not None else self.config.deadline_s
-        start = time.monotonic()
-        state = _RequestState(rid=req.rid, deadline=start + deadline_s, deadline_s=deadline_s)
-        out_ids: list[int] = []
-        out_lp: list[float] = []
-        out_ver: list[int] = []
-        routed: RoutedExperts = []
-        finish: FinishReason = "length"
+        return _Sample(req, budget, start, _RequestState(rid=req.rid, deadline=start + deadline_s, deadline_s=deadline_s))
+
+    async def _finish(self, sample: _Sample) -> None:
+        """Call until the sample stops or spends its budget: prompt + everything so far, the rest of
+        the budget, a seeded request's continuation seed."""
+        req, state = sample.req, sample.state
         empty = 0  # consecutive aborts that produced no token
-        try:
-            while True:
-                remaining = budget - len(out_ids)
-                sent = [*req.input_ids, *out_ids]
-                params = req.params if req.params.seed is None else dataclasses.replace(
-                    req.params, seed=continuation_seed(req.params.seed, len(out_ids)))
-                chunk, server = await self._call(state, req.rid, params, sent, remaining)
-                state.servers_used.append(server)
-                new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
-                if self.config.routed_expert_layout is not None:
-                    routed = splice_routed_experts(routed, self._routed_experts(chunk, server, len(sent), len(new)))
-                out_ids += new
-                out_lp += chunk.logprobs[: len(new)]
-                out_ver += chunk.versions(len(new), self.version.value)
-                if chunk.finish_reason in ("stop", "length"):
-                    finish = chunk.finish_reason
-                    break
-                if len(out_ids) >= budget:  # aborted exactly when the budget ran out: that is length
-                    finish = "length"
-                    break
-                state.aborts += 1  # paused for a weight update: resubmit prompt + partial
+        while sample.finish is None:
+            sent = [*req.input_ids, *sample.out_ids]
+            params = req.params if req.params.seed is None else dataclasses.replace(
+                req.params, seed=continuation_seed(req.params.seed, len(sample.out_ids)))
+            body = self.adapter.generate_body(req.rid, sent, params, sample.budget - len(sample.out_ids),
+                                              return_routed_experts=self.config.routed_expert_layout is not None)
+            (chunk,), server = await self._call(state, body, 1)
+            new = self._absorb(sample, chunk, server, len(sent))
+            if sample.finish is None:
                 # A paused server holds resubmissions until it continues, so aborts come one per
                 # update; should a server abort with nothing produced, back off instead of spinning.
                 empty = 0 if new else empty + 1
                 if empty:
                     await asyncio.sleep(self._backoff(empty - 1, state))
-        finally:
-            self.pool.forget(req.rid)
+
+    def _absorb(self, sample: _Sample, chunk: Chunk, server: str, num_sent: int) -> int:
+        """Add one call's tokens (each tagged with its weight version) to `sample`; sets its finish
+        reason when it stopped or spent its budget. Returns the number of new tokens."""
+        sample.state.servers_used.append(server)
+        remaining = sample.budget - len(sample.out_ids)
+        new = chunk.output_ids[:remaining]  # a server never owes us more than the budget
+        if self.config.routed_expert_layout is not None:
+            sample.routed = splice_routed_experts(sample.routed,
+                                                  self._routed_experts(chunk, server, num_sent, len(new)))
+        sample.out_ids += new
+        sample.out_lp += chunk.logprobs[: len(new)]
+        sample.out_ver += chunk.versions(len(new), self.version.value)
+        if chunk.finish_reason in ("stop", "length"):
+            sample.finish = chunk.finish_reason
+        elif len(sample.out_ids) >= sample.budget:  # aborted exactly when the budget ran out: that is length
+            sample.finish = "length"
+        else:
+            sample.state.aborts += 1  # paused for a weight update: `_finish` resubmits prompt + partial
+        return len(new)
+
+    def _response(self, sample: _Sample) -> ModelResponse:
+        req, state, routed = sample.req, sample.state, sample.routed
         if self.config.routed_expert_layout is not None:  # the last token was never forwarded: unknown
-            total = len(req.input_ids) + len(out_ids)
+            total = len(req.input_ids) + len(sample.out_ids)
             unknown = self.config.routed_expert_layout.unknown_row
             routed = routed[:total] + [unknown() for _ in range(total - len(routed))]
+        assert sample.finish is not None
         return ModelResponse(
             rid=req.rid,
             input_ids=list(req.input_ids),
-            output_ids=out_ids,
-            output_logprobs=out_lp,
-            output_versions=out_ver,
-            finish_reason=finish,
+            output_ids=sample.out_ids,
+            output_logprobs=sample.out_lp,
+            output_versions=sample.out_ver,
+            finish_reason=sample.finish,
             servers=state.servers_used,
             num_calls=state.calls,
             num_aborts=state.aborts,
             num_retries=state.retries,
-            latency_s=time.monotonic() - start,
+            latency_s=time.monotonic() - sample.start,
             routed_experts=routed if self.config.routed_expert_layout is not None else None,
         )
 
@@ -198,11 +254,9 @@ class InferenceClient:
         rows = num_sent + len(chunk.output_ids) - 1
         return decode_routed_experts(chunk.routed_experts, rows, layout)[: num_sent + num_new - 1]
 
-    async def _call(self, state: _RequestState, rid: str, params: GenerationParams, ids: list[int],
-                    remaining: int) -> tuple[Chunk, str]:
-        """One generation call, retried across transient failures until the deadline."""
-        body = self.adapter.generate_body(rid, ids, params, remaining,
-                                          return_routed_experts=self.config.routed_expert_layout is not None)
+    async def _call(self, state: _RequestState, body: dict[str, Any], n: int) -> tuple[list[Chunk], str]:
+        """One generation call (`n` samples), retried across transient failures until the deadline."""
+        rid = state.rid
         attempt = 0
         while True:
             left = state.deadline - time.monotonic()
@@ -222,9 +276,9 @@ class InferenceClient:
                 with self.pool.lease(server, _setter(abandoned)):
                     state.calls += 1
                     data = await self._post_unless(abandoned, server, body, timeout)
-                chunk = self.adapter.parse_generate(data)
-                self.pool.mark_success(server, len(chunk.output_ids))
-                return chunk, server
+                chunks = self.adapter.parse_samples(data, n)
+                self.pool.mark_success(server, sum(len(c.output_ids) for c in chunks))
+                return chunks, server
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError,
                     CallAbandoned) as exc:
                 state.last_error = f"{server}: {type(exc).__name__}: {exc}".rstrip(": ")
@@ -285,6 +339,21 @@ def _setter(fut: asyncio.Future[None]) -> Callable[[], None]:
             loop.call_soon_threadsafe(complete)
 
     return call
+
+
+@dataclass
+class _Sample:
+    """One sample's progress: its request, token budget, and what its calls returned so far."""
+
+    req: ModelRequest
+    budget: int
+    start: float
+    state: _RequestState
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+    out_ver: list[int] = field(default_factory=list)
+    routed: RoutedExperts = field(default_factory=list)
+    finish: FinishReason | None = None  # set once it stopped or spent its budget
 
 
 @dataclass

@@ -64,8 +64,10 @@ def _hash(text: str) -> int:
 
 
 def sampling_seed(run_seed: int, stream_index: int, sample: int) -> int:
-    """The seed of sample `sample` of the item at `stream_index` in the run seeded `run_seed`."""
-    return _hash(f"{run_seed}:{stream_index}:{sample}")
+    """The seed of sample `sample` of the item at `stream_index` in the run seeded `run_seed`:
+    sample 0's plus `sample`, the rule of a server asked for n samples at once (sample 0's seed is
+    below 2**62, so any sample's stays a signed 64-bit seed)."""
+    return (_hash(f"{run_seed}:{stream_index}") >> 1) + sample
 
 
 def continuation_seed(seed: int, tokens_before: int) -> int:

@@ -1,6 +1,7 @@
 """A protocol-faithful fake inference server for rollout tests (real HTTP on 127.0.0.1).
 
-Implements `POST /generate` (protocol.md section 2), a vLLM-shaped `POST /inference/v1/generate`, and the
+Implements `POST /generate` (protocol.md section 2; `sampling_params.n` > 1 answers a list of n
+samples with their `index`, one request as the server counts them), a vLLM-shaped `POST /inference/v1/generate`, and the
 control routes the rollout side uses (`/pause_generation`, `/continue_generation`,
 `/update_weight_version`, `/get_weight_version`, `/health`). Generation is deterministic: each
 next token is `(last * 7 + 3) % vocab_size`, so a resubmitted prompt + partial continues the same
@@ -121,17 +122,21 @@ class FakeServer:
         return f"http://127.0.0.1:{self.port}"
 
     # -- generation core ------------------------------------------------------------------------
-    async def _produce(self, route: str, rid: str, input_ids: list[int], max_new: int, stop_ids: set[int]) -> LogEntry | None:
-        with self._progress:
-            self.num_requests += 1
-            self._progress.notify_all()
+    async def _produce(self, route: str, rid: str, input_ids: list[int], max_new: int, stop_ids: set[int],
+                       sibling: bool = False) -> LogEntry | None:
+        """One sample; `sibling`: sample 1.. of a request for n samples, which counts (and fails,
+        hangs or dies) as part of sample 0's request."""
         cfg = self.config
-        if cfg.die_after is not None and self.num_requests >= cfg.die_after:
-            asyncio.get_running_loop().call_later(cfg.die_delay_s, os._exit, 1)
-        if self.num_requests <= cfg.fail_first:
-            return None
-        if cfg.hang:
-            await asyncio.Event().wait()
+        if not sibling:
+            with self._progress:
+                self.num_requests += 1
+                self._progress.notify_all()
+            if cfg.die_after is not None and self.num_requests >= cfg.die_after:
+                asyncio.get_running_loop().call_later(cfg.die_delay_s, os._exit, 1)
+            if self.num_requests <= cfg.fail_first:
+                return None
+            if cfg.hang:
+                await asyncio.Event().wait()
         await self._running.wait()  # paused: new requests wait inside the server until continue
         abort = self._abort
         # The version that produced the tokens, read as they are produced: an update applied
@@ -182,12 +187,20 @@ class FakeServer:
             return refused
         sp = body.get("sampling_params", {})
         rid = body.get("rid", "")
+        n = int(sp.get("n", 1))  # SGLang's n samples of one prompt: a list of n answers with their index
         start = time.monotonic()
-        entry = await self._produce(
-            "generate", rid, body["input_ids"], sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or [])
-        )
-        if entry is None:
+        entries = await asyncio.gather(*(self._produce(
+            "generate", rid, body["input_ids"], sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or []),
+            sibling=i > 0) for i in range(n)))
+        if entries[0] is None:
             return web.json_response({"object": "error", "message": "injected failure", "code": 500}, status=500)
+        answers = [self._sglang_answer(rid, entry, body, start) for entry in entries]
+        if n == 1:
+            return web.json_response(answers[0])
+        return web.json_response([{**answer, "index": i} for i, answer in enumerate(answers)])
+
+    @staticmethod
+    def _sglang_answer(rid: str, entry: LogEntry, body: dict[str, Any], start: float) -> dict[str, Any]:
         if entry.finish == "stop":
             reason: dict[str, Any] = {"type": "stop", "matched": entry.output_ids[-1]}
         elif entry.finish == "length":
@@ -201,7 +214,7 @@ class FakeServer:
         }
         if body.get("return_logprob") and not (entry.finish == "abort" and not entry.output_ids):
             meta["output_token_logprobs"] = [[token_logprob(t), t, None] for t in entry.output_ids]
-        return web.json_response({"text": "", "output_ids": entry.output_ids, "meta_info": meta})
+        return {"text": "", "output_ids": entry.output_ids, "meta_info": meta}
 
     async def _h_vllm_generate(self, request: web.Request) -> web.Response:
         body = await request.json()

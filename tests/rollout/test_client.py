@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tandem.fleet.adapters import TandemAdapter
+from tandem.fleet.adapters import TandemAdapter, UnsupportedOperation, adapter_for
 from tandem.rollout import (
     ClientConfig,
     GenerationDeadlineError,
@@ -87,6 +87,84 @@ def test_interrupted_generation_resumes_under_new_version(make_server):
     assert resp.output_versions == [0] * k + [1] * (40 - k)  # versions change inside the sequence
     assert resp.num_aborts == 1 and resp.finish_reason == "length"
     assert resp.servers == [server.address, server.address]
+
+
+def test_samples_in_one_call_then_each_unfinished_one_continues_alone(make_server):
+    """n samples of one prompt go as one call; paused mid-decode, each sample is resubmitted on its
+    own (rid `{rid}-{i}`, prompt + its partial) and keeps the version that sampled each token."""
+    server = make_server(token_delay_s=0.01)
+    client = InferenceClient([server.address])
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=40, seed=5))
+
+    async def scenario():
+        task = asyncio.create_task(client.agenerate_samples(req, 3))
+        await asyncio.to_thread(server.wait_for_tokens, 3 * 8)
+        await asyncio.to_thread(server.pause)
+        await asyncio.to_thread(server.wait_for_requests, 1 + 3)  # the three continuations wait inside
+        server.set_version(1)
+        server.continue_generation()
+        try:
+            return await task
+        finally:
+            await client.aclose()
+
+    responses = run(scenario())
+    first = server.entries(req.rid)
+    assert len(first) == 3 and [e.finish for e in first] == ["abort"] * 3  # one call, three samples
+    assert server.num_requests == 1 + 3
+    for i, (resp, entry) in enumerate(zip(responses, first, strict=True)):
+        k = len(entry.output_ids)
+        assert 0 < k < 40
+        (rest,) = server.entries(f"{req.rid}-{i}")
+        assert rest.input_ids == PROMPT + entry.output_ids and rest.finish == "length"
+        assert resp.rid == f"{req.rid}-{i}" and resp.input_ids == PROMPT
+        assert resp.output_ids == entry.output_ids + rest.output_ids == chain(PROMPT[-1], 40, 1000)
+        assert resp.output_logprobs == [token_logprob(t) for t in resp.output_ids]
+        assert resp.output_versions == [0] * k + [1] * (40 - k)
+        assert (resp.num_calls, resp.num_aborts, resp.finish_reason) == (2, 1, "length")
+        assert resp.servers == [server.address] * 2
+
+
+def test_samples_finished_in_the_first_call_are_not_resubmitted(make_server):
+    server = make_server()
+    responses = run(_samples(InferenceClient([server.address]), ModelRequest(PROMPT, GenerationParams(max_new_tokens=6)), 4))
+    assert server.num_requests == 1 and len(server.log) == 4
+    assert [r.output_ids for r in responses] == [chain(PROMPT[-1], 6, 1000)] * 4
+    assert all(r.num_calls == 1 and r.num_aborts == 0 and r.finish_reason == "length" for r in responses)
+
+
+def test_samples_one_call_each_where_the_server_takes_one(make_server):
+    """A vLLM server is asked one sample per call: n calls, rids `{rid}-{i}`."""
+    server = make_server()
+    client = InferenceClient([server.address], ClientConfig(server_kind="vllm"))
+    req = ModelRequest(PROMPT, GenerationParams(max_new_tokens=5))
+    responses = run(_samples(client, req, 3))
+    assert server.num_requests == 3 and {e.route for e in server.log} == {"vllm-generate"}
+    assert sorted(e.rid for e in server.log) == [f"{req.rid}-{i}" for i in range(3)]
+    assert [r.rid for r in responses] == [f"{req.rid}-{i}" for i in range(3)]
+    assert all(r.output_ids == chain(PROMPT[-1], 5, 1000) for r in responses)
+
+
+def test_sample_answers_are_checked():
+    adapter = TandemAdapter()
+    item = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"}}}
+    assert [c.finish_reason for c in adapter.parse_samples([{**item, "index": 1}, {**item, "index": 0}], 2)] == \
+        ["abort", "abort"]
+    with pytest.raises(ValueError, match="list of 3 items, got 2"):
+        adapter.parse_samples([{**item, "index": 0}, {**item, "index": 1}], 3)
+    with pytest.raises(ValueError, match="list of 2 items, got dict"):
+        adapter.parse_samples(item, 2)
+    with pytest.raises(ValueError, match=r"'index' fields are \[0, 0\]"):
+        adapter.parse_samples([{**item, "index": 0}, {**item, "index": 0}], 2)
+    with pytest.raises(UnsupportedOperation, match="one sample per generate call"):
+        adapter_for("vllm").generate_body("r", PROMPT, GenerationParams(), 4, n=2)
+
+
+async def _samples(client: InferenceClient, req: ModelRequest, n: int):
+    try:
+        return await client.agenerate_samples(req, n)
+    finally:
+        await client.aclose()
 
 
 def test_budget_accounting_and_rejection(make_server):

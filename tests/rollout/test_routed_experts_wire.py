@@ -73,7 +73,7 @@ def test_a_request_seed_reaches_every_server_kind_under_its_name():
 
     seed = sampling_seed(1, 40, 3)
     assert seed == sampling_seed(1, 40, 3) and len({seed, sampling_seed(1, 40, 2), sampling_seed(2, 40, 3)}) == 3
-    assert 0 <= seed < 2**63
+    assert 0 <= seed < 2**63 and seed == sampling_seed(1, 40, 0) + 3  # sample i: sample 0's seed + i
     for kind in ("sglang", "tandem"):
         body = adapter_for(kind).generate_body("r", [1], GenerationParams(seed=seed), 4)
         assert body["sampling_params"]["sampling_seed"] == seed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -50,9 +49,9 @@ class RLVRWorkflow(RolloutWorkflow):
         reward_runner: RewardRunner | None = None,
         seed: int | None = None,
     ):
-        """`seed` (rollout.seed_sampling): each sample of an item drawn from the run's stream asks
-        for the seed `sampling_seed(seed, stream index, sample)`, so the item drawn again after a
-        resume gets the same tokens; None: the servers' own randomness."""
+        """`seed` (rollout.seed_sampling): sample i of an item drawn from the run's stream is seeded
+        `sampling_seed(seed, stream index, i)`, so the item drawn again after a resume gets the same
+        tokens; None: the servers' own randomness."""
         self.seed = seed
         self.reward_fn = reward_fn
         self.params = params or GenerationParams()
@@ -70,13 +69,10 @@ class RLVRWorkflow(RolloutWorkflow):
         prompt_ids = prompt_ids_of(item, self.tokenizer)
         prompt_id = str(item.get("id", uuid.uuid4().hex))
         group_id = f"{prompt_id}:{uuid.uuid4().hex[:8]}"
-        # TaskGroup: if one sample fails, its siblings are cancelled instead of left running.
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(client.agenerate(ModelRequest(prompt_ids, self._params(item, i), max_tokens=self.max_tokens)))
-                for i in range(self.n_samples)
-            ]
-        responses = [t.result() for t in tasks]
+        # One call for the n samples where the server takes them together (the prompt prefilled
+        # once); sample i is seeded `sampling_seed(seed, stream index, i)`.
+        responses = await client.agenerate_samples(
+            ModelRequest(prompt_ids, self._params(item), max_tokens=self.max_tokens), self.n_samples)
         prompt_text = item.get("prompt") or self._decode(prompt_ids)
         fields = reward_fields(item)
         t_reward = time.time()
@@ -100,11 +96,12 @@ class RLVRWorkflow(RolloutWorkflow):
             for r, rw in zip(responses, rewards, strict=True)
         ]
 
-    def _params(self, item: dict[str, Any], sample: int) -> GenerationParams:
+    def _params(self, item: dict[str, Any]) -> GenerationParams:
+        """The group's parameters: seeded with sample 0's seed (sample i's is that + i)."""
         index = stream_index_of(item)
         if self.seed is None or index is None:
             return self.params
-        return dataclasses.replace(self.params, seed=sampling_seed(self.seed, index, sample))
+        return dataclasses.replace(self.params, seed=sampling_seed(self.seed, index, 0))
 
     def close(self) -> None:
         if self._own_runner:
