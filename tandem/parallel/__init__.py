@@ -12,7 +12,7 @@ _LAZY = {
     "AC_MODES": "tandem.parallel.config", "RESHARD_POLICIES": "tandem.parallel.config",
     "ParallelizeConfig": "tandem.parallel.config",
     "MESH_ORDER": "tandem.parallel.dims", "ParallelDims": "tandem.parallel.dims",
-    "apply_fsdp": "tandem.parallel.fsdp", "fsdp_units": "tandem.parallel.fsdp",
+    "apply_fsdp": "tandem.parallel.fsdp", "fsdp_needed": "tandem.parallel.fsdp", "fsdp_units": "tandem.parallel.fsdp",
 }
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
@@ -27,5 +27,6 @@ __all__ = [
     "apply_compile",
     "apply_fsdp",
     "checkpoint_module",
+    "fsdp_needed",
     "fsdp_units",
 ]

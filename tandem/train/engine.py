@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from tandem.config.fields import validate
 from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
@@ -128,6 +129,8 @@ class TrainEngine:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         self.module.to_empty(device=self.device)
+        if not fsdp_units(self.module) and self.pipeline is None:
+            self.model.tie_weights()  # a plain module (one rank, float32) came apart in to_empty; FSDP keeps ties
         # Tied weights (e.g. embedding and output head) must still be one parameter.
         if len(list(self.model.parameters())) != n_params:
             raise AssertionError("shared parameters came apart during parallelize / to_empty")
@@ -194,7 +197,8 @@ class TrainEngine:
             self.module.eval()
             outputs = [self.module(mb.input_ids, mb.cu_seqlens, temperature, w, r)
                        for mb, w, r in zip(mbs, wanted, routings, strict=True)]
-            self.module.reshard()  # the root stays gathered after a forward; free it
+            if isinstance(self.module, FSDPModule):
+                self.module.reshard()  # the root stays gathered after a forward; free it
         per_mb: list[list[tuple[torch.Tensor, ...]]] = []
         matches = pairs = 0
         for mb, output, routing in zip(mbs, outputs, routings, strict=True):

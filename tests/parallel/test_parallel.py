@@ -103,10 +103,14 @@ def test_qwen_plan_shards_blocks_and_root(one_rank_group):
     assert get_model_spec("qwen3").parallelize is parallelize_qwen
     model = build_model(CONFIG, device="meta")
     dims = ParallelDims.data_parallel(1)
-    parallelize_qwen(model, dims, config=ParallelizeConfig(activation_checkpoint="full"))
+    # bfloat16 compute: FSDP casts it, so one rank is sharded too
+    parallelize_qwen(model, dims, config=ParallelizeConfig(activation_checkpoint="full"), param_dtype=torch.bfloat16)
     units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     assert units == ["", "layers.0", "layers.1"]
     assert model.output.weight is model.tok_embeddings.weight  # tied: one parameter, sharded once
+    plain = build_model(CONFIG, device="meta")  # one float32 rank: nothing to shard or cast
+    parallelize_qwen(plain, dims, config=ParallelizeConfig(activation_checkpoint="full"))
+    assert not any(isinstance(m, FSDPModule) for m in plain.modules())
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         parallelize_qwen(build_model(CONFIG, device="meta"), ParallelDims(ParallelSizes(dp=2, ep=2)))
 

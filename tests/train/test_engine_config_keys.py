@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.errors import ConfigError
-from tandem.parallel import ParallelizeConfig
+from tandem.parallel import ParallelizeConfig, fsdp_needed, fsdp_units
 from tandem.rl.config import load_run_config
 from tandem.train import LRSchedule, TrainEngine
 from tandem.train.config import OptimizerConfig
@@ -89,7 +89,8 @@ def test_gradient_clipping_scales_the_update(tiny_dir):
         opt = OptimizerConfig(lr=1e-2, eps=1.0, weight_decay=0.0, gradient_clipping=clip)
         engine = TrainEngine(engine_config(str(tiny_dir), optimizer=opt))
         stats = engine.train_batch(make_batch(engine.model.args.vocab_size), weighted_loss)
-        weight = engine.model.layers["0"].attention.wq.weight.full_tensor().detach().clone()
+        wq = engine.model.layers["0"].attention.wq.weight  # plain at one float32 rank, else a DTensor
+        weight = (wq.full_tensor() if hasattr(wq, "full_tensor") else wq).detach().clone()
         engine.close()
         return stats["grad_norm"], weight
 
@@ -165,7 +166,9 @@ def test_memory_budget_and_compile_reach_the_blocks(tiny_dir, functorch_config):
 
 
 def _sharded_after_forward(tiny_dir, policy: str) -> list[bool]:
-    engine = TrainEngine(engine_config(str(tiny_dir), parallelize=ParallelizeConfig(reshard_after_forward=policy)))
+    # bfloat16 compute: FSDP casts it, so one rank is sharded too (in float32 it stays plain).
+    engine = TrainEngine(engine_config(str(tiny_dir), dtype="bfloat16",
+                                       parallelize=ParallelizeConfig(reshard_after_forward=policy)))
     engine.forward_logprobs(make_batch(engine.model.args.vocab_size))
     state = [block._get_fsdp_state()._fsdp_param_group.is_sharded for block in engine.model.layers.values()]
     engine.close()
@@ -178,6 +181,29 @@ def test_reshard_after_forward_frees_the_blocks_it_says(tiny_dir):
     assert _sharded_after_forward(tiny_dir, "default") == [True, False]  # the last block stays for backward
     assert _sharded_after_forward(tiny_dir, "always") == [True, True]
     assert _sharded_after_forward(tiny_dir, "never") == [False, False]
+
+
+def test_one_float32_rank_trains_a_plain_model(tiny_dir):
+    """One rank in float32 has nothing to shard or cast: no FSDP units, plain parameters, the tied
+    embedding and output head still one parameter, and an optimizer step changes it; bfloat16
+    compute (FSDP's cast) and offload keep FSDP."""
+    engine = TrainEngine(engine_config(str(tiny_dir)))
+    assert fsdp_units(engine.module) == []
+    assert not any(hasattr(p, "full_tensor") for p in engine.model.parameters())
+    assert engine.model.output.weight is engine.model.tok_embeddings.weight
+    before = engine.model.output.weight.detach().clone()
+    engine.train_batch(make_batch(engine.model.args.vocab_size), weighted_loss)
+    assert engine.model.output.weight is engine.model.tok_embeddings.weight
+    assert not torch.equal(before, engine.model.output.weight)
+    engine.close()
+    bf16 = TrainEngine(engine_config(str(tiny_dir), dtype="bfloat16"))
+    assert len(fsdp_units(bf16.module)) == len(bf16.model.layers) + 1
+    bf16.close()
+    config = ParallelizeConfig()
+    assert not fsdp_needed(1, torch.float32, config, pipelined=False)
+    assert fsdp_needed(2, torch.float32, config, pipelined=False)
+    assert fsdp_needed(1, torch.float32, config, pipelined=True)
+    assert fsdp_needed(1, torch.float32, ParallelizeConfig(offload_params=True), pipelined=False)
 
 
 def test_logprob_chunk_size_splits_the_output_head(tiny_dir):

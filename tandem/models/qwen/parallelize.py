@@ -23,6 +23,7 @@ from tandem.parallel import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
+    fsdp_needed,
 )
 from tandem.parallel.context_parallel import check_heads
 
@@ -91,8 +92,9 @@ def parallelize_qwen(
             # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
             # shapes compile static first, then mark only the dims that change (the token count).
             apply_compile(blocks, dynamic=None if tp_mesh is not None else True)
-        apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
-                   reduce_dtype=reduce_dtype, pipelined=pipelined,
-                   inner={k: expert_units[k] for k in blocks if k in expert_units},
-                   inner_mesh=parallel_dims.expert_fsdp_mesh(mesh) if expert_units else None)
+        if fsdp_needed(parallel_dims.world_size, param_dtype, config, pipelined):
+            apply_fsdp(part_root, blocks, parallel_dims.fsdp_mesh(mesh), config, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype, pipelined=pipelined,
+                       inner={k: expert_units[k] for k in blocks if k in expert_units},
+                       inner_mesh=parallel_dims.expert_fsdp_mesh(mesh) if expert_units else None)
     return model
