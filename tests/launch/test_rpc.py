@@ -4,6 +4,7 @@ with threads standing in for workers (a pipe stands in for the process sentinel)
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
 import time
@@ -46,6 +47,66 @@ def test_tensors_round_trip_exactly():
         assert back[key].dtype == obj[key].dtype and torch.equal(back[key].detach(), obj[key].detach()), key
     assert back["grad"].requires_grad and back["nested"][0][:2] == (1, "x")
     back["view"].add_(1)  # received tensors are writable
+    ca.close()
+    cb.close()
+
+
+def test_small_buffers_share_a_write_and_arrive_aligned_and_exact():
+    """Runs of buffers under 64 KiB go as one socket write (each at a 64-byte aligned offset) and
+    arrive as views of one buffer; bigger ones go alone. Every tensor comes back equal, dtype and
+    shape kept, writable, and its data aligned for its dtype; a packed run ends before 4 MiB."""
+    from tandem.launch.rpc_wire import _runs
+
+    a, b = _pair()
+    ca, cb = Channel(a), Channel(b)
+    gen = torch.Generator().manual_seed(0)
+    obj = [torch.randn(n, generator=gen).to(dtype) for n, dtype in
+           [(3, torch.float32), (5, torch.bfloat16), (7, torch.float64), (40_000, torch.float32), (1, torch.int64),
+            (2, torch.int8), (9, torch.float32)]] + [torch.randint(0, 9, (1000,), generator=gen) for _ in range(600)]
+    frames = dumps(obj)
+    runs = _runs([memoryview(f).nbytes for f in frames[1:]])
+    # The 160 KB tensor is a write of its own; the small ones after it run on into the 600 x 8000
+    # bytes until a write would pass 4 MiB (3 + 524), the rest in a last write.
+    assert [len(r) for r in runs] == [3, 1, 527, 76]
+    assert all(offset % 64 == 0 for run in runs for _, offset in run)
+    t = threading.Thread(target=ca.send, args=(frames,))
+    t.start()
+    back = cb.recv()
+    t.join()
+    for x, y in zip(obj, back, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        assert y.data_ptr() % y.element_size() == 0
+    back[0].add_(1)  # writable, and only its own slice of the shared buffer changes
+    assert torch.equal(back[1], obj[1]) and torch.equal(back[0], obj[0] + 1)
+    ca.close()
+    cb.close()
+
+
+def test_a_sequence_batch_travels_as_columns():
+    """On the RPC wire a SequenceBatch is one tensor per key (per-token values concatenated,
+    scalars stacked), keys it cannot pack (mixed dtypes, Python values) as they are; it comes
+    back equal. Plain pickle (multiprocessing's too) keeps the sequences as they are."""
+    from tandem.data.batch import SequenceBatch
+
+    seqs = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
+             "routed": torch.zeros(n, 2, 3, dtype=torch.int16), "reward": torch.tensor(float(n)),
+             "mixed": torch.ones(n, dtype=torch.float32 if n % 2 else torch.float64), "note": n / 2}
+            for n in (3, 8, 1, 5)]
+    batch = SequenceBatch(seqs)
+    frames = dumps(batch)
+    assert len(frames) == 1 + 4 + 4  # four packed keys, and the four "mixed" tensors one by one
+    assert "_unpack_batch" not in str(pickle.dumps(batch))
+    a, b = _pair()
+    ca, cb = Channel(a), Channel(b)
+    t = threading.Thread(target=ca.send, args=(frames,))
+    t.start()
+    back = cb.recv()
+    t.join()
+    assert isinstance(back, SequenceBatch) and back.lengths == batch.lengths
+    for x, y in zip(seqs, back.seqs, strict=True):
+        assert x.keys() == y.keys() and x["note"] == y["note"]
+        for key in x.keys() - {"note"}:
+            assert x[key].dtype == y[key].dtype and x[key].shape == y[key].shape and torch.equal(x[key], y[key]), key
     ca.close()
     cb.close()
 

@@ -17,6 +17,8 @@ from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 pytestmark = pytest.mark.slow
 
+STEPS = 200  # of the run whose server job is cancelled
+
 
 def _jobs(cluster) -> dict[str, str]:
     """Running jobs of the cluster: name -> id."""
@@ -52,7 +54,9 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
 
 def test_train_on_slurm_survives_a_cancelled_server(slurm_cluster, tiny_model, tmp_path):
     began = time.monotonic()
-    proc = _start(slurm_cluster, tmp_path, tiny_model, steps=8, rollout={"backend": "tandem:d2", "min_servers": 1},
+    # Enough steps that the run outlives the cancelled job's eviction (a step of the tiny model
+    # takes well under 0.1 s; noticing the job's end takes a few seconds).
+    proc = _start(slurm_cluster, tmp_path, tiny_model, steps=STEPS, rollout={"backend": "tandem:d2", "min_servers": 1},
                   slurm={"server_nodes": slurm_cluster.host, "trainer_nodes": slurm_cluster.host})
     try:
         _wait_for_step(proc, tmp_path, 1)
@@ -61,19 +65,25 @@ def test_train_on_slurm_survives_a_cancelled_server(slurm_cluster, tiny_model, t
         assert len(names) == 3 and all(re.fullmatch(r"tandem-[0-9a-f]{8}-(rollout-[01]|actor)", n) for n in names), names
         cancelled = next(job for name, job in jobs.items() if name.endswith("rollout-1"))
         subprocess.run(["scancel", cancelled], env=slurm_cluster.env, check=True, timeout=30)
+        left = rf"rollout-1 \(\S+\) exited \(.*Slurm job {cancelled} CANCELLED.*\); it leaves the fleet"
+        deadline = time.monotonic() + 120
+        while not re.search(left, (run_dir(tmp_path) / "logs" / "controller.log").read_text()):
+            assert proc.poll() is None, f"the run ended before rollout-1 left the fleet:\n{proc.stdout.read()[-4000:]}"
+            assert time.monotonic() < deadline, "rollout-1 did not leave the fleet within 120 s of its job's cancel"
+            time.sleep(0.1)
+        evicted_at = max((r["step"] for r in rl_rows(tmp_path)), default=0)
         out = _finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
-    print(f"8 steps on Slurm, rollout-1's job {cancelled} cancelled after step 1: {time.monotonic() - began:.1f}s")
+    print(f"{STEPS} steps on Slurm, rollout-1's job {cancelled} cancelled after step 1, gone by step {evicted_at}: "
+          f"{time.monotonic() - began:.1f}s")
     assert proc.returncode == 0, out[-4000:]
-    assert [r["step"] for r in rl_rows(tmp_path)] == list(range(1, 9))
+    assert [r["step"] for r in rl_rows(tmp_path)] == list(range(1, STEPS + 1))
     log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
     # tandem train prints the placement, role -> job and node
     for role in ("rollout-0", "rollout-1", "actor-rank0"):
         assert re.search(rf"placement: {role} -> .*Slurm job \d+\.\S+ on \S+", log), (role, log[-3000:])
-    assert re.search(rf"rollout-1 \(\S+\) exited \(.*Slurm job {cancelled} CANCELLED.*\); it leaves the fleet", log), \
-        log[-3000:]
     assert rl_rows(tmp_path)[-1]["sync/servers"] == 1.0  # the last updates reached the one server left
     assert not _jobs(slurm_cluster), "jobs of the run are still running after it"
 
