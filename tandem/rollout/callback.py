@@ -9,11 +9,12 @@ strings: pickle it into a worker process, or pass `callback.env()` and rebuild i
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import select
 import threading
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
@@ -36,6 +37,10 @@ class RolloutCallback:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._info: dict[str, Any] | None = None
+        # One kept-alive connection per calling thread: a weight update makes ~6 calls a step, and
+        # a new TCP connection each cost ~0.2 ms more a call (connect, and the server's accept).
+        self._local = threading.local()
+        self._connections: list[http.client.HTTPConnection] = []
 
     # -- construction in another process ------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -115,8 +120,11 @@ class RolloutCallback:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            connections, self._connections = self._connections, []
         if pool is not None:
             pool.shutdown(wait=False)
+        for conn in connections:
+            conn.close()
 
     # -- mechanics --------------------------------------------------------------------------------
     def _call(self, op: FleetOp, request: Any, targets: list[str] | None) -> FleetResult:
@@ -145,18 +153,44 @@ class RolloutCallback:
 
     def _request(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.address + path, data=data, method=method,
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.secret}"},
-        )
+        headers = {"Authorization": f"Bearer {self.secret}"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        conn = self._connection(timeout)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, payload = resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            status, payload = err.code, err.read()
-        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-            return 0, f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            conn.request(method, self._base_path + path, body=data, headers=headers)
+            resp = conn.getresponse()
+            status, payload = resp.status, resp.read()
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
+            conn.close()  # the next call connects afresh
+            return 0, f"{type(exc).__name__}: {exc}"
+        if resp.will_close:
+            conn.close()
         try:
             return status, json.loads(payload) if payload else None
         except ValueError:
             return status, payload.decode(errors="replace")[:500]
+
+    @property
+    def _base_path(self) -> str:
+        return urllib.parse.urlsplit(self.address).path
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """This thread's connection to the controller, with `timeout` for the next call. One the
+        controller closed while it sat idle (its socket reads EOF) is replaced before use, so a
+        call is never sent on a connection already gone, and never sent twice."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+            conn.close()  # idle, so anything readable is the server's close (or junk): reconnect
+        if conn is None:
+            parts = urllib.parse.urlsplit(self.address)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"the rollout callback address must be http://host:port, got {self.address!r}")
+            conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
