@@ -25,7 +25,7 @@ from tandem.errors import ConfigError
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
 from tandem.fleet.interface import Topology
-from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.ops import Deadlines, FleetOp, announces_version
 from tandem.fleet.results import FleetResult
 from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.rollout.callback import RolloutCallback
@@ -239,7 +239,7 @@ class RolloutController:
     def _after(self, op: FleetOp, request: Any, failed: bool) -> None:
         if op is ops.CONTINUE:  # the servers go on (or were asked to): so does dispatch
             self._set_fleet_paused(False)
-        elif op is ops.SET_VERSION and not failed:
+        elif announces_version(op, request) and not failed:
             self.version.set(request.version)
         elif op is ops.PAUSE and failed:
             self._set_fleet_paused(False)

@@ -21,7 +21,7 @@ from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter
 from tandem.fleet.http import HttpFleet, normalize_address
 from tandem.fleet.interface import Topology
-from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.ops import Deadlines, FleetOp, announces_version
 from tandem.fleet.results import FleetError, FleetResult
 from tandem.rollout.errors import RolloutError
 from tandem.rollout.health import HealthConfig, HealthMonitor
@@ -184,7 +184,7 @@ class ElasticFleet:
 
     def _on_result(self, op: FleetOp, request: Any, fut: Future[FleetResult]) -> None:
         exc = fut.exception()
-        if exc is None and op is ops.SET_VERSION:
+        if exc is None and announces_version(op, request):
             self.membership.set_version(request.version)
             reached = {r.address for r in fut.result().results}
             for address in self.membership.topology().members:

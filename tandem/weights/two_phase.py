@@ -1,9 +1,10 @@
 """One weight update, two-phase, over any `Transport`:
 
-    rank 0:     pause -> [open] -> stage -> commit -> [verify] -> version -> continue
+    rank 0:     pause -> [open] -> stage -> commit -> [verify -> version] -> continue
     all ranks:  prepare (disk: save)   stage (the export's collectives)
 
-Nothing changes on a server until the commit, which swaps weights and version together; any
+Nothing changes on a server until the commit, which swaps weights and version together (and,
+with no verification after it, also announces the version: `CommitStaged.announce`); any
 failure discards what was staged, lets the transport undo its part, and still continues generation
 on the previous weights. Returns rank 0's failure (other ranks None; the caller agrees on the
 outcome). Servers without `Capabilities.staged_commit` apply each bucket on arrival, so a failure
@@ -28,6 +29,8 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
         return transport.stage(meta, clock, report, None, None)
     assert fleet is not None, "trainer rank 0 needs the fleet"
     staged = fleet.capabilities.staged_commit
+    # Nothing checked after the commit, and it sets the version: it announces the version too.
+    announce = staged and verifier is None and fleet.capabilities.commit_sets_version
     failure = fleet_call(fleet, ops.PAUSE, ops.PauseGeneration())
     paused = failure is None
     try:
@@ -39,12 +42,12 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = transport.stage(meta, clock, report, failure, verifier)
         if failure is None and staged:
             with timed(report, "commit"):
-                failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version))
+                failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version, announce=announce))
         if failure is None and verifier is not None:
             with timed(report, "verify"):
                 failure = failure_of("verify", verifier.check)
                 report.verified = failure is None
-        if failure is None:
+        if failure is None and not announce:
             failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
     except BaseException:  # a local error (export, pack): still leave the fleet serving, then raise it
         _rollback(meta, transport, fleet, staged)

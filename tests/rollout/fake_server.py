@@ -3,7 +3,7 @@
 Implements `POST /generate` (protocol.md section 2; `sampling_params.n` > 1 answers a list of n
 samples with their `index`, one request as the server counts them), a vLLM-shaped `POST /inference/v1/generate`, and the
 control routes the rollout side uses (`/pause_generation`, `/continue_generation`,
-`/update_weight_version`, `/get_weight_version`, `/health`). Generation is deterministic: each
+`/update_weight_version`, `/commit_staged_weights` (sets the version; there are no weights), `/get_weight_version`, `/health`). Generation is deterministic: each
 next token is `(last * 7 + 3) % vocab_size`, so a resubmitted prompt + partial continues the same
 chain on any server, and its logprob is `-(token % 97 + 1) / 100`.
 
@@ -102,6 +102,7 @@ class FakeServer:
         app.router.add_post("/pause_generation", self._h_pause)
         app.router.add_post("/continue_generation", self._h_continue)
         app.router.add_post("/update_weight_version", self._h_update_version)
+        app.router.add_post("/commit_staged_weights", self._h_commit)
         app.router.add_get("/get_weight_version", self._h_get_version)
         app.router.add_get("/health", self._h_health)
         return app
@@ -254,6 +255,11 @@ class FakeServer:
 
     async def _h_continue(self, request: web.Request) -> web.Response:
         self._running.set()
+        return web.json_response({"success": True, "message": ""})
+
+    async def _h_commit(self, request: web.Request) -> web.Response:
+        """tandem serve's commit with nothing to swap in here: it sets the version."""
+        self.version = int((await request.json())["weight_version"])
         return web.json_response({"success": True, "message": ""})
 
     async def _h_update_version(self, request: web.Request) -> web.Response:

@@ -128,6 +128,11 @@ def test_callback_fans_out_and_names_failing_servers(make_server, make_controlle
     assert ctl.executor.stats()["paused"]  # dispatch stops with the servers
     call(cb, ops.SET_VERSION, ops.SetVersion(4))
     assert [s.version for s in servers] == [4, 4] and ctl.version.value == 4
+    call(cb, ops.COMMIT, ops.CommitStaged(5))  # a commit that does not announce: the controller waits
+    assert [s.version for s in servers] == [5, 5] and ctl.version.value == 4
+    call(cb, ops.COMMIT, ops.CommitStaged(6, announce=True))  # nothing checked after it: it announces
+    assert [s.version for s in servers] == [6, 6] and ctl.version.value == 6
+    assert ctl.fleet.membership.current_version == 6
     call(cb, ops.CONTINUE, ops.ContinueGeneration())
     assert all(s._running.is_set() for s in servers) and not ctl.executor.stats()["paused"]
     # A driver pause survives a fleet continue.

@@ -303,6 +303,33 @@ def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_unverified_commit_announces_the_version(server, model_dir):
+    """With nothing checked after the commit (no verifier) and a commit that sets the version, the
+    commit announces it (`CommitStaged.announce`) and no `set_version` call follows: one round trip
+    less per update. With a verifier, `set_version` comes after the checksums."""
+    server.ok("/_fault", {"clear": True})
+    with HttpFleet([server.url], deadlines=FAST) as fleet:
+        sent: list[tuple[str, object]] = []
+        real = fleet.send
+        fleet.send = lambda op, request, targets=None: sent.append((op.name, request)) or real(op, request, targets)
+        for verify, version in ((False, 401), (True, 402)):
+            sent.clear()
+            meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=FAST)
+            with WeightUpdater(CheckpointSource(model_dir, scale=1.0 + version / 1000), fleet, meta,
+                               verify=verify) as updater:
+                updater.update(version)
+            names = [name for name, _ in sent]
+            commit = next(request for name, request in sent if name == "commit")
+            assert commit == ops.CommitStaged(version, announce=not verify)
+            if verify:  # (the verifier reads checksums before the transfer too)
+                after = names[names.index("commit"):]
+                assert after.index("checksums") < after.index("set_version") < after.index("continue_generation"), names
+            else:
+                assert "set_version" not in names and names.index("commit") < names.index("continue_generation")
+            assert version_of(server) == str(version)
+
+
+@pytest.mark.slow
 def test_set_version_after_a_commit_sends_nothing(server, model_dir):
     """The commit sets the version on every server with the weights, so the updater's `set_version`
     right after it needs no round trip; a version the fleet does not know every server echoes (any
