@@ -41,6 +41,9 @@ class Capabilities:
     # The commit sets the weight version too (tandem); else `set_version` follows it (vLLM, whose
     # version lives in its API server while the commit runs in its worker).
     commit_sets_version: bool = True
+    # Staged transfers may run while the server generates (they never touch the weights it serves),
+    # so an update pauses it only before the commit (tandem); else before the transfer.
+    stage_while_generating: bool = False
 
     def missing_for(self, update_type: str) -> str | None:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
@@ -250,7 +253,7 @@ class TandemAdapter(_SGLangProtocol):
     kind = "tandem"
     samples_per_call = True
     capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True, shared_memory=True,
-                                checksums=True)
+                                checksums=True, stage_while_generating=True)
     routes = TANDEM_ROUTES
 
 

@@ -5,12 +5,13 @@ in flight (the servers' acknowledgement and the trainer's own part) with its dea
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tandem.fleet.interface import Fleet, call
+from tandem.fleet.interface import MARGIN_S, Fleet, call
 from tandem.fleet.ops import FleetOp
 from tandem.fleet.results import FleetError
 from tandem.weights.report import UpdateReport, WeightSyncError
@@ -31,6 +32,23 @@ def failure_of(phase: str, step: Callable[[], object], what: str | None = None) 
 def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | None:
     """`op` on every server, waiting for all; the failure, if any."""
     return failure_of(op.name, lambda: call(fleet, op, request), f"fleet operation {op.name!r}")
+
+
+def fleet_call_later(fleet: Fleet, op: FleetOp, request: object) -> Callable[[], WeightSyncError | None]:
+    """`op` on every server, sent now; the returned callable waits for all of them (the first time;
+    later calls give the same answer) within the op's deadline: the failure, if any."""
+    try:
+        future = fleet.send(op, request)
+    except Exception as exc:  # refused before it left (e.g. no server): answered when waited for
+        future = Future()
+        future.set_exception(exc)
+    timeout = fleet.deadlines.seconds(op.deadline) + MARGIN_S
+
+    @functools.cache
+    def wait() -> WeightSyncError | None:
+        return failure_of(op.name, lambda: future.result(timeout), f"fleet operation {op.name!r}")
+
+    return wait
 
 
 def wait_for(future: Future, phase: str, timeout: float) -> WeightSyncError | None:

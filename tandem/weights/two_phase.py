@@ -3,6 +3,10 @@
     rank 0:     pause -> [open] -> stage -> commit -> [verify -> version] -> continue
     all ranks:  prepare (disk: save)   stage (the export's collectives)
 
+Where the servers stage while they generate (`Capabilities.stage_while_generating`), the pause is
+sent first but waited for only before the commit: its round trip overlaps the transfer, and the
+servers generate meanwhile; what matters is that they are paused when the weights swap.
+
 Nothing changes on a server until the commit, which swaps weights and version together (and,
 with no verification after it, also announces the version: `CommitStaged.announce`); any
 failure discards what was staged, lets the transport undo its part, and still continues generation
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from tandem.fleet import ops
 from tandem.fleet.interface import Fleet
-from tandem.weights.calls import failure_of, fleet_call
+from tandem.weights.calls import failure_of, fleet_call, fleet_call_later
 from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.report import Clock, UpdateReport, WeightSyncError, timed
 from tandem.weights.transports import Transport
@@ -31,8 +35,9 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
     staged = fleet.capabilities.staged_commit
     # Nothing checked after the commit, and it sets the version: it announces the version too.
     announce = staged and verifier is None and fleet.capabilities.commit_sets_version
-    failure = fleet_call(fleet, ops.PAUSE, ops.PauseGeneration())
-    paused = failure is None
+    pause = fleet_call_later(fleet, ops.PAUSE, ops.PauseGeneration())
+    early = staged and fleet.capabilities.stage_while_generating  # the pause is waited for at the commit
+    failure = None if early else pause()
     try:
         if failure is None and verifier is not None:
             failure = failure_of("verify", verifier.prepare)
@@ -40,6 +45,8 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = transport.open(meta, clock, report)
         with timed(report, "transfer"):
             failure = transport.stage(meta, clock, report, failure, verifier)
+        if early:
+            failure = failure or pause()
         if failure is None and staged:
             with timed(report, "commit"):
                 failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version, announce=announce))
@@ -51,7 +58,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
     except BaseException:  # a local error (export, pack): still leave the fleet serving, then raise it
         _rollback(meta, transport, fleet, staged)
-        if paused:
+        if pause() is None:
             fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
         raise
     if failure is not None:
@@ -62,7 +69,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
                                       failure.failures)
     else:
         transport.committed(meta)
-    if paused:  # always, after a failure too: the servers go on, on whichever weights they hold now
+    if pause() is None:  # always, after a failure too: the servers go on, on whichever weights they hold now
         resumed = fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
         failure = failure or resumed
     return failure

@@ -11,7 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 
 import aiohttp
 import pytest
@@ -327,6 +329,49 @@ def test_an_unverified_commit_announces_the_version(server, model_dir):
             else:
                 assert "set_version" not in names and names.index("commit") < names.index("continue_generation")
             assert version_of(server) == str(version)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("while_generating", [True, False])
+def test_the_pause_is_awaited_at_the_commit_where_servers_stage_while_generating(server, model_dir,
+                                                                                  while_generating):
+    """tandem serve stages while it generates: the update sends the pause first and waits for it
+    only before the commit, so the transfer runs under the pause's round trip. Here the pause's
+    answer reaches the updater 0.3 s late: the buckets go out before it arrives, the commit after.
+    Without the capability nothing is sent before the pause is answered."""
+    server.ok("/_fault", {"clear": True})
+    with HttpFleet([server.url], deadlines=FAST) as fleet:
+        if not while_generating:
+            fleet.adapter = _PauseFirst()
+        events: list[str] = []
+        real = fleet.send
+
+        def send(op, request, targets=None):
+            events.append(op.name)
+            future = real(op, request, targets)
+            if op is not ops.PAUSE:
+                return future
+            late: Future = Future()
+
+            def answer(done: Future) -> None:
+                events.append("pause answered")
+                late.set_result(done.result())
+
+            future.add_done_callback(lambda done: threading.Timer(0.3, answer, (done,)).start())
+            return late
+
+        fleet.send = send
+        meta = WeightUpdateMeta(type="distributed", bucket_bytes=BUCKET, deadlines=FAST)
+        with WeightUpdater(CheckpointSource(model_dir, scale=1.5), fleet, meta) as updater:
+            updater.update(501)
+        assert version_of(server) == "501"
+        answered, staged, committed = (events.index(e) for e in ("pause answered", "stage_distributed", "commit"))
+        assert events[0] == "pause_generation" and answered < committed and staged < committed, events
+        assert (staged < answered) == while_generating, events
+
+
+class _PauseFirst(TandemAdapter):
+    capabilities = dataclasses.replace(TandemAdapter.capabilities, stage_while_generating=False)
 
 
 @pytest.mark.slow
