@@ -202,7 +202,6 @@ CHECKSUMS = _op("checksums", ChecksumsRequest, ServerChecksums, Deadline.LOAD, u
                 query=True)
 
 
-
 def announces_version(op: FleetOp, request: object) -> bool:
     """Whether `op` with `request`, once it succeeded, announces a weight version: `SET_VERSION`,
     or a `COMMIT` with `announce` (`CommitStaged`)."""

@@ -95,14 +95,15 @@ class Channel:
     def send(self, frames: Sequence[Any]) -> None:
         self.conn.send_bytes(frames[0])
         raws = frames[1:]
-        for run in _runs([memoryview(r).nbytes for r in raws]):
+        sizes = [memoryview(r).nbytes for r in raws]
+        for run in _runs(sizes):
             if len(run) == 1:
                 self.sock.sendall(raws[run[0][0]])
                 continue
-            packed = bytearray(run[-1][1] + memoryview(raws[run[-1][0]]).nbytes)
+            last, end = run[-1]
+            packed = bytearray(end + sizes[last])
             for i, offset in run:
-                size = memoryview(raws[i]).nbytes
-                packed[offset:offset + size] = memoryview(raws[i]).cast("B")
+                packed[offset:offset + sizes[i]] = memoryview(raws[i]).cast("B")
             self.sock.sendall(packed)
 
     def recv(self) -> Any:
@@ -151,8 +152,7 @@ def _runs(sizes: Sequence[int]) -> list[list[tuple[int, int]]]:
     end = 0  # bytes used in the open run
     for i, size in enumerate(sizes):
         offset = -(-end // _ALIGN) * _ALIGN
-        if size < _PACK_BELOW and runs and len(runs[-1]) and sizes[runs[-1][-1][0]] < _PACK_BELOW \
-                and offset + size <= _PACK_MAX:
+        if size < _PACK_BELOW and runs and sizes[runs[-1][-1][0]] < _PACK_BELOW and offset + size <= _PACK_MAX:
             runs[-1].append((i, offset))
             end = offset + size
         else:

@@ -41,6 +41,7 @@ class RolloutCallback:
         # a new TCP connection each cost ~0.2 ms more a call (connect, and the server's accept).
         self._local = threading.local()
         self._connections: list[http.client.HTTPConnection] = []
+        self._url = urllib.parse.urlsplit(self.address)
 
     # -- construction in another process ------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -158,7 +159,7 @@ class RolloutCallback:
             headers["Content-Type"] = "application/json"
         conn = self._connection(timeout)
         try:
-            conn.request(method, self._base_path + path, body=data, headers=headers)
+            conn.request(method, self._url.path + path, body=data, headers=headers)
             resp = conn.getresponse()
             status, payload = resp.status, resp.read()
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
@@ -171,10 +172,6 @@ class RolloutCallback:
         except ValueError:
             return status, payload.decode(errors="replace")[:500]
 
-    @property
-    def _base_path(self) -> str:
-        return urllib.parse.urlsplit(self.address).path
-
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         """This thread's connection to the controller, with `timeout` for the next call. One the
         controller closed while it sat idle (its socket reads EOF) is replaced before use, so a
@@ -183,10 +180,9 @@ class RolloutCallback:
         if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
             conn.close()  # idle, so anything readable is the server's close (or junk): reconnect
         if conn is None:
-            parts = urllib.parse.urlsplit(self.address)
-            if parts.scheme != "http" or not parts.hostname:
+            if self._url.scheme != "http" or not self._url.hostname:
                 raise ValueError(f"the rollout callback address must be http://host:port, got {self.address!r}")
-            conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+            conn = http.client.HTTPConnection(self._url.hostname, self._url.port or 80, timeout=timeout)
             self._local.conn = conn
             with self._lock:
                 self._connections.append(conn)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tandem.fleet.interface import MARGIN_S, Fleet, call
+from tandem.fleet.interface import MARGIN_S, Fleet
 from tandem.fleet.ops import FleetOp
 from tandem.fleet.results import FleetError
 from tandem.weights.report import UpdateReport, WeightSyncError
@@ -31,7 +31,7 @@ def failure_of(phase: str, step: Callable[[], object], what: str | None = None) 
 
 def fleet_call(fleet: Fleet, op: FleetOp, request: object) -> WeightSyncError | None:
     """`op` on every server, waiting for all; the failure, if any."""
-    return failure_of(op.name, lambda: call(fleet, op, request), f"fleet operation {op.name!r}")
+    return fleet_call_later(fleet, op, request)()
 
 
 def fleet_call_later(fleet: Fleet, op: FleetOp, request: object) -> Callable[[], WeightSyncError | None]:
