@@ -1,10 +1,10 @@
 """Tandem's CPU kernels (C++ in `csrc/`), built for this machine on first use and cached.
 
-`paged_attention()` and `rms_norm()` -> an extension module, or None where it cannot be had: not asked for
+`paged_attention()`, `rms_norm()` and `sampler()` -> an extension module, or None where it cannot be had: not asked for
 (`TANDEM_CPU_KERNELS=0`), no compiler or ninja, or a failed build. None is a logged fallback to
 the pure-PyTorch path, never an error: the kernels change speed, not results beyond float
 rounding. Builds go to `$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name
-that includes the source's and this CPU's fingerprints, so a changed source or another CPU model
+that includes the source's (with the shared headers in `csrc/`) and this CPU's fingerprints, so a changed source or another CPU model
 sharing the directory gets its own build (`-march=native`). Concurrent first uses (a fleet of
 servers starting together) wait on torch's build lock. See docs/inference.md, "CPU kernels".
 """
@@ -46,7 +46,9 @@ def _build_name(source: Path) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), _cpu_fingerprint().encode(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, _cpu_fingerprint().encode(), torch.__version__.encode(),
+                 " ".join(CFLAGS).encode()):
         digest.update(part)
     return f"tandem_{source.stem}_{digest.hexdigest()[:16]}"
 
@@ -71,6 +73,14 @@ def rms_norm() -> ModuleType | None:
     if not enabled():
         return None
     return _load(CSRC / "rms_norm.cpp", "RMSNorm")
+
+
+@functools.cache
+def sampler() -> ModuleType | None:
+    """The sampler's one-pass draw (`csrc/sampler.cpp`), or None (logged once)."""
+    if not enabled():
+        return None
+    return _load(CSRC / "sampler.cpp", "sampler")
 
 
 def _load(source: Path, what: str) -> ModuleType | None:
@@ -112,6 +122,6 @@ def _import(name: str, path: Path) -> ModuleType:
 def build_all() -> None:
     """`make kernels`: build (or find) every kernel and say where."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for what, load in (("paged attention", paged_attention), ("RMSNorm", rms_norm)):
+    for what, load in (("paged attention", paged_attention), ("RMSNorm", rms_norm), ("sampler", sampler)):
         built = load()
         print(f"CPU kernels: {what} {'ready: ' + str(built.__file__) if built else 'NOT built (see above)'}")

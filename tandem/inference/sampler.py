@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.inference import cpu_kernels
 from tandem.inference.sampling_params import SamplingParams
 from tandem.inference.sequence import Sequence
 
@@ -63,7 +64,10 @@ def _needs_processing(seq: Sequence) -> bool:
         seq.num_output_tokens < p.min_new_tokens) or p.repetition_penalty != 1.0
 
 
-def _draw(scaled: torch.Tensor, uniforms: torch.Tensor, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+DRAW_WIDTH = 64  # tokens per block of the two-level draw
+
+
+def _draw(scaled: torch.Tensor, uniforms: torch.Tensor, width: int = DRAW_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw of one token per row of `scaled` (logits / T, -inf where filtered).
 
     -> (tokens, log of each row's normaliser: max + log(sum exp(scaled - max))). Two levels, so no
@@ -87,6 +91,16 @@ def _draw(scaled: torch.Tensor, uniforms: torch.Tensor, width: int = 64) -> tupl
     rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros_like(total)))
     j = torch.searchsorted(inner, rest, right=True).clamp_(max=width - 1)
     return (blk * width + j)[:, 0], top[:, 0] + total[:, 0].log().to(top.dtype)
+
+
+def draw(scaled: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_draw`'s contract, in one C++ pass per row on CPU where the kernel is built
+    (`csrc/sampler.cpp`: the same search, exponentials and sums rounded differently), else `_draw`."""
+    kernel = cpu_kernels.sampler() if scaled.device.type == "cpu" else None
+    if kernel is None:
+        return _draw(scaled, uniforms)
+    tokens, norm = kernel.draw(scaled.float().contiguous(), uniforms.to(torch.float64), DRAW_WIDTH)
+    return tokens, norm
 
 
 @torch.inference_mode()
@@ -121,7 +135,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
             else torch.rand(1, dtype=torch.float64, device=device, generator=s.generator)
             for s, g in zip(seqs, greedy, strict=True)
         ])
-        tokens, norm = _draw(scaled, uniforms)
+        tokens, norm = draw(scaled, uniforms)
         if scaled is raw:
             lse = norm  # the sampling distribution is the logprob's: reuse its normaliser
         if any(greedy):

@@ -3,7 +3,7 @@ logits processors (temperature, top-k, top-p, min-p, repetition penalty, min_new
 hand-worked logits (the filters, frequency and presence penalties, min_new_tokens through the engine).
 
 What is compared is the distribution `sample` draws from (the softmax of what it hands its draw,
-captured by a spy on `_draw`), so every step `sample` takes before the draw is covered, not a
+captured by a spy on `draw`), so every step `sample` takes before the draw is covered, not a
 helper called on its own; no random draws are compared.
 """
 
@@ -25,16 +25,16 @@ from tests.inference.hf_sampling import hf_filtered_probs
 
 def drawn_from(monkeypatch, logits: torch.Tensor, seqs: list[Sequence],
                eos_ids: frozenset[int] = frozenset()) -> tuple[torch.Tensor, list[int], list[float]]:
-    """Run `sample` and return the logits it drew each row from (`_draw`'s input: logits after
+    """Run `sample` and return the logits it drew each row from (`draw`'s input: logits after
     penalties, masking, temperature and filtering), with its tokens and logprobs."""
     seen: list[torch.Tensor] = []
-    real = sampler._draw
+    real = sampler.draw
 
     def spy(scaled, uniforms, *args, **kwargs):
         seen.append(scaled.clone())
         return real(scaled, uniforms, *args, **kwargs)
 
-    monkeypatch.setattr(sampler, "_draw", spy)
+    monkeypatch.setattr(sampler, "draw", spy)
     tokens, logprobs = sampler.sample(logits.clone(), seqs, eos_ids)
     assert len(seen) == 1, "sample drew more or less than once"
     return seen[0], tokens, logprobs
@@ -174,7 +174,7 @@ def test_min_new_tokens_gives_eos_zero_probability_through_the_engine(monkeypatc
     allowed = set(range(20, 30))
     engine.eos_ids = frozenset(range(engine.vocab_size)) - allowed
     steps: list[tuple[list[int], torch.Tensor]] = []  # (output lengths of the batch's rows, their logits)
-    real_sample, real_draw = sampler.sample, sampler._draw
+    real_sample, real_draw = sampler.sample, sampler.draw
 
     def sample_spy(logits, seqs, eos_ids):
         steps.append(([s.num_output_tokens for s in seqs], None))
@@ -185,7 +185,7 @@ def test_min_new_tokens_gives_eos_zero_probability_through_the_engine(monkeypatc
         return real_draw(scaled, uniforms, *args, **kwargs)
 
     monkeypatch.setattr("tandem.inference.engine.sample", sample_spy)
-    monkeypatch.setattr(sampler, "_draw", draw_spy)
+    monkeypatch.setattr(sampler, "draw", draw_spy)
     params = SamplingParams(max_new_tokens=8, min_new_tokens=4, temperature=1.0, n=4, seed=3)
     outs = engine.generate(prompts([9], seed=4), params)
     eos = torch.tensor(sorted(engine.eos_ids))

@@ -10,7 +10,7 @@
 //
 // The key cache stores each block transposed ([D][block_size]), so 16 keys' values of one head
 // dim are one vector: a row's 16 scores are D vector multiply-adds (four independent chains, no
-// horizontal sums) and their exponentials one polynomial (`exp16`, within 2 ulp of expf). The
+// horizontal sums) and their exponentials one polynomial (`exp16` in vec16.h, within 2 ulp of expf). The
 // weighted sums of values run for up to four query rows at once (`accumulate_values`): each value
 // vector is read, and for bf16 widened, once for all of them, and 64 output dims per row stay in
 // registers across the block's keys. Each row's arithmetic is the same whatever rows share its
@@ -28,6 +28,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,45 +39,16 @@
 
 namespace {
 
-constexpr int64_t W = 16;  // keys per score tile (one AVX-512 register of float32)
+using tandem_vec::W;
+using tandem_vec::f16v;
+using tandem_vec::exp16_or_zero;
+using tandem_vec::hmax;
+using tandem_vec::hsum;
+using tandem_vec::load16;
+
+const f16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 constexpr int64_t RB = 4;  // query rows whose value sums share one read of the values
-typedef float f16v __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t i16v __attribute__((vector_size(W * sizeof(int32_t))));
-
-// exp of 16 floats <= 0 (Cephes' expf: x = n ln2 + g, exp(g) by a degree-7 polynomial, times 2^n).
-// Inputs below -87 give ~1e-38 instead of a smaller number or 0: scores here are at most 0 after
-// the row max is subtracted and the row's maximum contributes exp(0) = 1, so this is immaterial.
-inline f16v exp16(f16v x) {
-  const f16v lo = f16v{} - 87.0f;
-  x = x < lo ? lo : x;
-  const f16v fx = x * 1.44269504088896341f + 0.5f;
-  f16v n = __builtin_convertvector(__builtin_convertvector(fx, i16v), f16v);  // truncation toward 0
-  n = n > fx ? n - 1.0f : n;  // floor(fx), fx may be negative
-  const f16v g = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f16v y = f16v{} + 1.9875691500e-4f;
-  y = y * g + 1.3981999507e-3f;
-  y = y * g + 8.3334519073e-3f;
-  y = y * g + 4.1665795894e-2f;
-  y = y * g + 1.6666665459e-1f;
-  y = y * g + 5.0000001201e-1f;
-  y = y * g * g + g + 1.0f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  return y * reinterpret_cast<const f16v&>(bits);
-}
-
-inline f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f16v load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
-  typedef uint16_t u16v __attribute__((vector_size(W * sizeof(uint16_t))));
-  u16v h;
-  std::memcpy(&h, p, sizeof(h));
-  const i16v bits = __builtin_convertvector(h, i16v) << 16;
-  return reinterpret_cast<const f16v&>(bits);
-}
 
 template <typename T>
 inline f16v load_partial(const T* p, int64_t count) {  // lanes past count are 0
@@ -129,6 +102,44 @@ inline void accumulate_values(float* o, int64_t d, const f16v* s, int64_t tiles,
   }
 }
 
+// The scores of NR query rows (qp[i], D floats each) against the block's keys: s[i * tiles + j] holds
+// keys 16j.. of row i. Each key vector is read once for all NR rows; each row's sum runs in four
+// chains over the head dims (x mod 4), the same order whatever NR is (batch-invariant).
+template <typename T, int NR>
+inline void block_scores(const float* const* qp, const T* kb, int64_t bs, int64_t d, int64_t used, int64_t tiles,
+                         f16v* s) {
+  for (int64_t j = 0; j < used; ++j) {
+    const T* kp = kb + j * W;  // keys 16j.. of dim x at kp[x * bs]: the block is stored [D][block_size]
+    if ((j + 1) * W > bs) {  // a block_size that is not a multiple of 16: its last tile is partial
+      for (int i = 0; i < NR; ++i) {
+        f16v acc{};
+        for (int64_t x = 0; x < d; ++x) acc += qp[i][x] * load_partial(kp + x * bs, bs - j * W);
+        s[i * tiles + j] = acc;
+      }
+      continue;
+    }
+    f16v acc[NR][4] = {};  // four chains a row: one multiply-add's latency is hidden
+    int64_t x = 0;
+    for (; x + 4 <= d; x += 4) {
+      const f16v k0 = load16(kp + x * bs), k1 = load16(kp + (x + 1) * bs);
+      const f16v k2 = load16(kp + (x + 2) * bs), k3 = load16(kp + (x + 3) * bs);
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) {
+        acc[i][0] += qp[i][x] * k0;
+        acc[i][1] += qp[i][x + 1] * k1;
+        acc[i][2] += qp[i][x + 2] * k2;
+        acc[i][3] += qp[i][x + 3] * k3;
+      }
+    }
+    for (; x < d; ++x) {
+      const f16v k = load16(kp + x * bs);
+      for (int i = 0; i < NR; ++i) acc[i][0] += qp[i][x] * k;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) s[i * tiles + j] = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);
+  }
+}
+
 template <typename T>
 void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys,
@@ -169,40 +180,30 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
         const T* kb = kc + (h * num_blocks + block) * bs * d;
         const T* vb = vc + (h * num_blocks + block) * bs * d;
         const int64_t used = (n + W - 1) / W;
-        // Scores and softmax statistics row by row, then the weighted value sums for up to four
-        // rows at once: each value vector is read (and, for bf16, widened) once for all of them.
+        // Scores of up to four rows at once (each key vector read, and for bf16 widened, once for
+        // all of them), their softmax statistics, then their weighted value sums (each value
+        // vector read once for all of them).
         for (int64_t q0 = 0; q0 < rg; q0 += RB) {
           const int64_t nr = std::min(RB, rg - q0);
+          switch (nr) {
+            case 4: block_scores<T, 4>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
+            case 3: block_scores<T, 3>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
+            case 2: block_scores<T, 2>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
+            default: block_scores<T, 1>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
+          }
           float factor[RB];
           for (int64_t i = 0; i < nr; ++i) {
             const int64_t qi = q0 + i;
-            const float* qp = qrow[qi];
             f16v* sr = s.data() + i * tiles;
-            for (int64_t j = 0; j < used; ++j) {
-              const T* kp = kb + j * W;  // keys 16j.. of dim x at kp[x * bs]: the block is stored [D][block_size]
-              f16v acc0{}, acc1{}, acc2{}, acc3{};  // four chains: one multiply-add's latency is hidden
-              int64_t x = 0;
-              if ((j + 1) * W <= bs) {
-                for (; x + 4 <= d; x += 4) {
-                  acc0 += qp[x] * load16(kp + x * bs);
-                  acc1 += qp[x + 1] * load16(kp + (x + 1) * bs);
-                  acc2 += qp[x + 2] * load16(kp + (x + 2) * bs);
-                  acc3 += qp[x + 3] * load16(kp + (x + 3) * bs);
-                }
-                for (; x < d; ++x) acc0 += qp[x] * load16(kp + x * bs);
-              } else {  // a block_size that is not a multiple of 16: its last tile is partial
-                for (; x < d; ++x) acc0 += qp[x] * load_partial(kp + x * bs, bs - j * W);
-              }
-              sr[j] = (acc0 + acc1) + (acc2 + acc3);
-            }
-            float block_max = neg_inf;
-            for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sr[t / W][t % W]);
-            const float m_new = std::max(m[qi], block_max);
+            if (n < used * W) sr[used - 1] = lane < f16v{} + static_cast<float>(n - (used - 1) * W) ? sr[used - 1] : f16v{} + neg_inf;
+            f16v top = sr[0];
+            for (int64_t j = 1; j < used; ++j) top = sr[j] > top ? sr[j] : top;
+            const float m_new = std::max(m[qi], hmax(top));
             factor[i] = std::exp(m[qi] - m_new);  // 0 on the first block (m = -inf)
-            float sum = 0.0f;
-            for (int64_t j = 0; j < used; ++j) sr[j] = exp16(sr[j] - m_new);
-            for (int64_t t = 0; t < n; ++t) sum += sr[t / W][t % W];
-            den[qi] = den[qi] * factor[i] + sum;
+            const f16v mv = f16v{} + m_new;
+            f16v sum{};
+            for (int64_t j = 0; j < used; ++j) sum += (sr[j] = exp16_or_zero(sr[j] - mv));
+            den[qi] = den[qi] * factor[i] + hsum(sum);
             m[qi] = m_new;
           }
           switch (nr) {
