@@ -52,7 +52,6 @@ class KernelPass:
     rows: torch.Tensor  # [U, R] int64 the sequence whose query fills each row of each task
     blocks: torch.Tensor  # [U, max blocks] int64, each task's key blocks in order (0 past its keys)
     nkeys: torch.Tensor  # [U] int64
-    seq_row: torch.Tensor | None  # as ChunkPass.seq_row
 
 
 Pass = ChunkPass | KernelPass
@@ -201,15 +200,13 @@ def _seq_rows(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs
     return torch.tensor(row_of, device=device)
 
 
-def _kernel_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, num_seqs: int, device: torch.device,
-                 identity: bool = False) -> KernelPass:
+def _kernel_pass(tasks: list[tuple[list[int], list[int], int]], rows: int, device: torch.device) -> KernelPass:
     """tasks -> the kernel's tensors (`_chunk_pass`'s arguments; padding rows repeat the first)."""
     width = max(len(b) for _, b, _ in tasks)
     return KernelPass(
         rows=torch.tensor([m + [m[0]] * (rows - len(m)) for m, _, _ in tasks], dtype=torch.long, device=device),
         blocks=torch.tensor([b + [0] * (width - len(b)) for _, b, _ in tasks], dtype=torch.long, device=device),
         nkeys=torch.tensor([n for _, _, n in tasks], dtype=torch.long, device=device),
-        seq_row=None if identity else _seq_rows(tasks, rows, num_seqs, device),
     )
 
 
@@ -241,8 +238,8 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
     num_seqs = len(block_tables)
     if kernel:
         return DecodeMetadata(
-            suffix=_kernel_pass(suffix_tasks, 1, num_seqs, device, identity=True),
-            prefix=[_kernel_pass(tasks, rows, num_seqs, device) for rows, tasks in sorted(by_rows.items())],
+            suffix=_kernel_pass(suffix_tasks, 1, device),
+            prefix=[_kernel_pass(tasks, rows, device) for rows, tasks in sorted(by_rows.items())],
         )
     return DecodeMetadata(
         suffix=_chunk_pass(suffix_tasks, 1, num_seqs, block_size, device, identity=True, pad_block=pad_block),
@@ -252,15 +249,10 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
 
 
 def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 p: Pass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 p: ChunkPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qv `[B, H_kv, G, D]` (pre-scaled) -> per sequence (m `[H_kv, B, G]`, den `[H_kv, B, G]`,
     o `[H_kv, B, G, D]`): running max of the scores, sum of exp(score - m), sum of exp * value.
-    A `KernelPass` runs in the CPU kernel (float32 results, qv float32)."""
-    if isinstance(p, KernelPass):
-        kernel = cpu_kernels.paged_attention()
-        assert kernel is not None, "a KernelPass is built only where the kernel loaded"
-        m, den, o = kernel.attend_pass(qv, k_cache, v_cache, p.rows, p.blocks, p.nkeys)
-        return _by_sequence(m, den, o, p.seq_row, qv.shape[0], qv.shape[2])
+    """
     num_seqs, h_kv, g, d = qv.shape
     num_chunks, rows = p.q_rows.shape
     span = p.key_bias.shape[1]
@@ -306,9 +298,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, d = q.shape
     h_kv = v_cache.shape[0]
     if isinstance(meta.suffix, KernelPass):  # the kernel scores in float32 (a bf16 query is widened first)
+        kernel = cpu_kernels.paged_attention()
+        assert kernel is not None, "a KernelPass is built only where the kernel loaded"
         qv = (q.float() * scale).view(num_seqs, h_kv, num_heads // h_kv, d)
-    else:
-        qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
+        out = kernel.decode_attention(qv, k_cache, v_cache, [[p.rows, p.blocks, p.nkeys] for p in (meta.suffix, *meta.prefix)])
+        return out.view(num_seqs, num_heads, d).to(q.dtype)
+    qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
     m, den, o = _attend_pass(qv, k_cache, v_cache, meta.suffix)  # finite: every sequence has its newest key
     for p in meta.prefix:
         m2, den2, o2 = _attend_pass(qv, k_cache, v_cache, p)

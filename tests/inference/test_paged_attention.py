@@ -216,3 +216,20 @@ def test_engine_cascade_equals_unshared_decode(qwen3_dir, monkeypatch):
         for other in (alone[key], in_torch[key]):
             assert out.output_ids == other.output_ids
             assert max(abs(a - b) for a, b in zip(out.output_logprobs, other.output_logprobs, strict=True)) < 1e-5
+
+
+def test_the_kernel_refuses_passes_that_name_what_is_not_there():
+    """Catches the kernel reading past qv or past the cache on bad metadata instead of refusing it."""
+    kernel = cpu_kernels.paged_attention()
+    assert kernel is not None
+    qv = torch.randn(2, 1, 1, 16)
+    k_cache, v_cache = torch.randn(1, 4, 16, 16), torch.randn(1, 4, 16, 16)
+    ok = [torch.tensor([[0], [1]]), torch.tensor([[1], [2]]), torch.tensor([3, 5])]
+    out = kernel.decode_attention(qv, k_cache, v_cache, [ok])
+    assert out.shape == (2, 1, 1, 16) and bool(out.isfinite().all())
+    with pytest.raises(RuntimeError, match="sequence 2, outside"):
+        kernel.decode_attention(qv, k_cache, v_cache, [[torch.tensor([[0], [2]]), ok[1], ok[2]]])
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        kernel.decode_attention(qv, k_cache, v_cache, [[ok[0], torch.tensor([[1], [9]]), ok[2]]])
+    with pytest.raises(RuntimeError, match="has no key"):
+        kernel.decode_attention(qv, k_cache, v_cache, [[ok[0], ok[1], torch.tensor([3, 0])]])

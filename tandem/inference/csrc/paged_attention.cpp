@@ -1,10 +1,11 @@
 // Decode attention over a paged KV cache on CPU, reading keys and values where they lie.
 //
-// One call serves one pass of cascade decode attention (tandem/inference/paged_attention.py): a
-// set of tasks, each R query rows (sequences) over the same keys. For task u and KV head h it
-// returns, per query row (R rows x G query heads of that KV head), the running max of the scores
-// m, the normaliser den = sum exp(s - m) and o = sum exp(s - m) * v, all in float32; the caller
-// combines passes by log-sum-exp and divides. Keys are visited one cache block at a time (scores
+// One call serves a decode step's attention for one layer (tandem/inference/paged_attention.py):
+// its passes of cascade decode attention, each a set of tasks, each task R query rows (sequences)
+// over the same keys. For task u and KV head h a pass computes, per query row (R rows x G query
+// heads of that KV head), the running max of the scores m, the normaliser den = sum exp(s - m)
+// and o = sum exp(s - m) * v, all in float32, and folds them into the row's sequence by
+// log-sum-exp; the call returns o / den per sequence. Keys are visited one cache block at a time (scores
 // of the block, one rescale per block): nothing is gathered or copied, and nothing is rounded to
 // the cache's dtype after it is read (bf16 values are widened in registers).
 //
@@ -21,9 +22,11 @@
 // qv      [B, H_kv, G, D] float32, already multiplied by the softmax scale
 // k       [H_kv, num_blocks, D, block_size], v [H_kv, num_blocks, block_size, D]: float32 or
 //         bfloat16, contiguous (any block_size; a multiple of 16 reads whole vectors)
-// rows    [U, R] int64: the sequence (index into qv) of each task row (padding rows repeat one)
-// blocks  [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
-// nkeys   [U] int64: each task's key count (>= 1)
+// passes  [(rows, blocks, nkeys)], per pass:
+//   rows    [U, R] int64: the sequence (index into qv) of each task row (padding rows repeat the first)
+//   blocks  [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
+//   nkeys   [U] int64: each task's key count (>= 1)
+// -> [B, H_kv, G, D] float32: each query's attention output
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -140,10 +143,14 @@ inline void block_scores(const float* const* qp, const T* kb, int64_t bs, int64_
   }
 }
 
+// One pass: every task's rows over its keys, each row's (m, den, o) then folded into its sequence's
+// running state (m_s, den_s, o_s: [B, H_kv, G(, D)]) by log-sum-exp. A sequence has one task row
+// per pass (rows past a group's members repeat its first and are skipped), so items never write
+// the same state.
 template <typename T>
 void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys,
-                      at::Tensor& m_out, at::Tensor& den_out, at::Tensor& o_out) {
+                      at::Tensor& m_state, at::Tensor& den_state, at::Tensor& o_state) {
   const int64_t h_kv = v_cache.size(0), num_blocks = v_cache.size(1), bs = v_cache.size(2), d = v_cache.size(3);
   const int64_t g = qv.size(2), num_tasks = rows.size(0), r = rows.size(1), mb = blocks.size(1);
   const int64_t rg = r * g;
@@ -154,19 +161,20 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
   const int64_t* row_seq = rows.data_ptr<int64_t>();
   const int64_t* blk = blocks.data_ptr<int64_t>();
   const int64_t* nk = nkeys.data_ptr<int64_t>();
-  float* m_all = m_out.data_ptr<float>();
-  float* den_all = den_out.data_ptr<float>();
-  float* o_all = o_out.data_ptr<float>();
+  float* m_s = m_state.data_ptr<float>();
+  float* den_s = den_state.data_ptr<float>();
+  float* o_s = o_state.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, num_tasks * h_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<f16v> s(RB * tiles);  // per row of a group: the block's scores, then probabilities
     std::vector<const float*> qrow(rg);
+    std::vector<float> m_buf(rg), den_buf(rg), o_buf(rg * d);  // this item's rows
+    float* m = m_buf.data();
+    float* den = den_buf.data();
+    float* o = o_buf.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t u = item / h_kv, h = item % h_kv;
-      float* m = m_all + (h * num_tasks + u) * rg;
-      float* den = den_all + (h * num_tasks + u) * rg;
-      float* o = o_all + (h * num_tasks + u) * rg * d;
       for (int64_t i = 0; i < r; ++i)
         for (int64_t j = 0; j < g; ++j) qrow[i * g + j] = q + ((row_seq[u * r + i] * h_kv + h) * g + j) * d;
       std::fill(m, m + rg, neg_inf);
@@ -214,12 +222,26 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
           }
         }
       }
+      for (int64_t i = 0; i < r; ++i) {
+        const int64_t seq = row_seq[u * r + i];
+        if (i > 0 && seq == row_seq[u * r]) continue;  // a padding row
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t qi = i * g + j, at = (seq * h_kv + h) * g + j;
+          const float m_new = std::max(m_s[at], m[qi]);  // finite: every row saw a key
+          const float w = std::exp(m_s[at] - m_new), w2 = std::exp(m[qi] - m_new);  // w = 0 on a first pass
+          den_s[at] = den_s[at] * w + den[qi] * w2;
+          float* os = o_s + at * d;
+          const float* oi = o + qi * d;
+          for (int64_t x = 0; x < d; ++x) os[x] = os[x] * w + oi[x] * w2;
+          m_s[at] = m_new;
+        }
+      }
     }
   });
 }
 
-std::vector<at::Tensor> attend_pass(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                    const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys) {
+at::Tensor decode_attention(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const std::vector<std::vector<at::Tensor>>& passes) {
   TORCH_CHECK(qv.dim() == 4 && qv.scalar_type() == at::kFloat && qv.is_contiguous(),
               "qv must be a contiguous float32 [B, H_kv, G, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -228,21 +250,35 @@ std::vector<at::Tensor> attend_pass(const at::Tensor& qv, const at::Tensor& k_ca
               "k and v caches must be contiguous [H_kv, num_blocks, D, block_size] and [H_kv, num_blocks, block_size, D] "
               "tensors of one dtype");
   TORCH_CHECK(qv.size(1) == v_cache.size(0) && qv.size(3) == v_cache.size(3), "qv and the caches disagree on H_kv or D");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong && nkeys.scalar_type() == at::kLong &&
-                  rows.is_contiguous() && blocks.is_contiguous() && nkeys.is_contiguous(),
-              "rows, blocks and nkeys must be contiguous int64 tensors");
-  TORCH_CHECK(rows.size(0) == blocks.size(0) && rows.size(0) == nkeys.size(0), "rows, blocks and nkeys need one row per task");
-  const int64_t h_kv = k_cache.size(0), u = rows.size(0), rg = rows.size(1) * qv.size(2), d = qv.size(3);
-  auto opts = qv.options();
-  at::Tensor m = at::empty({h_kv, u, rg}, opts), den = at::empty({h_kv, u, rg}, opts), o = at::empty({h_kv, u, rg, d}, opts);
-  if (k_cache.scalar_type() == at::kFloat) {
-    attend_pass_impl<float>(qv, k_cache, v_cache, rows, blocks, nkeys, m, den, o);
-  } else if (k_cache.scalar_type() == at::kBFloat16) {
-    attend_pass_impl<at::BFloat16>(qv, k_cache, v_cache, rows, blocks, nkeys, m, den, o);
-  } else {
-    TORCH_CHECK(false, "paged attention: cache dtype ", k_cache.scalar_type(), " is not float32 or bfloat16");
+  TORCH_CHECK(!passes.empty(), "decode attention needs at least one pass");
+  const int64_t num_seqs = qv.size(0);
+  for (const auto& p : passes) {
+    TORCH_CHECK(p.size() == 3, "a pass is (rows, blocks, nkeys)");
+    const at::Tensor &rows = p[0], &blocks = p[1], &nkeys = p[2];
+    TORCH_CHECK(rows.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong && nkeys.scalar_type() == at::kLong &&
+                    rows.is_contiguous() && blocks.is_contiguous() && nkeys.is_contiguous(),
+                "rows, blocks and nkeys must be contiguous int64 tensors");
+    TORCH_CHECK(rows.dim() == 2 && blocks.dim() == 2 && rows.size(0) == blocks.size(0) && rows.size(0) == nkeys.size(0),
+                "rows, blocks and nkeys need one row per task");
+    const int64_t* seq = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i)
+      TORCH_CHECK(seq[i] >= 0 && seq[i] < num_seqs, "a task row names sequence ", seq[i], ", outside qv's ", num_seqs);
+    const int64_t* nk = nkeys.data_ptr<int64_t>();
+    for (int64_t i = 0; i < nkeys.numel(); ++i) TORCH_CHECK(nk[i] >= 1, "task ", i, " has no key");
   }
-  return {m, den, o};
+  auto opts = qv.options();
+  at::Tensor m = at::full({qv.size(0), qv.size(1), qv.size(2)}, -std::numeric_limits<float>::infinity(), opts);
+  at::Tensor den = at::zeros_like(m), o = at::zeros_like(qv);
+  for (const auto& p : passes) {
+    if (k_cache.scalar_type() == at::kFloat) {
+      attend_pass_impl<float>(qv, k_cache, v_cache, p[0], p[1], p[2], m, den, o);
+    } else if (k_cache.scalar_type() == at::kBFloat16) {
+      attend_pass_impl<at::BFloat16>(qv, k_cache, v_cache, p[0], p[1], p[2], m, den, o);
+    } else {
+      TORCH_CHECK(false, "paged attention: cache dtype ", k_cache.scalar_type(), " is not float32 or bfloat16");
+    }
+  }
+  return o.div_(den.unsqueeze(-1));
 }
 
 template <typename T>
@@ -294,6 +330,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("attend_pass", &attend_pass, "one pass of cascade decode attention over a paged KV cache (CPU)");
+  mod.def("decode_attention", &decode_attention, "cascade decode attention over a paged KV cache, its passes merged (CPU)");
   mod.def("write_kv", &write_kv, "the step's keys and values into their cache slots (CPU)");
 }
