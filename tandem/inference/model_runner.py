@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from tandem.inference import cpu_kernels
-from tandem.inference.paged_attention import AttentionMetadata, PagedAttentionBackend, build_decode_metadata
+from tandem.inference.paged_attention import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    build_decode_metadata,
+    build_prefill_pass,
+)
 from tandem.inference.routed_expert_cache import RoutedExpertCache
 from tandem.inference.sequence import Sequence
 
@@ -24,8 +29,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, batch_invariant: bool = False):
         self.model = model
-        # Batch invariance: prefill attention per sequence, decodes without shared-prefix passes
-        # (linears are row-invariant as packed, measured; the decode kernel is per sequence).
+        # Batch invariance: decodes without shared-prefix passes, prefill attention per sequence
+        # where PyTorch runs it (the CPU kernel's is per row already); linears are row-invariant as
+        # packed, measured.
         self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.device = torch.device(device)
@@ -115,7 +121,11 @@ class ModelRunner:
             max_context_len=max(len(s) for s in seqs),
             no_cached_prefix=all(s.num_computed_tokens == 0 for s in seqs),
         )
-        if self.batch_invariant and len(seqs) > 1:  # built once per step, read by every layer
+        if self.attention_kernel:  # per-row arithmetic: batch-invariant as it stands
+            self.attn.meta.prefill = build_prefill_pass(
+                [s.block_table for s in seqs], [len(s) for s in seqs],
+                [b - a for a, b in itertools.pairwise(cu_q)], dev)
+        elif self.batch_invariant and len(seqs) > 1:  # built once per step, read by every layer
             self.attn.meta.parts = self.attn.meta.split()
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

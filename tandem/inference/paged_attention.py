@@ -49,9 +49,15 @@ class KernelPass:
     """One batch of attention work for the CPU kernel (`csrc/paged_attention.cpp`): task u is R
     query rows over the keys of blocks `blocks[u]`, `nkeys[u]` of them, read in place."""
 
-    rows: torch.Tensor  # [U, R] int64 the sequence whose query fills each row of each task
+    rows: torch.Tensor  # [U, R] int64 the query row (a sequence; a token in a prefill) of each task row
     blocks: torch.Tensor  # [U, max blocks] int64, each task's key blocks in order (0 past its keys)
     nkeys: torch.Tensor  # [U] int64
+    row_keys: torch.Tensor | None = None  # [U, R] int64 each row's own key count (causal prefill); None: nkeys
+
+    def args(self) -> list[torch.Tensor]:
+        """The pass as the kernel's `attend` takes it."""
+        out = [self.rows, self.blocks, self.nkeys]
+        return out if self.row_keys is None else [*out, self.row_keys]
 
 
 Pass = ChunkPass | KernelPass
@@ -73,6 +79,7 @@ class AttentionMetadata:
     max_context_len: int
     no_cached_prefix: bool  # every sequence attends only to its new tokens (plain prefill)
     decode: DecodeMetadata | None = None  # set for decode steps (one new token per sequence)
+    prefill: KernelPass | None = None  # a prefill's attention in the CPU kernel, where the runner uses it
     # Batch invariance (prefill): each sequence's rows and its metadata alone (`split`); attention
     # then runs per sequence, with exactly the calls and shapes it would run by itself.
     parts: list[tuple[slice, AttentionMetadata]] | None = None
@@ -248,6 +255,45 @@ def build_decode_metadata(block_tables: list[list[int]], context_lens: list[int]
     )
 
 
+def build_prefill_pass(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                       device: torch.device, rows: int = 16) -> KernelPass:
+    """A prefill step for the CPU kernel: each sequence's new tokens (packed in order, as the step's
+    queries) in runs of `rows`, each run one task over the sequence's blocks up to its last token,
+    each token (at position p) seeing keys 0..p (causal, cached prefix included)."""
+    tasks_rows: list[list[int]] = []
+    tasks_keys: list[list[int]] = []
+    tables: list[list[int]] = []
+    first = 0
+    for table, context, new in zip(block_tables, context_lens, query_lens, strict=True):
+        for start in range(0, new, rows):
+            run = range(start, min(start + rows, new))
+            keys = [context - new + t + 1 for t in run]
+            pad = rows - len(run)
+            tasks_rows.append([first + t for t in run] + [first + start] * pad)
+            tasks_keys.append(keys + [keys[0]] * pad)
+            tables.append(table)
+        first += new
+    task_keys = [max(k) for k in tasks_keys]
+    width = max(len(t) for t in tables)
+    return KernelPass(
+        rows=torch.tensor(tasks_rows, dtype=torch.long, device=device),
+        blocks=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
+        nkeys=torch.tensor(task_keys, dtype=torch.long, device=device),
+        row_keys=torch.tensor(tasks_keys, dtype=torch.long, device=device),
+    )
+
+
+def kernel_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: KernelPass,
+                             scale: float) -> torch.Tensor:
+    """q `[T, H, D]` (the step's new tokens; their k/v already written) -> `[T, H, D]` in the CPU kernel."""
+    kernel = cpu_kernels.paged_attention()
+    assert kernel is not None, "a KernelPass is built only where the kernel loaded"
+    num_tokens, num_heads, d = q.shape
+    h_kv = v_cache.shape[0]
+    qv = (q.float() * scale).view(num_tokens, h_kv, num_heads // h_kv, d)
+    return kernel.attend(qv, k_cache, v_cache, [p.args()]).view(num_tokens, num_heads, d).to(q.dtype)
+
+
 def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  p: ChunkPass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qv `[B, H_kv, G, D]` (pre-scaled) -> per sequence (m `[H_kv, B, G]`, den `[H_kv, B, G]`,
@@ -301,7 +347,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kernel = cpu_kernels.paged_attention()
         assert kernel is not None, "a KernelPass is built only where the kernel loaded"
         qv = (q.float() * scale).view(num_seqs, h_kv, num_heads // h_kv, d)
-        out = kernel.decode_attention(qv, k_cache, v_cache, [[p.rows, p.blocks, p.nkeys] for p in (meta.suffix, *meta.prefix)])
+        out = kernel.attend(qv, k_cache, v_cache, [p.args() for p in (meta.suffix, *meta.prefix)])
         return out.view(num_seqs, num_heads, d).to(q.dtype)
     qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
     m, den, o = _attend_pass(qv, k_cache, v_cache, meta.suffix)  # finite: every sequence has its newest key
@@ -341,6 +387,8 @@ class PagedAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.prefill is not None:
+            return kernel_prefill_attention(q, k_cache, v_cache, meta.prefill, self.scale)
         if meta.no_cached_prefix:
             return prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         return paged_attention(q, k_cache, v_cache, meta, self.scale)

@@ -1,8 +1,8 @@
 """`batch_invariant=True` (`tandem serve --batch-invariant`): a request's tokens and logprobs are
 bit-identical whether it runs alone or inside a batch of 64, beside longer and shorter prompts or
-prompts sharing its prefix, in float32 and bfloat16. The default engine is not (a longer prompt
-beside it pads its prefill attention; shared prefixes take the cascade decode passes): the
-contrast below is what the flag is for."""
+prompts sharing its prefix, in float32 and bfloat16. The default engine is not (shared prefixes
+take the cascade decode passes; where prefill attention runs in PyTorch, a longer prompt beside
+it pads it): the contrast below is what the flag is for."""
 
 from __future__ import annotations
 
@@ -55,8 +55,13 @@ def test_a_request_is_bit_identical_alone_and_in_a_batch(qwen3_dir, dtype):
 
 def test_the_default_engine_depends_on_its_batch(qwen3_dir):
     """Catches the test above passing for want of sensitivity: without the flag, the same request
-    beside one longer prompt gets other logprobs (bfloat16: other tokens too, measured)."""
+    beside others sharing its prefix (cascade decode passes) gets other logprobs; and, where
+    prefill attention runs in PyTorch instead of the CPU kernel, beside one longer prompt too."""
+    engine = LLMEngine(qwen3_dir, kv_cache_tokens=8192, block_size=16, max_num_seqs=256, dtype=torch.float32)
+    alone, beside = generate(engine, []), generate(engine, BATCHES["63 sharing its first 32 tokens"])
+    assert not torch.equal(torch.tensor(beside.output_logprobs), torch.tensor(alone.output_logprobs))
     engine = LLMEngine(qwen3_dir, kv_cache_tokens=8192, block_size=16, max_num_seqs=256, dtype=torch.bfloat16)
+    engine.runner.attention_kernel = False
     alone, beside = generate(engine, []), generate(engine, BATCHES["one longer prompt"])
     assert not torch.equal(torch.tensor(beside.output_logprobs), torch.tensor(alone.output_logprobs))
 

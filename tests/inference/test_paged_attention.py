@@ -14,7 +14,9 @@ from tandem.inference.paged_attention import (
     AttentionMetadata,
     _choose_chunk,
     build_decode_metadata,
+    build_prefill_pass,
     decode_attention,
+    kernel_prefill_attention,
     paged_attention,
     prefill_attention,
     write_kv,
@@ -225,11 +227,74 @@ def test_the_kernel_refuses_passes_that_name_what_is_not_there():
     qv = torch.randn(2, 1, 1, 16)
     k_cache, v_cache = torch.randn(1, 4, 16, 16), torch.randn(1, 4, 16, 16)
     ok = [torch.tensor([[0], [1]]), torch.tensor([[1], [2]]), torch.tensor([3, 5])]
-    out = kernel.decode_attention(qv, k_cache, v_cache, [ok])
+    out = kernel.attend(qv, k_cache, v_cache, [ok])
     assert out.shape == (2, 1, 1, 16) and bool(out.isfinite().all())
     with pytest.raises(RuntimeError, match="sequence 2, outside"):
-        kernel.decode_attention(qv, k_cache, v_cache, [[torch.tensor([[0], [2]]), ok[1], ok[2]]])
+        kernel.attend(qv, k_cache, v_cache, [[torch.tensor([[0], [2]]), ok[1], ok[2]]])
     with pytest.raises(RuntimeError, match="block id 9 out of range"):
-        kernel.decode_attention(qv, k_cache, v_cache, [[ok[0], torch.tensor([[1], [9]]), ok[2]]])
+        kernel.attend(qv, k_cache, v_cache, [[ok[0], torch.tensor([[1], [9]]), ok[2]]])
     with pytest.raises(RuntimeError, match="has no key"):
-        kernel.decode_attention(qv, k_cache, v_cache, [[ok[0], ok[1], torch.tensor([3, 0])]])
+        kernel.attend(qv, k_cache, v_cache, [[ok[0], ok[1], torch.tensor([3, 0])]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,rows", [((6, 2), 16), ((4, 4), 3), ((8, 1), 1)])
+def test_kernel_prefill_equals_causal_attention_over_cache_and_new_tokens(dtype, heads, rows):
+    """Catches a wrong causal limit (a token seeing its successors, or missing its own key or the
+    cached prefix), rows mixed up across runs and sequences, and padding rows written: the kernel's
+    prefill of new tokens after cached prefixes of every length (none, a partial block, whole
+    blocks) equals float64 causal attention token by token, and PyTorch's paged_attention too."""
+    torch.manual_seed(5)
+    n_heads, h_kv = heads
+    bs, d, num_blocks = 16, 32, 200
+    rng = random.Random(rows)
+    cached = [0, 0, 5, 16, 33, 0, 70]
+    new = [1, 40, 17, 16, 9, 100, 3]
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for c, n in zip(cached, new, strict=True)]
+    lens = [c + n for c, n in zip(cached, new, strict=True)]
+    k_cache = torch.randn(h_kv, num_blocks, bs, d).to(dtype)
+    v_cache = torch.randn(h_kv, num_blocks, bs, d).to(dtype)
+    q = torch.randn(sum(new), n_heads, d).to(dtype)
+    scale = d**-0.5
+    p = build_prefill_pass(tables, lens, new, torch.device("cpu"), rows=rows)
+    out = kernel_prefill_attention(q, stored(k_cache), v_cache, p, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    g = n_heads // h_kv
+    first = 0
+    for table, context, n in zip(tables, lens, new, strict=True):
+        keys = k_cache[:, table].reshape(h_kv, -1, d).double()
+        values = v_cache[:, table].reshape(h_kv, -1, d).double()
+        for t in range(n):
+            visible = context - n + t + 1
+            qi = q[first + t].double().view(h_kv, g, d)
+            w = torch.softmax(qi @ keys[:, :visible].transpose(-1, -2) * scale, dim=-1)
+            ref = (w @ values[:, :visible]).reshape(-1, d)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output is rounded once
+            assert (out[first + t].double() - ref).abs().max() < tol, (context, n, t)
+        first += n
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        max_query_len=max(new), max_context_len=max(lens), no_cached_prefix=False,
+    )
+    torch_out = paged_attention(q, stored(k_cache), v_cache, meta, scale)
+    assert (torch_out.double() - out.double()).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_the_kernel_refuses_row_keys_past_its_task():
+    kernel = cpu_kernels.paged_attention()
+    assert kernel is not None
+    qv = torch.randn(2, 1, 1, 16)
+    k_cache, v_cache = torch.randn(1, 4, 16, 16), torch.randn(1, 4, 16, 16)
+    rows, blocks, nkeys = torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), torch.tensor([20])
+    out = kernel.attend(qv, k_cache, v_cache, [[rows, blocks, nkeys, torch.tensor([[19, 20]])]])
+    assert bool(out.isfinite().all())
+    with pytest.raises(RuntimeError, match=r"outside 1\.\.its task's nkeys"):
+        kernel.attend(qv, k_cache, v_cache, [[rows, blocks, nkeys, torch.tensor([[19, 21]])]])
+    with pytest.raises(RuntimeError, match="more keys than its blocks hold"):
+        kernel.attend(qv, k_cache, v_cache, [[rows, blocks, torch.tensor([33])]])

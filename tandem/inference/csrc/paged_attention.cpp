@@ -1,8 +1,9 @@
 // Decode attention over a paged KV cache on CPU, reading keys and values where they lie.
 //
-// One call serves a decode step's attention for one layer (tandem/inference/paged_attention.py):
-// its passes of cascade decode attention, each a set of tasks, each task R query rows (sequences)
-// over the same keys. For task u and KV head h a pass computes, per query row (R rows x G query
+// One call serves a step's attention for one layer (tandem/inference/paged_attention.py): for a
+// decode, its passes of cascade decode attention; for a prefill, one pass whose tasks are runs of
+// a sequence's new tokens, each row with its own causal key count. A pass is a set of tasks, each
+// task R query rows (sequences, or tokens) over the same keys. For task u and KV head h a pass computes, per query row (R rows x G query
 // heads of that KV head), the running max of the scores m, the normaliser den = sum exp(s - m)
 // and o = sum exp(s - m) * v, all in float32, and folds them into the row's sequence by
 // log-sum-exp; the call returns o / den per sequence. Keys are visited one cache block at a time (scores
@@ -19,14 +20,15 @@
 // blocks copied to float32 first) on the medium preset's decode shapes (256 sequences in 64 groups
 // of 4, one layer, 2 threads): 2.32-2.41 -> 1.09-1.19 ms in float32, 1.94-1.96 -> 0.88-0.90 ms in bf16.
 //
-// qv      [B, H_kv, G, D] float32, already multiplied by the softmax scale
+// qv      [N, H_kv, G, D] float32 query rows (sequences or tokens), already multiplied by the softmax scale
 // k       [H_kv, num_blocks, D, block_size], v [H_kv, num_blocks, block_size, D]: float32 or
 //         bfloat16, contiguous (any block_size; a multiple of 16 reads whole vectors)
-// passes  [(rows, blocks, nkeys)], per pass:
-//   rows    [U, R] int64: the sequence (index into qv) of each task row (padding rows repeat the first)
-//   blocks  [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
-//   nkeys   [U] int64: each task's key count (>= 1)
-// -> [B, H_kv, G, D] float32: each query's attention output
+// passes  [(rows, blocks, nkeys[, row_keys])], per pass:
+//   rows      [U, R] int64: the query row (index into qv) of each task row (padding rows repeat the first)
+//   blocks    [U, MB] int64: each task's key blocks in order (entries past its keys are not read)
+//   nkeys     [U] int64: each task's key count (>= 1)
+//   row_keys  [U, R] int64, optional: each task row's own key count (1..nkeys; causal prefill)
+// -> [N, H_kv, G, D] float32: each query's attention output
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -150,7 +152,7 @@ inline void block_scores(const float* const* qp, const T* kb, int64_t bs, int64_
 template <typename T>
 void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& blocks, const at::Tensor& nkeys,
-                      at::Tensor& m_state, at::Tensor& den_state, at::Tensor& o_state) {
+                      const int64_t* row_keys, at::Tensor& m_state, at::Tensor& den_state, at::Tensor& o_state) {
   const int64_t h_kv = v_cache.size(0), num_blocks = v_cache.size(1), bs = v_cache.size(2), d = v_cache.size(3);
   const int64_t g = qv.size(2), num_tasks = rows.size(0), r = rows.size(1), mb = blocks.size(1);
   const int64_t rg = r * g;
@@ -193,6 +195,13 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
         // vector read once for all of them).
         for (int64_t q0 = 0; q0 < rg; q0 += RB) {
           const int64_t nr = std::min(RB, rg - q0);
+          int64_t row_n[RB];  // each row's keys in this block: n, or fewer (even none) under a causal limit
+          int64_t most = 0;
+          for (int64_t i = 0; i < nr; ++i) {
+            row_n[i] = row_keys == nullptr ? n : std::min(n, row_keys[u * r + (q0 + i) / g] - start);
+            most = std::max(most, row_n[i]);
+          }
+          if (most <= 0) continue;  // past every row's limit: nothing changes for these rows
           switch (nr) {
             case 4: block_scores<T, 4>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
             case 3: block_scores<T, 3>(qrow.data() + q0, kb, bs, d, used, tiles, s.data()); break;
@@ -203,7 +212,10 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
           for (int64_t i = 0; i < nr; ++i) {
             const int64_t qi = q0 + i;
             f16v* sr = s.data() + i * tiles;
-            if (n < used * W) sr[used - 1] = lane < f16v{} + static_cast<float>(n - (used - 1) * W) ? sr[used - 1] : f16v{} + neg_inf;
+            if (row_n[i] < used * W) {  // keys past the row's count score -inf (weight 0)
+              for (int64_t j = 0; j < used; ++j)
+                sr[j] = lane < f16v{} + static_cast<float>(row_n[i] - j * W) ? sr[j] : f16v{} + neg_inf;
+            }
             f16v top = sr[0];
             for (int64_t j = 1; j < used; ++j) top = sr[j] > top ? sr[j] : top;
             const float m_new = std::max(m[qi], hmax(top));
@@ -240,20 +252,20 @@ void attend_pass_impl(const at::Tensor& qv, const at::Tensor& k_cache, const at:
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const std::vector<std::vector<at::Tensor>>& passes) {
+at::Tensor attend(const at::Tensor& qv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const std::vector<std::vector<at::Tensor>>& passes) {
   TORCH_CHECK(qv.dim() == 4 && qv.scalar_type() == at::kFloat && qv.is_contiguous(),
-              "qv must be a contiguous float32 [B, H_kv, G, D] tensor");
+              "qv must be a contiguous float32 [N, H_kv, G, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
                   k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) && k_cache.scalar_type() == v_cache.scalar_type(),
               "k and v caches must be contiguous [H_kv, num_blocks, D, block_size] and [H_kv, num_blocks, block_size, D] "
               "tensors of one dtype");
   TORCH_CHECK(qv.size(1) == v_cache.size(0) && qv.size(3) == v_cache.size(3), "qv and the caches disagree on H_kv or D");
-  TORCH_CHECK(!passes.empty(), "decode attention needs at least one pass");
-  const int64_t num_seqs = qv.size(0);
+  TORCH_CHECK(!passes.empty(), "paged attention needs at least one pass");
+  const int64_t num_rows = qv.size(0);
   for (const auto& p : passes) {
-    TORCH_CHECK(p.size() == 3, "a pass is (rows, blocks, nkeys)");
+    TORCH_CHECK(p.size() == 3 || p.size() == 4, "a pass is (rows, blocks, nkeys) or (rows, blocks, nkeys, row_keys)");
     const at::Tensor &rows = p[0], &blocks = p[1], &nkeys = p[2];
     TORCH_CHECK(rows.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong && nkeys.scalar_type() == at::kLong &&
                     rows.is_contiguous() && blocks.is_contiguous() && nkeys.is_contiguous(),
@@ -262,18 +274,30 @@ at::Tensor decode_attention(const at::Tensor& qv, const at::Tensor& k_cache, con
                 "rows, blocks and nkeys need one row per task");
     const int64_t* seq = rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < rows.numel(); ++i)
-      TORCH_CHECK(seq[i] >= 0 && seq[i] < num_seqs, "a task row names sequence ", seq[i], ", outside qv's ", num_seqs);
+      TORCH_CHECK(seq[i] >= 0 && seq[i] < num_rows, "a task row names sequence ", seq[i], ", outside qv's ", num_rows);
     const int64_t* nk = nkeys.data_ptr<int64_t>();
     for (int64_t i = 0; i < nkeys.numel(); ++i) TORCH_CHECK(nk[i] >= 1, "task ", i, " has no key");
+    TORCH_CHECK(nkeys.numel() == 0 || blocks.size(1) * v_cache.size(2) >= *std::max_element(nk, nk + nkeys.numel()),
+                "a task has more keys than its blocks hold");
+    if (p.size() == 4) {
+      const at::Tensor& row_keys = p[3];
+      TORCH_CHECK(row_keys.scalar_type() == at::kLong && row_keys.is_contiguous() && row_keys.sizes() == rows.sizes(),
+                  "row_keys must be a contiguous int64 tensor shaped like rows");
+      const int64_t* rk = row_keys.data_ptr<int64_t>();
+      for (int64_t i = 0; i < row_keys.numel(); ++i)
+        TORCH_CHECK(rk[i] >= 1 && rk[i] <= nk[i / rows.size(1)], "row_keys[", i, "] = ", rk[i],
+                    " is outside 1..its task's nkeys");
+    }
   }
   auto opts = qv.options();
   at::Tensor m = at::full({qv.size(0), qv.size(1), qv.size(2)}, -std::numeric_limits<float>::infinity(), opts);
   at::Tensor den = at::zeros_like(m), o = at::zeros_like(qv);
   for (const auto& p : passes) {
+    const int64_t* rk = p.size() == 4 ? p[3].data_ptr<int64_t>() : nullptr;
     if (k_cache.scalar_type() == at::kFloat) {
-      attend_pass_impl<float>(qv, k_cache, v_cache, p[0], p[1], p[2], m, den, o);
+      attend_pass_impl<float>(qv, k_cache, v_cache, p[0], p[1], p[2], rk, m, den, o);
     } else if (k_cache.scalar_type() == at::kBFloat16) {
-      attend_pass_impl<at::BFloat16>(qv, k_cache, v_cache, p[0], p[1], p[2], m, den, o);
+      attend_pass_impl<at::BFloat16>(qv, k_cache, v_cache, p[0], p[1], p[2], rk, m, den, o);
     } else {
       TORCH_CHECK(false, "paged attention: cache dtype ", k_cache.scalar_type(), " is not float32 or bfloat16");
     }
@@ -330,6 +354,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("decode_attention", &decode_attention, "cascade decode attention over a paged KV cache, its passes merged (CPU)");
+  mod.def("attend", &attend, "attention of query rows over a paged KV cache, passes merged by log-sum-exp (CPU)");
   mod.def("write_kv", &write_kv, "the step's keys and values into their cache slots (CPU)");
 }
