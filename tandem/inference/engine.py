@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tandem.inference import cpu_kernels
 from tandem.inference.block_manager import BlockManager
 from tandem.inference.errors import EngineBusyError, RequestError
 from tandem.inference.fused_norm import fuse_norms, fusing_available
@@ -43,6 +44,8 @@ class LLMEngine:
             pack_linears(self.model)  # prepacked oneDNN weights, repacked after every weight change
         if fusing_available(self.device, dtype):
             fuse_norms(self.model)  # one C++ pass per row
+        if self.device.type == "cpu":
+            cpu_kernels.sampler()  # built (or loaded) now, not inside the first request's step
         self.max_model_len = int(self.model.args.max_seq_len)
         self.vocab_size = int(self.model.args.vocab_size)
         self.eos_ids = _eos_ids(model_path)

@@ -40,3 +40,14 @@ def test_a_failed_build_falls_back_saying_how_to_fix_it(monkeypatch, tmp_path, c
 def test_switch_values(monkeypatch, value):
     monkeypatch.setenv("TANDEM_CPU_KERNELS", value)
     assert not cpu_kernels.enabled()
+
+
+def test_a_cpu_engine_readies_the_sampler_kernel_at_start(monkeypatch, qwen3_dir):
+    """Catches the sampler's kernel being built inside the first request's step (~20 s of g++ on a
+    fresh machine, against that request's deadline) instead of while the engine starts."""
+    from tandem.inference.engine import LLMEngine
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "sampler", lambda: calls.append(1))
+    LLMEngine(qwen3_dir, kv_cache_tokens=256, block_size=16)
+    assert calls, "LLMEngine did not build or load the sampler kernel while starting"
