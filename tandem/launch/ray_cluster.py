@@ -179,7 +179,43 @@ class RayScheduler(ProcessScheduler):
             bundle["GPU"] = float(gpus)
         return [dict(bundle) for _ in range(count)]
 
+    def _refuse_impossible(self, name: str, bundles: list[dict[str, float]]) -> None:
+        """Raise at once if the cluster could never place `bundles` (its TOTAL resources, not the free
+        ones: the placement would wait out PLACEMENT_TIMEOUT_S for nothing)."""
+        strategy = self.config.strategy
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        totals: dict[str, float] = {}
+        for node in nodes:
+            for key, value in node.items():
+                totals[key] = totals.get(key, 0.0) + value
+        need: dict[str, float] = {}
+        for bundle in bundles:
+            for key, value in bundle.items():
+                need[key] = need.get(key, 0.0) + value
+
+        def fits(node: dict[str, float], want: dict[str, float]) -> bool:
+            return all(node.get(key, 0.0) + 1e-9 >= value for key, value in want.items())
+
+        hosts = sum(fits(node, bundles[0]) for node in nodes)  # nodes that could hold one bundle
+        if strategy == "STRICT_PACK":
+            possible = any(fits(node, need) for node in nodes)
+            why = f"one node must hold {need}"
+        elif strategy == "STRICT_SPREAD":
+            possible = hosts >= len(bundles)
+            why = f"{len(bundles)} nodes must each hold one; {hosts} can"
+        else:
+            possible = hosts > 0 and fits(totals, need)
+            why = f"they need {need} in all"
+        if not possible:
+            have = {key: totals.get(key, 0.0) for key in need}
+            raise LaunchError(
+                f"{name}: Ray can never place {len(bundles)} bundle(s) of {bundles[0]} ({strategy}): {why}, and the "
+                f"cluster has {len(nodes)} node(s) with {have} in all. Lower scheduler.ray.cpus_per_process or "
+                f"the processes of the allocation, or give the cluster more (scheduler.ray.num_cpus for the private "
+                f"cluster Tandem starts, more nodes for a cluster it joins)")
+
     def _group(self, name: str, bundles: list[dict[str, float]]) -> PlacementGroup:
+        self._refuse_impossible(name, bundles)
         pg = placement_group(bundles, strategy=self.config.strategy, name=f"{name}-{os.getpid()}-{len(self.placement_groups)}")
         self.placement_groups.append(pg)
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)

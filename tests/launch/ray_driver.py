@@ -1,6 +1,7 @@
 """A controller that drives a `RayScheduler` inside a loopback-only network namespace (run by
 `tests/launch/test_ray_scheduler.py` under `unshare --net`): a 2-rank group of `HelperWorker`s in a
-placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call. Prints one JSON line,
+placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call, then a group the
+cluster could never place. Prints one JSON line,
 with what Ray says of the `scheduler.ray` keys the driver sets (cluster CPUs, namespace, the
 placement group's strategy and bundles).
 
@@ -19,6 +20,7 @@ from ray.util import placement_group_table
 
 from tandem.launch.ray_cluster import RayScheduler
 from tandem.launch.rpc import WorkerCrashedError
+from tandem.launch.scheduler import LaunchError
 from tandem.rl.config import load_run_config
 from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import alive
@@ -46,6 +48,14 @@ def main(run_dir: str) -> None:
             result["crash"] = str(exc)
             result["crash_after_s"] = time.monotonic() - began
         pids = [p.pid for p in sched.roles]
+        # 8 bundles of 0.5 CPU on a 3-CPU cluster: refused at once, not after the placement timeout
+        began = time.monotonic()
+        try:
+            sched.start_workers("archon:d8", HELPERS, args=CPU, timeout_s=120)
+            result["impossible"] = "placed"
+        except LaunchError as exc:
+            result["impossible"] = str(exc)
+        result["impossible_after_s"] = time.monotonic() - began
     finally:
         sched.shutdown()
     # a killed actor's process is SIGKILLed and handed to init, which reaps it when it likes:

@@ -66,6 +66,11 @@ def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
     assert "actor-rank1: pid" in crash and "serving RPC" in crash, crash  # the tail of its log
     assert result["crash_after_s"] < 10
     assert result["left"] == [], "processes of the actors outlived the scheduler"
+    # a placement the cluster's total resources can never hold is refused at once, naming the numbers
+    refused = result["impossible"]
+    assert result["impossible_after_s"] < 10, result["impossible_after_s"]
+    assert "can never place 8 bundle(s) of {'CPU': 0.5}" in refused and "'CPU': 4.0" in refused, refused
+    assert "'CPU': 3.0" in refused and "scheduler.ray.cpus_per_process" in refused, refused
 
 
 def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
