@@ -4,9 +4,10 @@ A layer's value cache is `[n_kv_heads, num_blocks, block_size, head_dim]` and it
 `[n_kv_heads, num_blocks, head_dim, block_size]`: keys are stored transposed within a block, so the
 CPU kernel reads 16 keys of one head dim as one vector (`keys_of` gives the usual layout). A step's
 tokens are packed as in training (`cu_seqlens_q`) and each sequence's keys are found through its
-block table. `prefill_attention` serves prefills with nothing cached (causal SDPA per bucket of
-similar lengths), `paged_attention` prefills over a cached prefix (one masked SDPA over padded
-sequences);
+block table. On CPU the C++ kernel serves prefills and decodes alike (`kernel_attention` over
+`KernelPass`es: `build_prefill_pass`, `build_decode_metadata(kernel=True)`). Otherwise
+`prefill_attention` serves prefills with nothing cached (causal SDPA per bucket of similar lengths),
+`paged_attention` prefills over a cached prefix (one masked SDPA over padded sequences);
 `decode_attention` serves decodes (cascade attention in key chunks: a shared prompt prefix is read
 once per group, combined exactly by log-sum-exp), with indices built once per step by
 `build_decode_metadata`. These are what a CUDA kernel replaces. See docs/inference.md, "KV cache
@@ -260,8 +261,8 @@ def build_prefill_pass(block_tables: list[list[int]], context_lens: list[int], q
     """A prefill step for the CPU kernel: each sequence's new tokens (packed in order, as the step's
     queries) in runs of `rows`, each run one task over the sequence's blocks up to its last token,
     each token (at position p) seeing keys 0..p (causal, cached prefix included)."""
-    tasks_rows: list[list[int]] = []
-    tasks_keys: list[list[int]] = []
+    task_rows: list[list[int]] = []
+    row_keys: list[list[int]] = []
     tables: list[list[int]] = []
     first = 0
     for table, context, new in zip(block_tables, context_lens, query_lens, strict=True):
@@ -269,29 +270,30 @@ def build_prefill_pass(block_tables: list[list[int]], context_lens: list[int], q
             run = range(start, min(start + rows, new))
             keys = [context - new + t + 1 for t in run]
             pad = rows - len(run)
-            tasks_rows.append([first + t for t in run] + [first + start] * pad)
-            tasks_keys.append(keys + [keys[0]] * pad)
+            task_rows.append([first + t for t in run] + [first + start] * pad)
+            row_keys.append(keys + [keys[0]] * pad)
             tables.append(table)
         first += new
-    task_keys = [max(k) for k in tasks_keys]
     width = max(len(t) for t in tables)
     return KernelPass(
-        rows=torch.tensor(tasks_rows, dtype=torch.long, device=device),
+        rows=torch.tensor(task_rows, dtype=torch.long, device=device),
         blocks=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
-        nkeys=torch.tensor(task_keys, dtype=torch.long, device=device),
-        row_keys=torch.tensor(tasks_keys, dtype=torch.long, device=device),
+        nkeys=torch.tensor([max(keys) for keys in row_keys], dtype=torch.long, device=device),
+        row_keys=torch.tensor(row_keys, dtype=torch.long, device=device),
     )
 
 
-def kernel_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: KernelPass,
-                             scale: float) -> torch.Tensor:
-    """q `[T, H, D]` (the step's new tokens; their k/v already written) -> `[T, H, D]` in the CPU kernel."""
+def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, passes: list[KernelPass],
+                     scale: float) -> torch.Tensor:
+    """q `[N, H, D]` (query rows: a decode's sequences or a prefill's new tokens, their k/v already
+    written) -> `[N, H, D]`, `passes` run and merged in the CPU kernel (scores in float32: a bf16
+    query is widened first)."""
     kernel = cpu_kernels.paged_attention()
     assert kernel is not None, "a KernelPass is built only where the kernel loaded"
-    num_tokens, num_heads, d = q.shape
+    num_rows, num_heads, d = q.shape
     h_kv = v_cache.shape[0]
-    qv = (q.float() * scale).view(num_tokens, h_kv, num_heads // h_kv, d)
-    return kernel.attend(qv, k_cache, v_cache, [p.args()]).view(num_tokens, num_heads, d).to(q.dtype)
+    qv = (q.float() * scale).view(num_rows, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
+    return kernel.attend(qv, k_cache, v_cache, [p.args() for p in passes]).view(num_rows, num_heads, d).to(q.dtype)
 
 
 def _attend_pass(qv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -343,12 +345,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q `[B, H, D]` (one new token per sequence, its k/v already written) -> `[B, H, D]`."""
     num_seqs, num_heads, d = q.shape
     h_kv = v_cache.shape[0]
-    if isinstance(meta.suffix, KernelPass):  # the kernel scores in float32 (a bf16 query is widened first)
-        kernel = cpu_kernels.paged_attention()
-        assert kernel is not None, "a KernelPass is built only where the kernel loaded"
-        qv = (q.float() * scale).view(num_seqs, h_kv, num_heads // h_kv, d)
-        out = kernel.attend(qv, k_cache, v_cache, [p.args() for p in (meta.suffix, *meta.prefix)])
-        return out.view(num_seqs, num_heads, d).to(q.dtype)
+    if isinstance(meta.suffix, KernelPass):
+        return kernel_attention(q, k_cache, v_cache, [meta.suffix, *meta.prefix], scale)
     qv = (q * scale).view(num_seqs, h_kv, num_heads // h_kv, d)  # query head h uses kv head h // G
     m, den, o = _attend_pass(qv, k_cache, v_cache, meta.suffix)  # finite: every sequence has its newest key
     for p in meta.prefix:
@@ -388,7 +386,7 @@ class PagedAttentionBackend:
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.prefill is not None:
-            return kernel_prefill_attention(q, k_cache, v_cache, meta.prefill, self.scale)
+            return kernel_attention(q, k_cache, v_cache, [meta.prefill], self.scale)
         if meta.no_cached_prefix:
             return prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         return paged_attention(q, k_cache, v_cache, meta, self.scale)

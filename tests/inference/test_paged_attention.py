@@ -16,7 +16,7 @@ from tandem.inference.paged_attention import (
     build_decode_metadata,
     build_prefill_pass,
     decode_attention,
-    kernel_prefill_attention,
+    kernel_attention,
     paged_attention,
     prefill_attention,
     write_kv,
@@ -259,7 +259,7 @@ def test_kernel_prefill_equals_causal_attention_over_cache_and_new_tokens(dtype,
     q = torch.randn(sum(new), n_heads, d).to(dtype)
     scale = d**-0.5
     p = build_prefill_pass(tables, lens, new, torch.device("cpu"), rows=rows)
-    out = kernel_prefill_attention(q, stored(k_cache), v_cache, p, scale)
+    out = kernel_attention(q, stored(k_cache), v_cache, [p], scale)
     assert out.dtype == dtype and out.shape == q.shape
     g = n_heads // h_kv
     first = 0

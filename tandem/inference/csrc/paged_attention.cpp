@@ -1,24 +1,26 @@
-// Decode attention over a paged KV cache on CPU, reading keys and values where they lie.
+// Attention over a paged KV cache on CPU (decode and prefill), reading keys and values where they lie.
 //
 // One call serves a step's attention for one layer (tandem/inference/paged_attention.py): for a
 // decode, its passes of cascade decode attention; for a prefill, one pass whose tasks are runs of
 // a sequence's new tokens, each row with its own causal key count. A pass is a set of tasks, each
-// task R query rows (sequences, or tokens) over the same keys. For task u and KV head h a pass computes, per query row (R rows x G query
-// heads of that KV head), the running max of the scores m, the normaliser den = sum exp(s - m)
-// and o = sum exp(s - m) * v, all in float32, and folds them into the row's sequence by
-// log-sum-exp; the call returns o / den per sequence. Keys are visited one cache block at a time (scores
-// of the block, one rescale per block): nothing is gathered or copied, and nothing is rounded to
-// the cache's dtype after it is read (bf16 values are widened in registers).
+// task R query rows (sequences, or tokens) over the same keys. For task u and KV head h a pass
+// computes, per query row (R rows x G query heads of that KV head), the running max of the scores
+// m, the normaliser den = sum exp(s - m) and o = sum exp(s - m) * v, all in float32, and folds
+// them into the row's query by log-sum-exp; the call returns o / den per query. Keys are visited
+// one cache block at a time (scores of the block, one rescale per block): nothing is gathered or
+// copied, and nothing is rounded to the cache's dtype after it is read (bf16 values are widened in
+// registers).
 //
 // The key cache stores each block transposed ([D][block_size]), so 16 keys' values of one head
 // dim are one vector: a row's 16 scores are D vector multiply-adds (four independent chains, no
-// horizontal sums) and their exponentials one polynomial (`exp16` in vec16.h, within 2 ulp of expf). The
-// weighted sums of values run for up to four query rows at once (`accumulate_values`): each value
-// vector is read, and for bf16 widened, once for all of them, and 64 output dims per row stay in
-// registers across the block's keys. Each row's arithmetic is the same whatever rows share its
-// task (batch-invariant). Measured against the previous kernel (scalar dot products and expf,
-// blocks copied to float32 first) on the medium preset's decode shapes (256 sequences in 64 groups
-// of 4, one layer, 2 threads): 2.32-2.41 -> 1.09-1.19 ms in float32, 1.94-1.96 -> 0.88-0.90 ms in bf16.
+// horizontal sums; four rows per read of the keys) and their exponentials one polynomial (`exp16`
+// in vec16.h, within 2 ulp of expf). The weighted sums of values run for up to four query rows at
+// once (`accumulate_values`): each value vector is read, and for bf16 widened, once for all of
+// them, and 64 output dims per row stay in registers across the block's keys. Each row's
+// arithmetic is the same whatever rows share its task (batch-invariant). Measured against the
+// previous kernel (scalar dot products and expf, blocks copied to float32 first) on the medium
+// preset's decode shapes (256 sequences in 64 groups of 4, one layer, 2 threads): 2.32-2.41 ->
+// 1.09-1.19 ms in float32, 1.94-1.96 -> 0.88-0.90 ms in bf16.
 //
 // qv      [N, H_kv, G, D] float32 query rows (sequences or tokens), already multiplied by the softmax scale
 // k       [H_kv, num_blocks, D, block_size], v [H_kv, num_blocks, block_size, D]: float32 or
