@@ -2,15 +2,19 @@
 
 Every operation fans out to its targets (default: every address) at once from one background
 event-loop thread (aiohttp, kept-alive connections) through the servers' `ServerAdapter`, and
-collects one `ServerResult` per server: its answer, unreachable, or no answer within the
-operation's deadline. A `set_version(v)` the targets' acknowledged commit to `v` already set sends
-nothing. Not elastic: `topology()` names every address as a member and nothing warms."""
+collects one `ServerResult` per server: its answer, unreachable, no answer within the
+operation's deadline, or given up (`abandon(address, why)`: an owner that evicted the server stops
+waiting on it at once). A call still unanswered after `SLOW_CALL_S` is logged once, and again when
+it ends. A `set_version(v)` the targets' acknowledged commit to `v` already set sends nothing. Not
+elastic: `topology()` names every address as a member and nothing warms."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -22,6 +26,12 @@ from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter, TandemAdapter
 from tandem.fleet.interface import Topology
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
+
+logger = logging.getLogger(__name__)
+
+# A call to one server unanswered for this long is logged (which server, which operation, how long),
+# once, and again when it ends: a stalled update names what it waits on while it waits.
+SLOW_CALL_S = 5.0
 
 
 def normalize_address(address: str) -> str:
@@ -46,6 +56,12 @@ class HttpFleet:
         # The version each server holds as far as this fleet knows: set by a commit or version
         # call it acknowledged, forgotten when any other operation but a query starts on it.
         self._known_version: dict[str, int] = {}
+        # Given-up servers: `abandon` bumps an address's count (any thread) and wakes its calls in
+        # flight (loop thread); a call compares the count it started under, so none is missed.
+        self._abandon_lock = threading.Lock()
+        self._abandoned: dict[str, tuple[int, str]] = {}  # address -> (times abandoned, the last why)
+        self._waiting: dict[str, set[asyncio.Future[str]]] = {}  # loop thread only
+        self.slow_call_s = SLOW_CALL_S
 
     @property
     def world_size(self) -> int:
@@ -85,19 +101,87 @@ class HttpFleet:
             for a in addresses:
                 self._known_version.pop(a, None)
         timeout = self._deadlines.seconds(op.deadline)
-        return asyncio.run_coroutine_threadsafe(self._fanout(op, request, addresses, calls, timeout), self._loop)
+        counts = [self._abandon_count(a) for a in addresses]
+        return asyncio.run_coroutine_threadsafe(self._fanout(op, request, addresses, calls, timeout, counts),
+                                                self._loop)
 
     async def _fanout(self, op: ops.FleetOp, request: Any, addresses: list[str], calls: list[Any],
-                      timeout: float) -> FleetResult:
-        answers = await asyncio.gather(*(self._post(op, a, c, timeout)
-                                         for a, c in zip(addresses, calls, strict=True)))
+                      timeout: float, counts: list[int]) -> FleetResult:
+        # A collective cannot complete without every member: one given up spoils it for the others.
+        spoiled = self._loop.create_future() if op.collective else None
+        answers = await asyncio.gather(*(self._post(op, a, c, timeout, n, spoiled)
+                                         for a, c, n in zip(addresses, calls, counts, strict=True)))
         if op is ops.SET_VERSION or (op is ops.COMMIT and self.adapter.capabilities.commit_sets_version):
             for answer in answers:
                 if answer.success:
                     self._known_version[answer.address] = request.version
         return FleetResult(op.name, tuple(answers)).raise_for_failures()
 
-    async def _post(self, op: ops.FleetOp, address: str, call: Any, timeout: float) -> ServerResult:
+    def abandon(self, address: str, why: str) -> None:
+        """Stop waiting on `address`: each call to it in flight, or sent to it before this returned,
+        answers at once as given up (`no_answer`, saying `why`). Later calls go out as usual.
+        Thread-safe."""
+        address = normalize_address(address)
+        with self._abandon_lock:
+            count = self._abandoned.get(address, (0, ""))[0] + 1
+            self._abandoned[address] = (count, why)
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._wake, address, why)
+
+    def _abandon_count(self, address: str) -> int:
+        with self._abandon_lock:
+            return self._abandoned.get(address, (0, ""))[0]
+
+    def _wake(self, address: str, why: str) -> None:  # loop thread
+        for waiter in self._waiting.pop(address, set()):
+            if not waiter.done():
+                waiter.set_result(why)
+
+    async def _post(self, op: ops.FleetOp, address: str, call: Any, timeout: float, count: int,
+                    spoiled: asyncio.Future[str] | None) -> ServerResult:
+        """The call to one server, raced against its abandonment (`count`: the address's abandon
+        count when the call was sent) and, for a collective, against another member's (`spoiled`);
+        logged when slow."""
+        waiter: asyncio.Future[str] = self._loop.create_future()
+        self._waiting.setdefault(address, set()).add(waiter)
+        with self._abandon_lock:
+            now, why = self._abandoned.get(address, (0, ""))
+        if now != count:  # abandoned between the send and here
+            waiter.set_result(why)
+        request = asyncio.ensure_future(self._request(op, address, call, timeout))
+        racing = {request, waiter} if spoiled is None else {request, waiter, spoiled}
+        start = time.monotonic()
+        try:
+            done, _ = await asyncio.wait(racing, timeout=self.slow_call_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                logger.warning("%s on %s: no answer yet after %.0fs (its deadline is %.0fs)", op.name, address,
+                               self.slow_call_s, timeout)
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            waited = time.monotonic() - start
+            if request.done():
+                result = request.result()
+            elif waiter.done():
+                result = ServerResult(address, False, f"given up after {waited:.1f}s: {waiter.result()}",
+                                      no_answer=True)
+                if spoiled is not None and not spoiled.done():
+                    spoiled.set_result(f"{address} was given up ({waiter.result()}), and {op.name} cannot "
+                                       "complete without it")
+            else:  # answered or not, this server's part is spoiled: it is not to blame (it may answer)
+                result = ServerResult(address, False, f"given up after {waited:.1f}s: {spoiled.result()}")
+            if not done:
+                logger.warning("%s on %s ended after %.1fs: %s", op.name, address, time.monotonic() - start,
+                               "ok" if result.success else result.message)
+            return result
+        finally:
+            waiters = self._waiting.get(address)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiting[address]
+            if not request.done():
+                request.cancel()
+
+    async def _request(self, op: ops.FleetOp, address: str, call: Any, timeout: float) -> ServerResult:
         if self._session is None:
             # No per-host limit: calls fan out. `tandem serve` sets TCP_NODELAY on accepted sockets.
             self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0))

@@ -4,7 +4,9 @@ It owns the `Membership`, the `HealthMonitor` and the `HttpFleet` that carries t
 healthy set goes to the `ServerPool` and to every `watch`er. `send(op, request, targets)` goes to
 `targets`, by default the members; a server that fails an operation that is not collective is
 evicted, and a successful `set_version` evicts every member it did not reach (it would serve stale
-weights). `topology()` / `admit()` serve weight updates, `join(address, pid)` registers a server,
+weights). An eviction gives up every call in flight to that server at once (the weight update's
+as well as the rollouts'), and a call sent to a server already evicted is given up as it leaves:
+nothing waits out a deadline for a server the membership knows is lost. `topology()` / `admit()` serve weight updates, `join(address, pid)` registers a server,
 and `ready` holds rollouts back while fewer than `min_servers` are healthy (`on_too_small` is told
 once after `min_servers_grace_s`). See docs/fleet.md, "Elastic membership"."""
 
@@ -100,6 +102,10 @@ class ElasticFleet:
                 empty.set_exception(FleetError(op.name, []))
             return empty
         inner = self.http.send(op, request, chosen)
+        for address in chosen:  # evicted before the send counted it: give it up now
+            record = self.membership.record(address)
+            if record is not None and record.state is MemberState.EVICTED:
+                self.http.abandon(record.address, f"evicted: {record.last_error}")
         inner.add_done_callback(lambda fut: self._on_result(op, request, fut))
         return inner
 
@@ -179,6 +185,8 @@ class ElasticFleet:
             callback(ready)
 
     def _on_evicted(self, address: str) -> None:
+        record = self.membership.record(address)
+        self.http.abandon(address, f"evicted: {record.last_error if record is not None else 'no reason'}")
         if abandoned := self.pool.abandon(address):
             logger.info("%s: %d call(s) in flight given up; their requests go on elsewhere", address, abandoned)
 

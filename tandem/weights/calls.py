@@ -78,9 +78,17 @@ class InFlight:
 
     def settle(self, report: UpdateReport, stuck: list[Future]) -> WeightSyncError | None:
         """Wait for both halves up to the deadline; a trainer part still running afterwards goes to
-        `stuck` (a group must not be torn down under it). -> the failure, if any."""
+        `stuck` (a group must not be torn down under it). When the servers' half fails first (a
+        member given up at its eviction spoils the bucket), the trainer's part is not waited for:
+        it may be blocked on that member. -> the failure, if any."""
         problems: list[WeightSyncError] = []
         if self.local_future is not None:
+            cf.wait([self.local_future, self.fleet_future], timeout=max(0.0, self.deadline - time.monotonic()),
+                    return_when=cf.FIRST_EXCEPTION)
+            fleet_failed = self.fleet_future.done() and self.fleet_future.exception() is not None
+            if fleet_failed and not self.local_future.done():
+                stuck.append(self.local_future)
+                return wait_for(self.fleet_future, self.phase, 0.0)
             try:
                 seconds = self.local_future.result(timeout=max(0.0, self.deadline - time.monotonic()))
                 report.phases["broadcast"] = report.phases.get("broadcast", 0.0) + seconds

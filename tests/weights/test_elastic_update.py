@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tandem.fleet.http import HttpFleet
+from tandem.fleet.ops import Deadlines
 from tandem.rollout.config import RolloutConfig
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.health import HealthConfig
@@ -183,6 +184,67 @@ def test_a_stopped_server_is_evicted_and_after_sigcont_rejoins_through_warm_up(p
         for s in servers:
             assert version_of(s) == str(version) and served_checksums(s) == want
         assert not (tmp_path / "weights" / f"warmup-v{version:08d}").exists()  # the warm-up copy is gone
+
+
+# Deadlines far longer than eviction takes: an update that waited on the stopped server would
+# take one of them (>= 30 s) instead of finishing at its eviction.
+PATIENT = Deadlines(init_group_s=30.0, bucket_s=30.0, update_s=120.0, http_s=30.0)
+STOPS = {  # phase -> (transport, the fault that SIGSTOPs the victim there; None: stopped before the update)
+    "pause": ("shm", None),
+    "join-group": ("distributed", {"route": "init_weights_update_group", "action": "stop"}),
+    "broadcast": ("distributed", {"route": "update_weights_from_distributed", "action": "stop", "nth": 3}),
+    "commit": ("distributed", {"route": "commit_staged_weights", "action": "stop"}),
+    "disk-load": ("disk", {"route": "update_weights_from_disk", "action": "stop"}),
+    "shm-bucket": ("shm", {"route": "update_weights_from_shm", "action": "stop", "nth": 2}),
+}
+
+
+@pytest.mark.parametrize("phase", list(STOPS))
+def test_a_server_stopped_in_an_update_is_given_up_at_its_eviction(pool, model_dir, tmp_path, phase):
+    """A member SIGSTOPped in a phase of an update (a hung host, a partition): the health monitor
+    evicts it within interval x threshold + timeout, and every call of the update still waiting on
+    it is given up then, so the update finishes on the others within that bound plus its own time,
+    not after a deadline of 30 s. Trainer rank 0 reaches the fleet through the controller's
+    callback, as in a run; the stopped server is left out and evicted, the others serve the new
+    weights."""
+    replace_dead(pool, model_dir)
+    kind, fault = STOPS[phase]
+    servers = list(pool["servers"])
+    victim, survivors = servers[1], [servers[0], servers[2]]
+    for s in servers:
+        s.ok("/_fault", {"clear": True})
+    health = HealthConfig(interval_s=0.3, timeout_s=0.5, failure_threshold=2)
+    config = RolloutConfig(servers=[s.url for s in servers], health=health)
+    update_meta = WeightUpdateMeta(type=kind, path=str(tmp_path / "versions") if kind == "disk" else None,
+                                   bucket_bytes=BUCKET, deadlines=PATIENT)
+    detection = health.interval_s * health.failure_threshold + health.timeout_s
+    try:
+        with RolloutController(config, deadlines=PATIENT) as ctl:
+            callback = ctl.callback()
+            version = Versions.next()
+            src = CheckpointSource(model_dir, scale=1.0 + version / 100)
+            with WeightUpdater(src, callback, update_meta, verify=True) as updater:
+                if fault is None:
+                    victim.proc.send_signal(signal.SIGSTOP)
+                else:
+                    victim.ok("/_fault", fault)
+                start = time.monotonic()
+                report = updater.update(version)
+                elapsed = time.monotonic() - start
+            callback.close()
+            print(f"\n[{phase}] update in {elapsed:.2f}s (detection bound {detection:.1f}s), "
+                  f"{report.attempts} attempt(s), left out: {report.left_out}")
+            assert elapsed < detection + 6.0, f"the update waited on the stopped server: {elapsed:.1f}s"
+            assert set(report.servers) == {s.url for s in survivors} and victim.url in report.left_out
+            record = ctl.fleet.membership.record(victim.url)
+            assert record is not None and record.state is MemberState.EVICTED, record
+            want = expected_checksums(src.tensors)
+            for s in survivors:
+                assert version_of(s) == str(version) and served_checksums(s) == want
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+        victim.proc.kill()  # mid-update state (a half-formed group) would slow the next test down
+        victim.proc.wait(10)
 
 
 def wait_for_state(ctl: RolloutController, address: str, state: MemberState, timeout: float) -> float:

@@ -3,8 +3,9 @@ route and returns the `FaultInjector` the weight routes consult, only with `TAND
 in the server's environment (otherwise nothing is installed: `/_fault` is a 404 like any unknown
 path and the routes consult nothing). A fault set on a route makes its `nth` call (counted from
 when it was set) and the `times - 1` after it answer 500, raise an unexpected exception (a bug's
-stand-in), hang `seconds` and answer 503, or SIGKILL the server (on /update_weights_from_distributed
-optionally after receiving `after_tensors` tensors: the receive applies it). `{"clear": true}`
+stand-in), hang `seconds` and answer 503, SIGKILL the server (on /update_weights_from_distributed
+optionally after receiving `after_tensors` tensors: the receive applies it), or SIGSTOP it (the
+whole process freezes, health route included, as a hung host or a partition would). `{"clear": true}`
 removes all faults.
 """
 
@@ -24,12 +25,14 @@ FAULT_ENV = "TANDEM_FAULT_INJECTION"
 FAULT_ROUTES = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
                 "update_weights_from_shm", "commit_staged_weights", "discard_staged_weights",
                 "destroy_weights_update_group")
-FAULT_ACTIONS = ("500", "error", "hang", "kill")
+FAULT_ACTIONS = ("500", "error", "hang", "kill", "stop")
 
 
 @dataclass
 class Fault:
-    action: str  # "500": answer 500; "error": raise RuntimeError; "hang": wait `seconds`, then 503; "kill": SIGKILL
+    # "500": answer 500; "error": raise RuntimeError; "hang": wait `seconds`, then 503; "kill": SIGKILL;
+    # "stop": SIGSTOP (the test sends SIGCONT)
+    action: str
     nth: int = 1  # first call (1-based, counted from when the fault was set) that fails
     times: int = 1  # how many calls fail from there on
     seconds: float = 30.0
@@ -58,12 +61,15 @@ class FaultInjector:
         if fault.action == "hang":
             await asyncio.sleep(fault.seconds)
             raise ApiError(f"injected fault on /{route}: hung for {fault.seconds}s", 503)
+        if fault.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return None  # continued: the call goes on as if nothing happened
         if fault.after_tensors is None or route != "update_weights_from_distributed":
             os.kill(os.getpid(), signal.SIGKILL)
         return fault
 
     async def set_fault(self, request: Request) -> Response:
-        """`POST /_fault`: `{"route": "update_weights_from_distributed", "action": "500"|"error"|"hang"|"kill",
+        """`POST /_fault`: `{"route": "update_weights_from_distributed", "action": "500"|"error"|"hang"|"kill"|"stop",
         "nth"?, "times"?, "seconds"?, "after_tensors"?}` makes that route fail; `{"clear": true}`
         removes all faults."""
         body = await read_json(request, allow_empty=False)

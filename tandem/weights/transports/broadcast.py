@@ -9,7 +9,9 @@ group is kept between updates (`keep_group`), torn down after a failure, and reb
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +37,27 @@ def broadcast_all(group: WeightGroup, tensors: Sequence[torch.Tensor], timeout_s
     for t in tensors:
         group.broadcast(t, src=0, timeout_s=timeout_s)
     return time.perf_counter() - start
+
+
+def _in_thread(fn, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` on a daemon thread of its own (one that blocks never holds up another
+    call, nor the interpreter's exit); -> its future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="tandem-weights-join", daemon=True).start()
+    return future
+
+
+def _destroy_formed(future: Future) -> None:
+    """A trainer-side join nobody waits for any more: destroy the group if it formed after all."""
+    if future.exception() is None:
+        future.result().destroy()
 
 
 class BroadcastTransport(StreamingTransport):
@@ -84,37 +107,59 @@ class BroadcastTransport(StreamingTransport):
         join = ops.JoinGroup(meta.master_address, self._store.port, meta.group_name, meta.backend, world,
                              max(meta.deadlines.init_group_s, meta.deadlines.bucket_s))
         future = self.fleet.send(ops.JOIN_GROUP, join)
-        local_error = None
-        try:
-            self.group = init_weight_group(meta.master_address, self._store.port, 0, world, meta.group_name,
-                                           meta.backend, timeout_s=max(timeout, 1.0), store=self._store)
-        except WeightGroupError as exc:
-            local_error = exc
-        failure = wait_for(future, ops.JOIN_GROUP.name, clock.left(meta.deadlines.init_group_s) + 1.0)
-        if failure is None and local_error is not None:
-            failure = WeightSyncError(f"join_group: the trainer could not form the group: {local_error}",
-                                      ops.JOIN_GROUP.name)
+        # The trainer's own join runs beside the servers' so that a member given up meanwhile (the
+        # fleet's call fails at its eviction) is not waited for here either.
+        local = _in_thread(init_weight_group, meta.master_address, self._store.port, 0, world, meta.group_name,
+                           meta.backend, timeout_s=max(timeout, 1.0), store=self._store)
+        cf.wait([future, local], timeout=clock.left(meta.deadlines.init_group_s) + 1.0,
+                return_when=cf.FIRST_EXCEPTION)
+        if future.done() and future.exception() is not None and not local.done():
+            local.add_done_callback(_destroy_formed)  # it fails at its own timeout, or formed a group no one uses
+            failure = wait_for(future, ops.JOIN_GROUP.name, 0.0)
+        else:
+            local_error = None
+            try:
+                self.group = local.result(timeout=max(0.0, clock.left(meta.deadlines.init_group_s)) + 1.0)
+            except (WeightGroupError, cf.TimeoutError) as exc:
+                local_error = str(exc) or "no group within the deadline"
+                local.add_done_callback(_destroy_formed)
+            failure = wait_for(future, ops.JOIN_GROUP.name, clock.left(meta.deadlines.init_group_s) + 1.0)
+            if failure is None and local_error is not None:
+                failure = WeightSyncError(f"join_group: the trainer could not form the group: {local_error}",
+                                          ops.JOIN_GROUP.name)
         if failure is not None:
             self._teardown(meta)
         return failure
 
     def _teardown(self, meta: WeightUpdateMeta) -> None:
-        self._drain_stuck(meta)
         if (self.group is not None or self._store is not None) and self._members:
             # Servers that never joined (or died) have nothing to leave: their "no group" is fine.
             with contextlib.suppress(Exception):
                 call(self.fleet, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name), self._members)
         if self.group is not None:
-            self.group.destroy()
+            self._retire(self.group)
         self.group, self._store = None, None
 
-    def _drain_stuck(self, meta: WeightUpdateMeta) -> None:
-        """Wait for broadcasts past their deadline: gloo ops carry the bucket timeout, so this ends;
-        a group must not be torn down under a running collective."""
-        for fut in self._stuck:
-            with contextlib.suppress(Exception):
-                fut.result(timeout=meta.deadlines.bucket_s + 5)
+    def _retire(self, group: WeightGroup) -> None:
+        """Destroy `group` once no broadcast of ours runs on it. One still running (past its
+        deadline, or blocked on a member given up at its eviction) is not waited for: it ends at
+        the group's own timeout, then the group goes; a fresh thread takes the next broadcasts."""
+        stuck = [f for f in self._stuck if not f.done()]
         self._stuck.clear()
+        if not stuck:
+            group.destroy()
+            return
+        left = [len(stuck)]
+
+        def one_done(_: Future) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                group.destroy()
+
+        for fut in stuck:
+            fut.add_done_callback(one_done)
+        self._pool.shutdown(wait=False)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-weights")
 
     # -- buckets (rank 0) ------------------------------------------------------------------------------
     def begin(self, meta: WeightUpdateMeta, wire_dtype: torch.dtype | None) -> None:
