@@ -22,7 +22,7 @@ _LAZY = {
     "WorkerCrashedError": "tandem.launch.rpc",
     "WorkerGroup": "tandem.launch.rpc",
     "LaunchError": "tandem.launch.scheduler", "Scheduler": "tandem.launch.scheduler",
-    "ServerHandle": "tandem.launch.scheduler",
+    "RunProcesses": "tandem.launch.scheduler", "ServerHandle": "tandem.launch.scheduler",
 }
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
@@ -38,6 +38,7 @@ __all__ = [
     "RPCTimeoutError",
     "RayScheduler",
     "RemoteError",
+    "RunProcesses",
     "Scheduler",
     "ServerHandle",
     "SlurmScheduler",

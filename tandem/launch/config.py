@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.launch.scheduler import RunProcesses
 
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -19,8 +24,24 @@ class RaySchedulerConfig:
     strategy: str = _f("PACK", "Placement group strategy of each role's bundles (one bundle per process).",
                        choices=RAY_STRATEGIES)
     cpus_per_process: float = _f(1.0, "Logical CPUs each server and trainer rank reserves in its bundle.", gt=0.0)
-    num_cpus: int = _f(0, "CPUs of a private cluster (address=None); 0: this machine's count.", min=0)
+    num_cpus: int = _f(0, "CPUs of a private cluster (address=None); 0: this machine's count, raised to what the "
+                          "run's servers and trainer ranks reserve (cpus_per_process each), which then share the "
+                          "machine's cores as the local scheduler's processes do.", min=0)
     namespace: str = _f("tandem", "Ray namespace of the run's actors.")
+
+    def private_cpus(self, processes: RunProcesses | None, machine_cpus: int) -> int:
+        """CPUs of the private cluster Tandem starts: `num_cpus` when set (honoured as given: a
+        placement it can never hold is refused when asked for); else the machine's `machine_cpus`,
+        raised to the bundles `processes` reserve, `cpus_per_process` each."""
+        if self.num_cpus:
+            return self.num_cpus
+        return max(machine_cpus, self.cpus_needed(processes), 1)
+
+    def cpus_needed(self, processes: RunProcesses | None) -> int:
+        """Whole CPUs the bundles of `processes` reserve in all (0 when unknown)."""
+        if processes is None:
+            return 0
+        return math.ceil(processes.count * self.cpus_per_process - 1e-9)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from tandem.launch.process import (
     read_log_tail,
 )
 from tandem.launch.process_scheduler import ProcessScheduler
-from tandem.launch.scheduler import LaunchError
+from tandem.launch.scheduler import LaunchError, RunProcesses
 from tandem.net import is_loopback
 
 logger = logging.getLogger("tandem.launch")
@@ -152,10 +152,12 @@ class RayProcess:
 
 class RayScheduler(ProcessScheduler):
     """Processes under Ray actors (see the module docstring); `config` is `scheduler.ray`, `host`
-    the controller's address as the nodes reach it (`cluster.host_ip`)."""
+    the controller's address as the nodes reach it (`cluster.host_ip`), `processes` what the run
+    will start (a private cluster is sized to hold it: `RaySchedulerConfig.private_cpus`; a cluster
+    it joins is left as it is)."""
 
     def __init__(self, run_dir: str | Path | None, config: RaySchedulerConfig, *, host: str = "127.0.0.1",
-                 **kwargs: object):
+                 processes: RunProcesses | None = None, **kwargs: object):
         super().__init__(run_dir, host=host, **kwargs)  # type: ignore[arg-type]
         self.config = config
         self.placement_groups: list[PlacementGroup] = []
@@ -163,7 +165,7 @@ class RayScheduler(ProcessScheduler):
         if not ray.is_initialized():
             began = time.monotonic()
             if config.address is None:
-                options: dict[str, Any] = {"num_cpus": config.num_cpus or os.cpu_count() or 1}
+                options: dict[str, Any] = {"num_cpus": self._private_cpus(processes)}
                 if is_loopback(host):
                     options["_node_ip_address"] = host
                 ray.init(namespace=config.namespace, include_dashboard=False, log_to_driver=False, **options)
@@ -172,6 +174,27 @@ class RayScheduler(ProcessScheduler):
             self._started_ray = True
             logger.info("ray: %s in %.1f s (%s)", "started a private cluster" if config.address is None else
                         f"joined {config.address}", time.monotonic() - began, ray.cluster_resources())
+
+    def _private_cpus(self, processes: RunProcesses | None) -> int:
+        """`config.private_cpus` on this machine, saying when it differs from the machine's count."""
+        machine = os.cpu_count() or 1
+        cpus = self.config.private_cpus(processes, machine)
+        need = self.config.cpus_needed(processes)
+        if processes is None:
+            return cpus
+        what = (f"{processes.describe()} x scheduler.ray.cpus_per_process={self.config.cpus_per_process:g} "
+                f"reserve {need} CPU(s)")
+        if self.config.num_cpus and cpus < need:
+            logger.warning("ray: the private cluster has scheduler.ray.num_cpus=%d CPU(s), but the run's %s: a "
+                           "placement it can never hold is refused, one that waits for CPUs the run's other "
+                           "processes hold fails after %.0f s; raise scheduler.ray.num_cpus (or set it to 0: "
+                           "sized to the run) or lower scheduler.ray.cpus_per_process", cpus, what,
+                           PLACEMENT_TIMEOUT_S)
+        elif cpus > machine:
+            logger.info("ray: the private cluster gets %d logical CPU(s), more than this machine's %d: the run's %s, "
+                        "and they share the machine's cores as the local scheduler's processes do "
+                        "(scheduler.ray.num_cpus sets the count)", cpus, machine, what)
+        return cpus
 
     def _bundles(self, count: int, gpus: int) -> list[dict[str, float]]:
         bundle: dict[str, float] = {"CPU": self.config.cpus_per_process}

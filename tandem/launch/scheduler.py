@@ -50,6 +50,27 @@ class ServerHandle:
         return f"http://{self.address}"
 
 
+@dataclass(frozen=True)
+class RunProcesses:
+    """What a run will ask its scheduler for, all held at once: the inference servers it launches
+    and its trainer ranks (every group's). A scheduler that brings its own resources, the private
+    Ray of `RayScheduler`, is sized to hold them; the others do not need it."""
+
+    servers: int = 0
+    ranks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.servers < 0 or self.ranks < 0:
+            raise ValueError(f"RunProcesses: counts must be >= 0, got servers={self.servers}, ranks={self.ranks}")
+
+    @property
+    def count(self) -> int:
+        return self.servers + self.ranks
+
+    def describe(self) -> str:
+        return f"{self.servers} server(s) + {self.ranks} trainer rank(s)"
+
+
 def as_component(alloc: Component | str | int, *, inference: bool) -> Component | int:
     """A component from a component, a one-component allocation string, or a plain count."""
     if isinstance(alloc, str):

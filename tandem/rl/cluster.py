@@ -18,13 +18,29 @@ from tandem.config.alloc import Component, parse_allocation_of_kind
 from tandem.launch import vllm
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
-from tandem.launch.scheduler import ServerHandle
+from tandem.launch.scheduler import RunProcesses, ServerHandle
 from tandem.rl.config import TandemConfig
 from tandem.train.config import DETERMINISTIC_ENV
 from tandem.train.controller import TrainController
 from tandem.train.worker import EngineRole
 
 logger = logging.getLogger("tandem.run")
+
+
+def run_processes(cfg: TandemConfig) -> RunProcesses:
+    """What the run's scheduler will start (a private Ray cluster is sized to hold it): the
+    servers `rollout.backend` launches (none when `rollout.servers` lists them; `tandem sft`: the
+    one evaluation server, unless `task.eval_size` is 0) and the trainer ranks of `actor.backend`,
+    plus `critic.backend`'s when the critic has a group of its own."""
+    ranks = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0].sizes
+    count = ranks.world_size
+    if cfg.command == "sft":
+        return RunProcesses(servers=1 if cfg.task.eval_size else 0, ranks=count)
+    if cfg.algo.ppo.use_critic and cfg.critic.backend:
+        critic = parse_allocation_of_kind(cfg.critic.backend, "critic.backend", inference=False).components[0]
+        count += critic.sizes.world_size
+    servers = cfg.rollout.allocation.components[0].sizes.dp if cfg.rollout.launched_by_tandem else 0
+    return RunProcesses(servers=servers, ranks=count)
 
 
 def start_workers(cfg: TandemConfig, scheduler: ProcessScheduler, alloc: Component | None = None, *,

@@ -16,7 +16,7 @@ from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
 from tandem.launch.factory import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
-from tandem.rl.cluster import start_workers
+from tandem.rl.cluster import run_processes, start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
 from tandem.rl.dispatch import split_for_ranks
@@ -46,7 +46,8 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
                           timeout_key="task.reward_timeout_s")
     try:
-        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
+        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
+                            processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs
             trainer = start_workers(cfg, scheduler)
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
                 chunk = [next(examples) for _ in range(cfg.sft.batch_size)]

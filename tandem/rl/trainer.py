@@ -30,7 +30,7 @@ from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.batch import build_training_batch
 from tandem.rl.checkpoints import TRAINER, LoopState, latest_checkpoint, save_checkpoint
-from tandem.rl.cluster import InferenceServers, start_servers
+from tandem.rl.cluster import InferenceServers, run_processes, start_servers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
@@ -129,7 +129,8 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
                                 run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
-        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip) as scheduler:  # logs: run_dir/logs
+        with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
+                            processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs
             try:
                 _train(Run(cfg, plan, scheduler, task, summary), metrics)
             except Exception:

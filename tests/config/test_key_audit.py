@@ -306,8 +306,10 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
         T_LAUNCH_RANKS, "tests/launch/test_slurm_scheduler.py::test_a_role_slurm_cannot_place_fails_at_its_deadline_saying_why"),
     "scheduler.ray.address": ("tests/launch/test_ray_scheduler.py::test_train_on_a_running_ray_cluster",),
     "scheduler.ray.strategy": (T_RAY,),
-    "scheduler.ray.cpus_per_process": (T_RAY,),
-    "scheduler.ray.num_cpus": (T_RAY,),
+    "scheduler.ray.cpus_per_process": (T_RAY, "tests/launch/test_ray_sizing.py::test_the_sizing_rule"),
+    "scheduler.ray.num_cpus": (T_RAY, "tests/launch/test_ray_sizing.py::test_the_sizing_rule",
+                               "tests/launch/test_ray_scheduler.py::"
+                               "test_the_demo_shape_starts_on_a_private_ray_on_this_machine"),
     "scheduler.ray.namespace": (T_RAY,),
     "scheduler.slurm.partition": (T_SLURM, "tests/launch/test_slurm_config.py::test_default_slurm_launch_names_no_partition_account_or_nodes"),
     "scheduler.slurm.account": (T_SLURM, "tests/launch/test_slurm_config.py::test_default_slurm_launch_names_no_partition_account_or_nodes"),

@@ -1,7 +1,8 @@
 """A controller that drives a `RayScheduler` inside a loopback-only network namespace (run by
 `tests/launch/test_ray_scheduler.py` under `unshare --net`): a 2-rank group of `HelperWorker`s in a
 placement group, an all_reduce over it, then rank 1's Ray actor killed mid-call, then a group the
-cluster could never place. Prints one JSON line,
+cluster could never place (its 3 CPUs, scheduler.ray.num_cpus, win over the 5 the scheduler is
+told the run needs). Prints one JSON line,
 with what Ray says of the `scheduler.ray` keys the driver sets (cluster CPUs, namespace, the
 placement group's strategy and bundles).
 
@@ -20,7 +21,7 @@ from ray.util import placement_group_table
 
 from tandem.launch.ray_cluster import RayScheduler
 from tandem.launch.rpc import WorkerCrashedError
-from tandem.launch.scheduler import LaunchError
+from tandem.launch.scheduler import LaunchError, RunProcesses
 from tandem.rl.config import load_run_config
 from tests.launch.helpers import CPU, HELPERS, HelperWorker
 from tests.launch.procs import alive
@@ -30,7 +31,8 @@ def main(run_dir: str) -> None:
     result: dict[str, object] = {}
     config = load_run_config(None, ["scheduler.ray.num_cpus=3", "scheduler.ray.strategy=SPREAD",
                                     "scheduler.ray.cpus_per_process=0.5", "scheduler.ray.namespace=tdm-driver"])
-    sched = RayScheduler(run_dir, config.scheduler.ray)
+    # the run declares 10 ranks (5 CPUs at 0.5 each): scheduler.ray.num_cpus=3, set, still wins
+    sched = RayScheduler(run_dir, config.scheduler.ray, processes=RunProcesses(ranks=10))
     try:
         group = sched.start_workers("archon:d2", HELPERS, args=CPU, timeout_s=120)
         table = placement_group_table(sched.placement_groups[0])

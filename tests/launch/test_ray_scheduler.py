@@ -12,6 +12,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 
 pytestmark = pytest.mark.slow
 PY = os.path.join(os.path.dirname(TANDEM), "python")
+PLACED_WITHIN_S = 90.0  # the demo's 4 processes placed: Ray up, 2 servers healthy, the ranks placed (here 24 s)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,11 +43,19 @@ def _in_private_network(*cmd: str, timeout_s: float, env: dict[str, str] | None 
     """Run `cmd` in a new network namespace with only `lo` up; `own_pids`: in a PID namespace of its
     own too, so that a `ray stop` in it sees (and kills) only its own Ray processes, not those of
     another test run's Ray cluster on the machine (`ray stop` matches processes by name, machine-wide)."""
+    return subprocess.run(_private_network_argv(cmd, own_pids), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s, start_new_session=True, env=_private_network_env(env))
+
+
+def _private_network_argv(cmd: tuple[str, ...], own_pids: bool) -> list[str]:
     script = 'ip link set lo up && exec "$@"'
-    isolate = ["--net", "--pid", "--fork", "--mount-proc"] if own_pids else ["--net"]
-    return subprocess.run(["unshare", *isolate, "sh", "-c", script, "sh", *cmd], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s, start_new_session=True,
-                          env={**os.environ, **CHILD_ENV, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
+    # --kill-child: killing `unshare` (a timeout) ends everything in the PID namespace too
+    isolate = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"] if own_pids else ["--net"]
+    return ["unshare", *isolate, "sh", "-c", script, "sh", *cmd]
+
+
+def _private_network_env(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, **CHILD_ENV, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
 
 
 def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
@@ -73,6 +83,53 @@ def test_ranks_as_ray_actors_and_an_actor_death(tmp_path):
     assert "'CPU': 3.0" in refused and "scheduler.ray.cpus_per_process" in refused, refused
 
 
+def test_the_demo_shape_starts_on_a_private_ray_on_this_machine(tmp_path, tiny_model):
+    """The demo's shape (2 servers, 2 trainer ranks: 4 one-CPU bundles) with `scheduler.type=ray`
+    and no address: the private Ray is sized to the run, so all four are placed on this 2-CPU
+    machine within PLACED_WITHIN_S and the run finishes. Before, the cluster had the machine's 2
+    CPUs: the servers took them and the ranks' group waited for the 300 s placement timeout ("Ray
+    could not place 2 bundle(s) of {'CPU': 1.0} (PACK) within 300s")."""
+    cfg = write_config(tmp_path, tiny_model, scheduler={"type": "ray"}, train={"total_steps": 1},
+                       task={"eval_size": 2})
+    log_path = run_dir(tmp_path) / "logs" / "controller.log"
+
+    def log() -> str:
+        return log_path.read_text() if log_path.is_file() else ""
+
+    began = time.monotonic()
+    with tempfile.TemporaryFile("w+") as output:
+        run = subprocess.Popen(_private_network_argv((TANDEM, "train", str(cfg)), own_pids=True), cwd=REPO,
+                               stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env=_private_network_env(None))
+        try:
+            while "placement: actor-rank1 ->" not in log() and run.poll() is None:
+                if time.monotonic() - began > PLACED_WITHIN_S:
+                    pytest.fail(f"the demo's 4 processes were not placed within {PLACED_WITHIN_S:.0f} s:\n"
+                                f"{log()[-3000:]}")
+                time.sleep(0.5)
+            placed = time.monotonic() - began
+            returncode = run.wait(timeout=180)
+        finally:
+            run.kill()  # `unshare --kill-child`: everything in the namespace goes with it
+            run.wait()
+        output.seek(0)
+        printed = output.read()
+    took = time.monotonic() - began
+    assert returncode == 0, printed[-4000:] + log()[-3000:]
+    assert [r["step"] for r in rl_rows(tmp_path)] == [1]
+    machine = os.cpu_count() or 1
+    cpus = max(machine, 4)
+    text = log()
+    assert re.search(rf"ray: started a private cluster in [\d.]+ s \(.*'CPU': {cpus}\.0", text), text[-3000:]
+    if machine < 4:
+        assert f"gets {cpus} logical CPU(s), more than this machine's {machine}" in text, text[-3000:]
+        assert "2 server(s) + 2 trainer rank(s) x scheduler.ray.cpus_per_process=1 reserve 4 CPU(s)" in text
+    for role in ("rollout-0", "rollout-1", "actor-rank0", "actor-rank1"):
+        assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", text), text[-3000:]
+    print(f"Ray: demo shape (2 servers, 2 ranks) on a private cluster of {cpus} CPUs on {machine}: all placed "
+          f"after {placed:.1f} s, 1 step done in {took:.1f} s")
+
+
 def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
     """`ray start --head` in the namespace, then `tandem train` joins it (scheduler.ray.address)."""
     port = str(6379 + os.getpid() % 1000)
@@ -94,6 +151,7 @@ def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
     assert [r["step"] for r in rl_rows(tmp_path)] == [1, 2, 3]
     log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
     assert f"ray: joined 127.0.0.1:{port}" in log, log[-3000:]
+    assert re.search(r"ray: joined .*'CPU': 2\.0", log), log[-3000:]  # a cluster Tandem joins is not resized
     for role in ("rollout-0", "actor-rank0"):
         assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", log), log[-3000:]
 
