@@ -10,6 +10,7 @@ import transformers
 
 from tandem.data.batch import SequenceBatch
 from tandem.train import TrainEngine
+from tests.gpu.conftest import require_server_modules
 from tests.inference.server_utils import ServerProcess
 from tests.weights.common import start_server
 
@@ -20,6 +21,7 @@ FP32_NEAR_TIE = 1e-4  # an fp32 greedy step whose top two logits are closer may 
 def start_device_server(model_dir: Path, log_dir: Path, device: torch.device, dtype_name: str,
                         weights_dir: Path | None = None) -> ServerProcess:
     """`tandem serve --device DEVICE --dtype DTYPE` (started, not yet ready: `wait_ready`)."""
+    require_server_modules()
     return start_server(model_dir, log_dir, weights_dir, "--device", str(device), "--dtype", dtype_name, wait=False)
 
 

@@ -10,6 +10,7 @@ Run on a GPU machine: `python3 -m pytest -q -s tests/gpu` (`-s` shows the measur
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,9 +18,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.inference.conftest import make_model_dir
+from tests.inference.conftest import MOE_OVERRIDES, make_model_dir
 
 DEVICE_ENV = "TANDEM_TEST_DEVICE"
+# What `tandem serve` imports beyond torch and transformers (pyproject's dependencies): a machine
+# image without them fails the server tests at once, naming them, instead of in a server's log.
+SERVER_MODULES = ("fastapi", "starlette", "pydantic", "uvicorn", "omegaconf", "aiohttp", "safetensors", "yaml")
+
+
+def pytest_configure(config):
+    # pytest-timeout registers it; registered here too so --strict-markers holds without the plugin.
+    config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's per-test limit")
+
+
+def require_server_modules() -> None:
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"`tandem serve` cannot start here: Python modules {missing} are not installed (carry their "
+                    f"wheels: pyproject.toml's dependencies)", pytrace=False)
 
 
 def chosen_device() -> torch.device:
@@ -57,6 +73,12 @@ def model_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3 (tied embeddings, 2 layers, vocab 512) with unit-scale random weights, so
     greedy paths and logprobs are varied (tests/inference/conftest.py)."""
     return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE, three layers, the middle one dense (tests/inference/conftest.py)."""
+    return make_model_dir(tmp_path_factory.mktemp("models"), "qwen3_moe", seed=0, overrides=MOE_OVERRIDES)
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -169,3 +169,25 @@ def test_engine_logprobs_and_gradients_match_transformers(model_dir, device, dty
         assert ours_err <= _bf16_bound("logprob", hf_err), (kind, ours_err, hf_err)
     for n in ours_g:
         assert ours_g[n] <= _bf16_bound("grad", hf_g[n]), (n, ours_g[n], hf_g[n])
+
+
+def test_moe_native_and_engine_match_transformers_fp32(moe_model_dir, device):
+    """Qwen3-MoE (8 experts, top-2 on the tiny preset; a dense layer between two MoE ones) in float32:
+    the native model's logits and the engine's logprobs (live routing) vs transformers on the device."""
+    seqs = _sequences()
+    hf = _hf(moe_model_dir, torch.float32, device)
+    with torch.no_grad():
+        native = load_model(moe_model_dir, dtype=torch.float32, device=device).eval()
+        ids = torch.tensor([t for s in seqs for t in s], device=device)
+        ends = torch.tensor([0, *LENGTHS], device=device).cumsum(0).to(torch.int32)
+        logit_diff = _max_diff(list(native(ids, ends).float().split(LENGTHS)), _hf_logits(hf, seqs, device))
+        ref_lp, _ = _hf_terms(hf, seqs, device)
+    engine = TrainEngine(engine_config(str(moe_model_dir), device=str(device)))
+    try:
+        out = engine.forward_logprobs(SequenceBatch([{"input_ids": torch.tensor(s)} for s in seqs]))
+    finally:
+        engine.close()
+    lp_diff = _max_diff([lp[:-1] for lp in out.logprobs], ref_lp)
+    print(f"\n[qwen3_moe vs transformers, float32, {device}] native max |logit diff| {logit_diff:.3e}; "
+          f"engine max |logprob diff| {lp_diff:.3e}")
+    assert logit_diff <= FP32_LOGITS_TOL and lp_diff <= FP32_LOGPROB_TOL
