@@ -29,6 +29,10 @@ SERVER_MODULES = ("fastapi", "starlette", "pydantic", "uvicorn", "omegaconf", "a
 def pytest_configure(config):
     # pytest-timeout registers it; registered here too so --strict-markers holds without the plugin.
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's per-test limit")
+    # No "Loading weights" bars in the log: with -s they would bury the measured figures.
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
 
 
 def require_server_modules() -> None:

@@ -113,6 +113,10 @@ def test_updates_by_disk_and_shared_memory_reach_the_server(model_dir, device, t
             tokens_moved = any(new[0] != old[0] for new, old in zip(after, before, strict=True))
             assert moved > 10 * TOL or tokens_moved, f"{label}: the served outputs did not move: stale weights?"
             figures[label] = (f"{diff:.2e}", len(partings), "tokens moved" if tokens_moved else f"moved {moved:.3f}")
+            print(f"\n[weight update {version} by {kind}, {device}] verified, {report.seconds:.3f} s for {report.bytes} "
+                  f"bytes in {report.buckets} buckets; max "
+                  f"|served logprob - trainer recompute| {diff:.2e}; greedy partings at near-ties {len(partings)}; "
+                  f"{figures[label][2]}")
             before = after
         print(f"\n[weight updates, {device}] per state: (max |served logprob - trainer recompute|, greedy "
               f"partings from transformers at near-ties, how the outputs moved): {figures}")
