@@ -53,7 +53,7 @@ BENCH = ROOT / "bench"
 
 # (name, timeout s on a GPU, timeout s with --quick)
 STEPS: list[tuple[str, float, float]] = [
-    ("env", 45, 45), ("correctness", 180, 120), ("serve", 120, 120), ("train", 90, 150),
+    ("env", 45, 45), ("correctness", 180, 120), ("serve", 120, 120), ("train", 120, 150),
     ("weight_sync", 60, 90), ("demo", 180, 150),
 ]
 MIN_STEP_S = 20.0  # a step with less time left than this is skipped
@@ -150,14 +150,24 @@ def step_command(name: str, a: argparse.Namespace, work: Path) -> list[str]:
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the step's process group (a `tandem train` tears its servers and ranks down), then
     SIGKILL what is left after a grace period."""
+    def group_alive() -> bool:
+        proc.poll()  # reap the leader, or the group never looks empty
+        try:
+            os.killpg(proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
     for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait_s)
+        deadline = time.monotonic() + wait_s
+        while group_alive() and time.monotonic() < deadline:  # the leader may die before its children
+            time.sleep(0.1)
+        if not group_alive():
             break
-        except subprocess.TimeoutExpired:
-            continue
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(1)
 
 
 def run_step(name: str, timeout: float, a: argparse.Namespace, work: Path, log, current: dict) -> dict[str, Any]:
@@ -525,15 +535,16 @@ def step_serve(a: argparse.Namespace, f: Figures) -> None:
         t = time.perf_counter()
         asyncio.run(S.run_http(server.url, work))
         f.save(tandem_warmup_s=time.perf_counter() - t)
-        runs = [asyncio.run(S.run_http(server.url, work)) for _ in range(1 if a.quick else 2)]
+        runs: list[tuple[int, float]] = []
+        for _ in range(1 if a.quick else 2):  # saved after each: a timeout keeps the first
+            runs.append(asyncio.run(S.run_http(server.url, work)))
+            tokens, secs = runs[0][0], statistics.median(s for _, s in runs)
+            f.save(output_tokens=tokens, tandem_s=secs, tandem_runs_s=[s for _, s in runs], tandem_tok_s=tokens / secs)
     except BaseException:
         server_log_tails(a.work)
         raise
     finally:
         server.stop()
-    tokens = runs[0][0]
-    secs = statistics.median(s for _, s in runs)
-    f.save(output_tokens=tokens, tandem_s=secs, tandem_runs_s=[s for _, s in runs], tandem_tok_s=tokens / secs)
 
     hf_batch = 4 if a.quick else 16
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(a.device).eval()
@@ -585,6 +596,10 @@ def step_train(a: argparse.Namespace, f: Figures) -> None:
                 parallelize=ParallelizeConfig(compile=compile_, activation_checkpoint=ac)))
             if a.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            counted = sum(p.numel() for p in engine.model.parameters())  # global sizes (DTensor numel)
+            if counted != params:
+                f.save(params=counted, params_formula=params)
+                params = counted
 
             def fwd_bwd(engine=engine) -> None:
                 engine.optimizer.zero_grad(set_to_none=True)
