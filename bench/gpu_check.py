@@ -216,6 +216,7 @@ def run_step(name: str, timeout: float, a: argparse.Namespace, work: Path, log, 
 
 PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
 FIGURE_LINE = re.compile(r"\d")
+LOG_LINE = re.compile(r"(\d\d:\d\d:\d\d|\d{4}-\d\d-\d\d|INFO|WARNING|DEBUG|\[)")
 
 
 def parse_pytest(output: str) -> dict[str, Any]:
@@ -228,7 +229,8 @@ def parse_pytest(output: str) -> dict[str, Any]:
     printed = []
     for line in output.splitlines():
         s = line.strip()
-        if not s or not FIGURE_LINE.search(s) or s.startswith(("tests/", "=", "_", "E ", ">", "FAILED", "ERROR")):
+        if not s or not FIGURE_LINE.search(s) or s.startswith(("tests/", "=", "_", "E ", ">", "FAILED", "ERROR", "-----")) \
+                or LOG_LINE.match(s):  # servers' and loggers' lines are in the log, not figures
             continue
         if re.fullmatch(r"[.sFExX]+( *\[ *\d+%\])?", s) or s in summary:
             continue
