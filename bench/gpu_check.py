@@ -258,8 +258,8 @@ def summarize(name: str, r: dict[str, Any]) -> list[str]:
                    f"{f.get('torch')} (CUDA {f.get('torch_cuda')}), transformers {f.get('transformers')}, "
                    f"Python {f.get('python')}")
         if "matmul_bf16_tflops" in f:
-            out.append(f"bf16 matmul {f['matmul_bf16_tflops']:.0f} TFLOP/s measured ({f.get('matmul_shape')}); "
-                       f"device copy {f.get('copy_gb_s', 0):.0f} GB/s (read + write)")
+            out.append(f"bf16 matmul {f['matmul_bf16_tflops']:.3g} TFLOP/s measured ({f.get('matmul_shape')}); "
+                       f"device copy {f.get('copy_gb_s', 0):.3g} GB/s (read + write)")
         if f.get("nvidia_smi"):
             out.append("nvidia-smi -L: " + "; ".join(f["nvidia_smi"]))
     elif name == "correctness":
@@ -275,7 +275,7 @@ def summarize(name: str, r: dict[str, Any]) -> list[str]:
             out.append(f"engine decode: batch {d['batch']}, {d['step_ms']:.2f} ms/step ({d['steps_per_s']:.1f} steps/s, "
                        f"{d['tok_s']:,.0f} tok/s), {d['bytes_per_step'] / 1e9:.3f} GB read/step (weights "
                        f"{d['weight_bytes'] / 1e9:.3f} + KV {d['kv_bytes_per_step'] / 1e9:.3f}) -> "
-                       f"{d['bandwidth_gb_s']:.0f} GB/s" + (f" = **{100 * d['hbm_fraction']:.1f}% of HBM peak**"
+                       f"{d['bandwidth_gb_s']:.3g} GB/s" + (f" = **{100 * d['hbm_fraction']:.1f}% of HBM peak**"
                                                           if d.get("hbm_fraction") is not None else ""))
         if "tandem_tok_s" in f:
             out.append(f"tandem serve {f['tandem_tok_s']:,.0f} tok/s over HTTP ({f['output_tokens']} tokens, "
@@ -289,8 +289,8 @@ def summarize(name: str, r: dict[str, Any]) -> list[str]:
                 out.append(f"{c['name']}: error {c['error']}")
                 continue
             out.append(f"{c['name']}: fwd+bwd {c['tok_s']:,.0f} tok/s, MFU **{100 * c['mfu_nominal']:.1f}%** of "
-                       f"{c['peak_nominal'] / 1e12:.0f} TFLOP/s" + (
-                           f" ({100 * c['mfu_measured']:.1f}% of measured {c['peak_measured'] / 1e12:.0f})"
+                       f"{c['peak_nominal'] / 1e12:.3g} TFLOP/s" + (
+                           f" ({100 * c['mfu_measured']:.1f}% of measured {c['peak_measured'] / 1e12:.3g})"
                            if c.get("mfu_measured") is not None else "")
                        + f"; train_batch {c.get('step_tok_s', 0):,.0f} tok/s; first call {c['first_s']:.1f} s; "
                        f"peak mem {_fmt(c.get('peak_mem_gib'), '.1f')} GiB")
