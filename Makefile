@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps kernels review
+.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -124,6 +124,15 @@ AGENT_DIR ?= runs/agent
 agent: $(STAMP)
 	$(call warm_start,$(AGENT_DIR),examples/agent.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/agent.yaml actor.path=$(AGENT_DIR)/sft train.overwrite=true
+
+# The GPU checklist (/work/shared/gpu/CHECKLIST.md) as one bounded run on a CUDA machine: tests/gpu,
+# serving, training, weight sync and the demo, one report in $(GPU_CHECK_OUT)/gpu_check.{md,json,log}
+# (docs/benchmarks.md, "GPU check"). Uses .venv when there is one, else python3 with Tandem on
+# PYTHONPATH (a GPU image has torch but no venv): never installs anything.
+GPU_CHECK_OUT  ?= gpu-check-out
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),python3) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis
