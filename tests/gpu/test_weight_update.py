@@ -29,8 +29,6 @@ from tandem.models import load_model
 from tandem.train import TrainEngine
 from tandem.train.config import OptimizerConfig
 from tandem.weights.meta import WeightUpdateMeta
-from tandem.weights.report import WeightSyncError
-from tandem.weights.updater import WeightUpdater
 from tandem.weights.verify import tensor_checksum
 from tests.gpu.common import (
     compare_greedy,
@@ -49,7 +47,7 @@ from tests.weights.common import (
     mapped_segments,
     served_checksums,
     served_greedy,
-    version_of,
+    verified_update,
 )
 
 pytestmark = pytest.mark.timeout(480)
@@ -78,18 +76,26 @@ def _check_serving(label, server, engine, model_dir_new, device) -> tuple[list, 
     return served, diff, partings
 
 
+def _trainer_beside_server(stack: contextlib.ExitStack, model_dir, tmp_path, device, dtype_name: str):
+    """A `tandem serve --dtype dtype_name` on `device` (started while the trainer builds), a
+    TrainEngine of the same checkpoint, a training batch and an HttpFleet to the server, each
+    closed by `stack`. -> (server, engine, batch, fleet)"""
+    server = start_device_server(model_dir, tmp_path, device, dtype_name, weights_dir=tmp_path)
+    stack.callback(server.stop)
+    engine = TrainEngine(engine_config(str(model_dir), device=str(device), optimizer=OptimizerConfig(
+        lr=LR, weight_decay=0.01, gradient_clipping=1.0)))
+    stack.callback(engine.close)
+    batch = make_batch(engine.model.args.vocab_size, [5, 17, 3, 30])
+    wait_all([server])
+    fleet = HttpFleet([server.url], deadlines=DEADLINES)
+    stack.callback(fleet.close)
+    return server, engine, batch, fleet
+
+
 def test_updates_by_disk_and_shared_memory_reach_the_server(model_dir, device, tmp_path):
     versions_dir = tmp_path / "versions"
     with contextlib.ExitStack() as stack:
-        server = start_device_server(model_dir, tmp_path, device, "float32", weights_dir=tmp_path)
-        stack.callback(server.stop)  # the server starts while the trainer does
-        engine = TrainEngine(engine_config(str(model_dir), device=str(device), optimizer=OptimizerConfig(
-            lr=LR, weight_decay=0.01, gradient_clipping=1.0)))
-        stack.callback(engine.close)
-        batch = make_batch(engine.model.args.vocab_size, [5, 17, 3, 30])
-        wait_all([server])
-        fleet = HttpFleet([server.url], deadlines=DEADLINES)
-        stack.callback(fleet.close)
+        server, engine, batch, fleet = _trainer_beside_server(stack, model_dir, tmp_path, device, "float32")
 
         assert served_checksums(server) == expected_checksums(full_params(engine)), "initial weights differ"
         before, diff, partings = _check_serving("initial weights", server, engine, model_dir, device)
@@ -99,13 +105,7 @@ def test_updates_by_disk_and_shared_memory_reach_the_server(model_dir, device, t
             stats = engine.train_batch(batch, weighted_loss)
             assert stats["skipped"] == 0.0, (label, stats)
             meta = WeightUpdateMeta(type=kind, path=str(versions_dir), bucket_bytes=48 * 1024, deadlines=DEADLINES)
-            with WeightUpdater(engine, fleet, meta, verify=True) as updater:
-                try:
-                    report = updater.update(version)
-                except WeightSyncError as exc:
-                    pytest.fail(f"{label}: the update failed: {exc}\nserver log:\n{server.log.read_text()[-4000:]}")
-            assert report.verified, label
-            assert version_of(server) == str(version), label
+            report = verified_update(engine, fleet, meta, version, label, server)
             tensors = full_params(engine)
             assert served_checksums(server) == expected_checksums(tensors), f"{label}: the server's weights differ"
             if kind == "shm" and device.type == "cuda":
@@ -156,27 +156,14 @@ def test_bf16_server_takes_updates_from_an_fp32_trainer(model_dir, device, tmp_p
     a bf16 recompute of the same tokens (near-ties make bf16 greedy tokens not comparable: the
     count of served tokens that are not the recompute's argmax is printed)."""
     with contextlib.ExitStack() as stack:
-        server = start_device_server(model_dir, tmp_path, device, "bfloat16", weights_dir=tmp_path)
-        stack.callback(server.stop)
-        engine = TrainEngine(engine_config(str(model_dir), device=str(device), optimizer=OptimizerConfig(
-            lr=LR, weight_decay=0.01, gradient_clipping=1.0)))
-        stack.callback(engine.close)
-        batch = make_batch(engine.model.args.vocab_size, [5, 17, 3, 30])
-        wait_all([server])
-        fleet = HttpFleet([server.url], deadlines=DEADLINES)
-        stack.callback(fleet.close)
+        server, engine, batch, fleet = _trainer_beside_server(stack, model_dir, tmp_path, device, "bfloat16")
         before = [served_greedy(server, p, NEW) for p in PROMPTS]
         for version, (kind, wire) in enumerate(BF16_UPDATES, start=1):
             label = f"bf16 server, update {version} ({kind}, {'bfloat16' if wire else 'float32'} on the wire)"
             engine.train_batch(batch, weighted_loss)
             meta = WeightUpdateMeta(type=kind, path=str(tmp_path / "versions"), bucket_bytes=48 * 1024,
                                     deadlines=DEADLINES)
-            with WeightUpdater(engine, fleet, meta, verify=True, dtype=wire) as updater:
-                try:
-                    report = updater.update(version)
-                except WeightSyncError as exc:
-                    pytest.fail(f"{label}: the update failed: {exc}\nserver log:\n{server.log.read_text()[-4000:]}")
-            assert report.verified and version_of(server) == str(version), label
+            report = verified_update(engine, fleet, meta, version, label, server, dtype=wire)
             tensors = full_params(engine)
             sums = server.ok("/get_weights_checksum", {})
             assert sums["dtype"] == "bfloat16", (label, sums["dtype"])

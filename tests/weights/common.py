@@ -171,3 +171,23 @@ def served_set(servers: list[ServerProcess], timeout: float = 10.0) -> set[str]:
         return maps[0] if len(writers) == 1 and all(m == maps[0] for m in maps) else None
 
     return wait_for(one_set, timeout=timeout, interval=0.02)
+
+
+def verified_update(engine: Any, fleet: Any, meta: Any, version: int, label: str, server: ServerProcess,
+                    dtype: torch.dtype | None = None) -> Any:
+    """One verified update of `engine`'s weights to `fleet` as `version` (the `UpdateReport`); an
+    update that fails fails the test with `label`, the error and the end of the server's log; the
+    server then holds `version`."""
+    import pytest
+
+    from tandem.weights.report import WeightSyncError
+    from tandem.weights.updater import WeightUpdater
+
+    with WeightUpdater(engine, fleet, meta, verify=True, dtype=dtype) as updater:
+        try:
+            report = updater.update(version)
+        except WeightSyncError as exc:
+            pytest.fail(f"{label}: the update failed: {exc}\nserver log:\n{server.log.read_text()[-4000:]}")
+    assert report.verified, label
+    assert version_of(server) == str(version), label
+    return report

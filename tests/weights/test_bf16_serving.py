@@ -55,12 +55,10 @@ from tandem.models import load_model
 from tandem.train import TrainEngine
 from tandem.train.config import OptimizerConfig
 from tandem.weights.meta import WeightUpdateMeta
-from tandem.weights.report import WeightSyncError
-from tandem.weights.updater import WeightUpdater
 from tandem.weights.verify import tensor_checksum
 from tests.inference.conftest import make_model_dir
 from tests.train.helpers import engine_config, full_params, make_batch, weighted_loss
-from tests.weights.common import load_into, mapped_segments, served_greedy, start_server, version_of
+from tests.weights.common import load_into, mapped_segments, served_greedy, start_server, verified_update
 
 pytestmark = pytest.mark.slow
 
@@ -151,13 +149,7 @@ def test_bf16_server_takes_verified_updates_from_fp32_trainer(tmp_path):
             engine.train_batch(batch, weighted_loss)
             meta = WeightUpdateMeta(type=kind, path=str(tmp_path / "versions"), bucket_bytes=48 * 1024,
                                     deadlines=DEADLINES)
-            with WeightUpdater(engine, fleet, meta, verify=True, dtype=wire) as updater:
-                try:
-                    report = updater.update(version)
-                except WeightSyncError as exc:
-                    pytest.fail(f"{label}: the update failed: {exc}")
-            assert report.verified, label
-            assert version_of(server) == str(version), label
+            verified_update(engine, fleet, meta, version, label, server, dtype=wire)
             tensors = full_params(engine)
             _assert_holds(label, server, tensors)
 
