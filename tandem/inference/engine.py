@@ -38,7 +38,7 @@ class LLMEngine:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
                  batch_invariant: bool = False):
         self.model_path = str(model_path)
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype = _with_index(torch.device(device)), dtype
         self.model = load_model(model_path, dtype=dtype, device=device).eval()
         if packing_available(self.device, dtype):
             pack_linears(self.model)  # prepacked oneDNN weights, repacked after every weight change
@@ -354,3 +354,11 @@ def _load_tokenizer(model_path: str | os.PathLike[str]) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(root))
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """"cuda" as the GPU it means here ("cuda:N"): tensors made on it report their index, and a
+    device compared with theirs must too (a staging buffer on "cuda:0" is not "cuda")."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
