@@ -23,7 +23,6 @@ throughput on this machine, not what more servers buy on real hardware.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -32,10 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from _fleet import fleet, rows, start_joiner  # bench/ is on sys.path when run as a script
+from _report import append_benchmark
 from current import record, this_command
-
-from tandem.fleet.run_file import ControllerClient, ControllerFileError, read_controller_file
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -54,22 +52,6 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.steps, args.kill_at, args.join_at, args.no_append = 12, 3, 6, True
     return args
-
-
-def fleet(run: Path) -> list[dict]:
-    """What `tandem fleet RUN_DIR --json` prints, asked in-process (a subprocess per poll would cost
-    ~0.5 s of the very time measured)."""
-    try:
-        return ControllerClient(read_controller_file(run), timeout_s=2.0).members()["servers"]
-    except ControllerFileError:
-        return []
-
-
-def rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("phase") == "rl" and r["step"] > 0]
 
 
 def rate(window: list[dict], samples_per_step: int) -> float:
@@ -111,12 +93,8 @@ def main() -> None:
                     s["address"] == victim["address"] and s["state"] == "evicted" for s in fleet(run)):
                 detected = time.monotonic() - killed_at
             if join_started is None and done >= args.join_at:
-                joiner_proc = subprocess.Popen([TANDEM, "serve", "--model", str(model), "--port", "0", "--num-threads",
-                                                "1", "--join", str(run)], stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True)
                 join_started = time.monotonic()
-                line = joiner_proc.stdout.readline()
-                joiner = line.rsplit(" ", 1)[-1].strip()
+                joiner_proc, joiner = start_joiner([TANDEM], model, run)
             if joiner and joined is None:
                 states = {s["address"]: s["state"] for s in fleet(run)}
                 if states.get(joiner) is not None and registered is None:
