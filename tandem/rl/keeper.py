@@ -93,7 +93,7 @@ class ServerKeeper:
             self.replacements += 1
             self._watch(handle)
         url = self._addresses[handle.name]
-        state = self.controller.join(url, handle.pid)
+        state = self.controller.join(url, handle.pid, listed=True)  # probed while evicted: a stop is not an exit
         logger.info("%s replaces %s at %s (%s)", handle.name, dead, url, state)
 
     def close(self) -> None:

@@ -191,9 +191,10 @@ class RolloutController:
         """What `GET /fleet/members` answers (`tandem fleet`)."""
         return self.fleet.members()
 
-    def join(self, address: str, pid: int | None) -> str:
-        """A server asked to join (`tandem serve --join`); -> its state."""
-        return self.fleet.join(address, pid)
+    def join(self, address: str, pid: int | None, listed: bool = False) -> str:
+        """A server asked to join (`tandem serve --join`; `listed`: a replacement the run launched,
+        probed while evicted like the servers it started with); -> its state."""
+        return self.fleet.join(address, pid, listed=listed)
 
     # -- Fleet (a trainer in this process calls it; trainer workers reach it via RolloutCallback) --------
     @property

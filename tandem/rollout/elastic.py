@@ -110,8 +110,8 @@ class ElasticFleet:
         return inner
 
     # -- joins and the view for `tandem fleet` --------------------------------------------------
-    def join(self, address: str, pid: int | None) -> str:
-        record = self.membership.register(normalize_address(address), pid)
+    def join(self, address: str, pid: int | None, listed: bool = False) -> str:
+        record = self.membership.register(normalize_address(address), pid, listed=listed)
         logger.info("%s (pid %s) asked to join; it is %s", record.address, pid, record.state.value)
         return record.state.value
 

@@ -186,8 +186,10 @@ class Membership:
         self._change(address, apply)
         return bool(out and out[0])
 
-    def register(self, address: str, pid: int | None = None) -> ServerRecord:
-        """A server asks to join: new or evicted ones start joining; others stay as they are."""
+    def register(self, address: str, pid: int | None = None, listed: bool = False) -> ServerRecord:
+        """A server asks to join: new or evicted ones start joining; others stay as they are.
+        `listed`: the run launched it (a replacement), so it is probed while evicted like the
+        servers listed at the start."""
         address = normalize_address(address)
         with self._lock:
             r = self._records.get(address)
@@ -198,6 +200,7 @@ class Membership:
                 r.failures, r.version = 0, None
             if pid is not None:
                 r.pid = pid
+            r.listed = r.listed or listed
             self._commit_members()
             return dataclasses.replace(r)
 

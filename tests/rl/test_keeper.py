@@ -64,3 +64,31 @@ def test_the_wait_for_an_evicted_server_that_never_exits_is_bounded(tmp_path, mo
     finally:
         proc.signal_group(9)
         proc.reap(10)
+
+
+def test_a_replacement_is_probed_while_evicted_like_the_server_it_replaced(tmp_path):
+    """Catches a replacement (`rollout.replace_dead`) joining as an outside server would: stopped
+    (SIGSTOP) and evicted by its probes, it was never probed again, so after SIGCONT it never came
+    back, though the run launched it and it still ran (found by bench/chaos.py)."""
+    proc, handle = launched(tmp_path, 120.0)
+    replacement = ServerHandle("rollout-1-r1", "127.0.0.1", PORT + 1, proc.pid, proc.log_path)
+    membership = Membership([handle.url])
+    controller = SimpleNamespace(
+        fleet=SimpleNamespace(membership=membership, evict=membership.evict),
+        join=lambda url, pid, **listed: membership.register(url, pid, **listed).state.value)
+    scheduler = SimpleNamespace(processes=[proc], start_servers=lambda *args, **kwargs: [replacement])
+    keeper = ServerKeeper(scheduler, controller, [handle], model_path="unused",  # type: ignore[arg-type]
+                          server_args=[], device="cpu", api_key=None, replace_dead=True)
+    try:
+        keeper._replace("rollout-1")
+        assert membership.record(replacement.url).state is MemberState.JOINING
+        membership.probe_ok(replacement.url, 0)
+        membership.evict(replacement.url, "2 probes failed in a row")  # stopped, not exited
+        assert replacement.url in membership.probe_targets()
+        membership.probe_ok(replacement.url, 0, sent_at=membership.now() + 1)  # continued: it answers again
+        assert membership.record(replacement.url).state is MemberState.JOINING  # back through warm-up
+    finally:
+        keeper._closed = True
+        proc.signal_group(9)
+        proc.reap(10)
+        keeper.close()

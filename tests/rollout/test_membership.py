@@ -258,3 +258,18 @@ def test_concurrent_reports_keep_the_invariants(clock):
     assert members == {r.address for r in records if r.state in (MemberState.HEALTHY, MemberState.SUSPECT)}
     assert set(m.routable()) == {r.address for r in records if r.state is MemberState.HEALTHY}
     assert m.evicted_total >= 0 and all(set(s) <= {A, B, C} for s in seen)
+
+
+def test_a_server_registered_as_listed_is_probed_while_evicted(clock):
+    """A replacement the run launched (`register(..., listed=True)`) comes back like the servers it
+    started with; joining again as an outside server does not unlist a listed one."""
+    m = make(clock, threshold=1)
+    m.register(C, pid=7, listed=True)
+    m.probe_ok(C, 0)
+    m.probe_failed(C, "no answer")
+    assert state(m, C) is MemberState.EVICTED and C in m.probe_targets()
+    m.probe_ok(C, 0)
+    assert state(m, C) is MemberState.JOINING
+    m.register(A)
+    m.probe_failed(A, "no answer")
+    assert state(m, A) is MemberState.EVICTED and A in m.probe_targets()
