@@ -107,7 +107,7 @@ class HttpFleet:
 
     async def _fanout(self, op: ops.FleetOp, request: Any, addresses: list[str], calls: list[Any],
                       timeout: float, counts: list[int]) -> FleetResult:
-        # A collective cannot complete without every member: one given up spoils it for the others.
+        # A collective cannot complete without every member: one given up, or unreachable, spoils it for the others.
         spoiled = self._loop.create_future() if op.collective else None
         answers = await asyncio.gather(*(self._post(op, a, c, timeout, n, spoiled)
                                          for a, c, n in zip(addresses, calls, counts, strict=True)))
@@ -160,6 +160,11 @@ class HttpFleet:
             waited = time.monotonic() - start
             if request.done():
                 result = request.result()
+                if result.no_answer and spoiled is not None and not spoiled.done():
+                    # Unreachable (its process died as the call went out, before its eviction could
+                    # give it up): out of the collective as surely, and the others would wait for it.
+                    spoiled.set_result(f"{address} failed ({result.message}), and {op.name} cannot complete "
+                                       "without it")
             elif waiter.done():
                 result = ServerResult(address, False, f"given up after {waited:.1f}s: {waiter.result()}",
                                       no_answer=True)

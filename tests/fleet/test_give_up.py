@@ -120,6 +120,29 @@ def test_a_collective_spoiled_by_a_given_up_member_fails_for_all(silent):
     assert "cannot complete without it" in by_address[second].message and silent in by_address[second].message
 
 
+def test_a_collective_spoiled_by_an_unreachable_member_fails_for_all(silent):
+    """stage_distributed to a member whose process died as the call went out (its connection
+    refused: it fails at once, before its eviction could give it up) and one blocked in the
+    broadcast: the blocked one is spoiled at once instead of waiting out the bucket deadline (found
+    by bench/chaos.py: a server SIGKILLed during an update held the step 60 s, gloo's timeout on
+    the survivors), and only the dead one is blamed."""
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()  # nothing listens there: connections are refused
+    bucket = ops.DistributedBucket("g", (), bucket_index=0, commit=False)
+    with HttpFleet([dead, silent], deadlines=PATIENT) as fleet:
+        start = time.monotonic()
+        with pytest.raises(FleetError) as info:
+            fleet.send(ops.STAGE_DISTRIBUTED, bucket).result(35)
+        elapsed = time.monotonic() - start
+    assert elapsed < 2.0, elapsed  # not the 30 s bucket deadline
+    by_address = {r.address: r for r in info.value.failures}
+    assert by_address[dead].no_answer and "unreachable" in by_address[dead].message
+    assert not by_address[silent].no_answer  # not to blame: it may still answer
+    assert "cannot complete without it" in by_address[silent].message and dead in by_address[silent].message
+
+
 def test_a_slow_call_is_logged_once_and_when_it_ends(silent, caplog):
     short = ops.Deadlines(init_group_s=1.0, bucket_s=1.0, update_s=5.0, http_s=0.8)
     with caplog.at_level(logging.WARNING, logger="tandem.fleet.http"), \
