@@ -52,6 +52,7 @@ class WeightReceiver:
         self.weights_released = weights_released  # true while /release_memory_occupation holds the weights
         self.lock = asyncio.Lock()  # one weight update / memory change at a time (the memory routes take it too)
         self.groups: dict[str, WeightGroup] = {}  # group name -> joined transfer group
+        self.left: dict[str, asyncio.Event] = {}  # group name -> set when it is left (a receive on it lets go)
         self.staged: Staging | None = None  # buckets of an update not committed yet
         self.staging_buffers: dict[int, torch.Tensor] = {}  # bucket index -> uint8 buffer its bucket lands in
         self.live_buffers: dict[int, torch.Tensor] = {}  # buffers the parameters are views of (ping-pong)
@@ -101,6 +102,7 @@ class WeightReceiver:
             await asyncio.to_thread(group.destroy)
             raise ControlError(f"weight group {join.name!r} already exists; destroy it first")
         self.groups[join.name] = group
+        self.left[join.name] = asyncio.Event()
         return f"joined weight group {join.name!r} as rank {join.rank} of {join.world_size} ({join.backend})"
 
     async def leave(self, name: str) -> None:
@@ -108,6 +110,7 @@ class WeightReceiver:
         group = self.groups.pop(name, None)
         if group is None:
             raise ControlError(f"no weight group {name!r}")
+        self.left.pop(name).set()
         if self.staged is not None and self.staged.source == f"group {name!r}":
             self.discard()
         await asyncio.to_thread(group.destroy)
@@ -115,6 +118,9 @@ class WeightReceiver:
     def close(self) -> None:
         """Leave every group (server shutdown)."""
         groups, self.groups = list(self.groups.values()), {}
+        for left in self.left.values():
+            left.set()
+        self.left = {}
         for group in groups:
             group.destroy()
 
@@ -123,8 +129,8 @@ class WeightReceiver:
         commit or stage it. A well-formed bucket the model refuses is still received (and dropped),
         so the group stays in step with the trainer. `kill_after`: fault injection (`receive`)."""
         name, meta, stage, flat = bucket.group_name, bucket.tensors, bucket.stage, bucket.flat
-        group = self.groups.get(name)
-        if group is None:
+        group, left = self.groups.get(name), self.left.get(name)
+        if group is None or left is None:
             raise ControlError(f"no weight group {name!r}; call /init_weights_update_group first")
         async with self.lock:
             problem = None
@@ -140,14 +146,15 @@ class WeightReceiver:
             reuse = None
             try:
                 if flat is None:
-                    tensors = await asyncio.to_thread(receive, group, meta.shapes, meta.dtypes, kill_after)
+                    tensors = await self._until_left(name, left, None, asyncio.to_thread(
+                        receive, group, meta.shapes, meta.dtypes, kill_after))
                 else:
                     # Persistent buffer only for a well-formed staged bucket: bucket k of a set is the
                     # only user of buffer k, and bucket 0 drops the previous set before it lands.
                     reuse = stage.bucket_index if problem is None else None
                     buf = self._buffer(reuse, flat.nbytes, group.device)
-                    tensors = await asyncio.to_thread(receive_flat, group, buf, flat.offsets, meta.shapes,
-                                                      meta.dtypes, kill_after)
+                    tensors = await self._until_left(name, left, reuse, asyncio.to_thread(
+                        receive_flat, group, buf, flat.offsets, meta.shapes, meta.dtypes, kill_after))
             except WeightGroupError as exc:
                 self.discard()
                 raise ControlError(f"{exc}; the previous weights keep serving") from exc
@@ -162,6 +169,25 @@ class WeightReceiver:
             return await self._finish(staging, list(zip(meta.names, tensors, strict=True)), stage,
                                       f"{len(meta.names)} tensors from group {name!r}", flat_index=reuse,
                                       partial=stage.commit and stage.bucket_index is None)
+
+    async def _until_left(self, name: str, left: asyncio.Event, reuse: int | None, receiving):
+        """The tensors `receiving` gets, unless group `name` is left first (`left`): the trainer gave
+        the group up, as when a member stopped mid-broadcast leaves this server blocked in a receive
+        that gloo relays through it and that nothing can cut short. Then WeightGroupError, and the
+        lock goes to the next update (over a new group) now; the receive runs on to the group's
+        timeout in its thread, so staging buffer `reuse`, which it may still write, is dropped."""
+        task = asyncio.ensure_future(receiving)
+        waiter = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its end is nobody's business
+        if reuse is not None:
+            self.staging_buffers.pop(reuse, None)
+        raise WeightGroupError(f"weight group {name!r} was left while this bucket was being received")
 
     # --------------------------------------------------------------------------- shared memory
     async def take_shared(self, bucket: SharedBucket) -> Applied:
