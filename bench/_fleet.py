@@ -23,11 +23,13 @@ def fleet(run: Path) -> list[dict]:
 
 
 def rows(run: Path) -> list[dict]:
-    """The run's RL rows (metrics.jsonl) past step 0, in the order written."""
+    """The run's RL rows (metrics.jsonl) past step 0, in the order written (a last line still being
+    written is left for the next read)."""
     path = run / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("phase") == "rl" and r["step"] > 0]
+    lines = path.read_text().split("\n")
+    return [r for r in map(json.loads, lines[:-1]) if r.get("phase") == "rl" and r["step"] > 0]
 
 
 def start_joiner(tandem: list[str], model: Path, run: Path) -> tuple[subprocess.Popen, str]:

@@ -57,6 +57,7 @@ from _report import append_benchmark
 from current import record, this_command
 
 from tandem.fleet.run_file import ControllerClient, ControllerFileError, read_controller_file
+from tandem.launch.rpc_server import worker_pid
 
 ROOT = Path(__file__).resolve().parent.parent
 TANDEM = [sys.executable, "-m", "tandem.cli"]  # this checkout's tandem (PYTHONPATH below), not an installed one
@@ -250,12 +251,28 @@ class Chaos:
     def inject(self, f: Fault) -> None:
         getattr(self, f"fault_{f.kind}")(f)
 
+    @staticmethod
+    def begin(f: Fault, target: str) -> float:
+        """Mark `f` injected on `target` now; -> the monotonic time of it."""
+        f.target, f.injected, f.start_wall = target, True, time.time()
+        return time.monotonic()
+
+    def healthy_again(self, f: Fault, address: str) -> str:
+        """Wait (REJOIN_S) for a server evicted while alive to be healthy again (broken if the run
+        goes on without it); -> a note."""
+        t0 = time.monotonic()
+        if self.wait(lambda: self.state(address) == "healthy", REJOIN_S, "healthy again"):
+            return f"healthy {time.monotonic() - t0:.1f} s after"
+        if self.alive():
+            f.broken.append(f"{f.kind} at row {f.at_row}: {address} not healthy again within {REJOIN_S:.0f} s")
+        return f"not healthy again within {REJOIN_S:.0f} s"
+
     def fault_kill(self, f: Fault) -> None:
         v = self.victim()
         if v is None:
             return
-        f.target, before = v["address"], len(self.healthy())
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        before = len(self.healthy())
+        t0 = self.begin(f, v["address"])
         self.signal(v["pid"], signal.SIGKILL)
         f.detected_s = self.evicted_within(v["address"], t0, WAIT_S)
         back = self.wait(lambda: len(self.healthy()) >= before, WAIT_S, "a replacement")
@@ -265,25 +282,18 @@ class Chaos:
         v = self.victim()
         if v is None:
             return
-        f.target = v["address"]
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        t0 = self.begin(f, v["address"])
         self.signal(v["pid"], signal.SIGSTOP)
         f.detected_s = self.evicted_within(v["address"], t0, self.args.stop_s)
         time.sleep(max(0.0, t0 + self.args.stop_s - time.monotonic()))
         self.signal(v["pid"], signal.SIGCONT)
-        t1 = time.monotonic()
-        back = self.wait(lambda: self.state(v["address"]) == "healthy", REJOIN_S, "healthy again")
-        f.note = f"stopped {self.args.stop_s:.0f} s; healthy {time.monotonic() - t1:.1f} s after SIGCONT" if back \
-            else f"stopped {self.args.stop_s:.0f} s; not healthy again within {REJOIN_S:.0f} s"
-        if not back and self.alive():
-            f.broken.append(f"stop at row {f.at_row}: {v['address']} not healthy again within {REJOIN_S:.0f} s")
+        f.note = f"stopped {self.args.stop_s:.0f} s; {self.healthy_again(f, v['address'])} SIGCONT"
 
     def fault_duty(self, f: Fault) -> None:
         v = self.victim()
         if v is None:
             return
-        f.target = v["address"]
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        t0 = self.begin(f, v["address"])
         while time.monotonic() < t0 + SLOW_S and self.alive():
             self.signal(v["pid"], signal.SIGSTOP)
             time.sleep(DUTY_STOP_S)
@@ -295,18 +305,13 @@ class Chaos:
                 time.sleep(POLL_S)
         f.note = f"stopped {DUTY_STOP_S:.1f} s of every {DUTY_PERIOD_S:.1f} s for {SLOW_S:.0f} s"
         if f.detected_s is not None:
-            t1 = time.monotonic()
-            back = self.wait(lambda: self.state(v["address"]) == "healthy", REJOIN_S, "healthy again")
-            f.note += f"; healthy {time.monotonic() - t1:.1f} s after" if back else "; not healthy again"
-            if not back and self.alive():
-                f.broken.append(f"duty at row {f.at_row}: {v['address']} not healthy again within {REJOIN_S:.0f} s")
+            f.note += f"; {self.healthy_again(f, v['address'])}"
 
     def fault_proxy(self, f: Fault) -> None:
         assert self.proxy is not None
         if self.state(self.proxied) != "healthy" and not self.register_proxied():
             return
-        f.target = self.proxied
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        t0 = self.begin(f, self.proxied)
         before = dict(self.proxy.counts)
         self.proxy.impair(**PROXY_IMPAIR)
         f.detected_s = self.evicted_within(self.proxied, t0, SLOW_S)
@@ -319,7 +324,7 @@ class Chaos:
             f.note += "; registered again" if self.register_proxied() else "; not healthy again"
 
     def fault_join(self, f: Fault) -> None:
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        t0 = self.begin(f, "")
         proc, address = start_joiner(TANDEM, self.model, self.run)
         self.extra.append(proc)
         f.target = address
@@ -330,7 +335,7 @@ class Chaos:
     def fault_reward(self, f: Fault) -> None:
         log = Path(f"{self.hang}.log")
         seen = len(log.read_text().splitlines()) if log.exists() else 0
-        f.injected, f.start_wall = True, time.time()
+        self.begin(f, "one reward call")
         self.hang.touch()
         if not self.wait(lambda: not self.hang.exists(), WAIT_S, "a reward call"):
             f.note = "no reward call took the hang"
@@ -339,7 +344,6 @@ class Chaos:
         f.expected_lost = 1
         self.wait(lambda: log.exists() and len(log.read_text().splitlines()) > seen, 10, "the hang's log")
         started = float(log.read_text().splitlines()[-1]) if log.exists() else f.start_wall
-        f.target = "one reward call"
         lost_before = lost_total(rows(self.run), before=started)
         if self.wait(lambda: lost_total(rows(self.run)) > lost_before, WAIT_S, "the group lost"):
             f.detected_s = next(r["time"] for r in rows_with_lost(rows(self.run)) if r["lost"] > lost_before) - started
@@ -347,12 +351,11 @@ class Chaos:
 
     def fault_rank(self, f: Fault) -> None:
         assert self.proc is not None
-        pid = rank_pid("actor-rank1", self.proc.pid)
+        pid = worker_pid("actor-rank1", self.proc.pid)
         if pid is None:
             return
         first = read_controller_file(self.run)
-        f.target = "actor-rank1"
-        f.injected, f.start_wall, t0 = True, time.time(), time.monotonic()
+        t0 = self.begin(f, "actor-rank1")
         os.kill(pid, signal.SIGKILL)
 
         def relaunched() -> bool:
@@ -392,20 +395,6 @@ def _health_ok(port: int) -> bool:
             return resp.status == 200
     except OSError:
         return False
-
-
-def rank_pid(name: str, parent: int) -> int | None:
-    """The process `tandem train` (pid `parent`) runs under the RPC name `name`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"TANDEM_RPC_NAME={name}".encode() in env and f"TANDEM_PARENT_PID={parent}".encode() in env:
-            return int(entry.name)
-    return None
 
 
 def rows_with_lost(all_rows: list[dict]) -> list[dict]:
@@ -514,8 +503,8 @@ def main() -> int:
         "",
         table(faults),
         "",
-        f"- run finished: {'yes' if finished else 'no'}; rows {len(all_rows)} (steps re-run after the relaunch "
-        f"included); start-up {chaos.startup_s:.1f} s; median step {median:.2f} s",
+        f"- run finished: {'yes' if finished else 'no'}; {len(all_rows)} metrics rows; start-up {chaos.startup_s:.1f} s; "
+        f"median step {median:.2f} s",
         "- faults injected: " + ", ".join(f"{k} {n}" for k, n in kinds.items()),
         f"- episodes lost: {total_lost} (reward hangs taken: {chaos.hangs}); generation calls resubmitted: "
         f"{int(last.get('rollout/resubmitted_total', 0))} (last launch)",

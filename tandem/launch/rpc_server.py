@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, NoReturn
 
 from tandem.launch.affinity import apply_cpu_affinity_from_env
@@ -26,6 +27,23 @@ ENV_AUTHKEY = "TANDEM_RPC_AUTHKEY"  # hex of the run's key; removed from the env
 ENV_PLACEMENT = "TANDEM_PLACEMENT"  # the scheduler's words for where the rank runs (e.g. "job 12.0")
 ENV_PARENT_PID = "TANDEM_PARENT_PID"  # the controller: SIGKILL when it dies
 ENV_NAME = "TANDEM_RPC_NAME"  # the process's name in its log lines (e.g. actor-rank0)
+
+
+def worker_pid(name: str, parent: int) -> int | None:
+    """The pid of the worker that the controller `parent` started under the name `name` (e.g.
+    actor-rank1) on this machine, read from /proc (Linux); None when there is none. For tests and
+    benchmarks that kill one rank of a run."""
+    wanted = {f"{ENV_NAME}={name}".encode(), f"{ENV_PARENT_PID}={parent}".encode()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= env:
+            return int(entry.name)
+    return None
 
 
 @dataclass

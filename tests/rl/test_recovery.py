@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tandem.launch.rpc_server import worker_pid
 from tandem.rl.checkpoints import CRITIC, LATEST, TRAINER, checkpoint_name, checkpoints_dir
 from tests.launch.procs import CHILD_ENV
 from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
@@ -150,20 +151,6 @@ def test_with_staleness_two_the_same_prompts_are_trained_and_the_bound_holds(mod
         assert got[step]["staleness/max"] <= 2, (step, got[step]["staleness/max"])
 
 
-def _pid_of(name: str, parent: int) -> int | None:
-    """The process started by `parent` (its controller) under the RPC name `name`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"TANDEM_RPC_NAME={name}".encode() in env and f"TANDEM_PARENT_PID={parent}".encode() in env:
-            return int(entry.name)
-    return None
-
-
 def test_retries_relaunch_a_job_whose_trainer_rank_died(model_dir, tmp_path):
     cfg = config(tmp_path, model_dir, 1, total_steps=8)  # killed after step 2: steps left to need the rank
     cfg_data = json.loads(cfg.read_text())
@@ -183,7 +170,7 @@ def test_retries_relaunch_a_job_whose_trainer_rank_died(model_dir, tmp_path):
         try:
             done = max(r["step"] for r in rl_rows(tmp_path))
             assert done < 8, "the run had finished before the rank could be killed"
-            pid = _pid_of("actor-rank0", proc.pid)
+            pid = worker_pid("actor-rank0", proc.pid)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
         finally:
