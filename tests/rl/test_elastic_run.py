@@ -30,8 +30,9 @@ from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
 pytestmark = pytest.mark.slow
 KEYS = {"address", "pid", "state", "version", "in_flight", "tokens_served", "last_error"}
 # Steps here take ~0.12 s and a server's start-up ~8 s (~65 steps; more under a loaded suite, where
-# 120 steps once ended 1 s after the joiner was admitted): 250 leave the joiner well over 100 steps.
-STEPS = 250
+# 120 steps once ended 1 s after the joiner was admitted, and 250 once ended before the second of
+# the replacement and the joiner was: CI with the chaos soak beside it): 400 leave both ~25 s idle.
+STEPS = 400
 
 
 def _server(pids: set[int], index: int) -> int:
