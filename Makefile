@@ -129,10 +129,13 @@ agent: $(STAMP)
 # serving, training, weight sync and the demo, one report in $(GPU_CHECK_OUT)/gpu_check.{md,json,log}
 # (docs/benchmarks.md, "GPU check"). Uses .venv when there is one, else python3 with Tandem on
 # PYTHONPATH (a GPU image has torch but no venv): never installs anything.
+# `make gpu-check DEVICE=cpu`: the same steps on CPU with tiny shapes (a dry run; CI runs it).
+DEVICE         ?= cuda
 GPU_CHECK_OUT  ?= gpu-check-out
 GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),python3) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),python3) bench/gpu_check.py \
+		--out $(GPU_CHECK_OUT) --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),--quick) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis

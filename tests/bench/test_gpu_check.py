@@ -1,6 +1,7 @@
 """`bench/gpu_check.py` must work the day a GPU is lent (about 15 minutes of device time, start
-included, leave no room to debug the script there): its CPU dry run (`--device cpu --quick`) runs
-every step end to end here, as a real subprocess, and writes the report the device run would."""
+included, leave no room to debug the script there): its CPU dry run (`make gpu-check DEVICE=cpu`:
+`--device cpu --quick`) runs every step end to end here, as a real subprocess, and writes the
+report the device run would."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(out), "--device", "cpu", "--quick",
-                           "--budget-s", "500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # not pytest-under-make's flags
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", "DEVICE=cpu", f"GPU_CHECK_OUT={out}",
+                           "GPU_CHECK_ARGS=--budget-s 500", f"PY={sys.executable}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
     log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
