@@ -19,10 +19,12 @@ from tandem.inference.paged_attention import (
     AttentionMetadata,
     PagedAttentionBackend,
     build_decode_metadata,
+    build_gathered_keys,
     build_prefill_pass,
 )
 from tandem.inference.routed_expert_cache import RoutedExpertCache
 from tandem.inference.sequence import Sequence
+from tandem.models.common.attention import choose_kernel
 
 
 class ModelRunner:
@@ -41,10 +43,13 @@ class ModelRunner:
         self.pad_block = num_blocks
         shape = (args.n_layers, 2, args.n_kv_heads, num_blocks + 1, block_size, args.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.attn = PagedAttentionBackend(*self.layer_caches(), scale=args.head_dim**-0.5)
+        self.attn = PagedAttentionBackend(*self.layer_caches(), scale=args.head_dim**-0.5,
+                                          batch_invariant=batch_invariant)
         self.routed_expert_cache = RoutedExpertCache.for_model(model, num_blocks, block_size, self.device)  # None: dense
         # KV writes and decode attention in the CPU kernel where it serves (built on first use; else PyTorch's).
         self.attention_kernel = self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        # Prefill and decode attention through flash attention's varlen kernel (CUDA, fp16/bf16).
+        self.varlen = choose_kernel("auto", self.device, dtype, args.head_dim) == "varlen"
 
     @property
     def attention_kernel(self) -> bool:
@@ -121,7 +126,10 @@ class ModelRunner:
             max_context_len=max(len(s) for s in seqs),
             no_cached_prefix=all(s.num_computed_tokens == 0 for s in seqs),
         )
-        if self.attention_kernel:  # per-row arithmetic: batch-invariant as it stands
+        if self.varlen:  # per-sequence arithmetic: batch-invariant without key splits (the backend's)
+            self.attn.meta.gathered = build_gathered_keys([s.block_table for s in seqs], [len(s) for s in seqs],
+                                                          self.block_size, dev)
+        elif self.attention_kernel:  # per-row arithmetic: batch-invariant as it stands
             self.attn.meta.prefill = build_prefill_pass(
                 [s.block_table for s in seqs], [len(s) for s in seqs],
                 [b - a for a, b in itertools.pairwise(cu_q)], dev)
@@ -144,8 +152,10 @@ class ModelRunner:
             max_query_len=1,
             max_context_len=max(lens),
             no_cached_prefix=False,
-            decode=build_decode_metadata(tables, lens, shared_blocks, bs, dev, pad_block=self.pad_block,
-                                         kernel=self.attention_kernel),
+            decode=None if self.varlen else build_decode_metadata(tables, lens, shared_blocks, bs, dev,
+                                                                  pad_block=self.pad_block,
+                                                                  kernel=self.attention_kernel),
+            gathered=build_gathered_keys(tables, lens, bs, dev) if self.varlen else None,
         )
         return (torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

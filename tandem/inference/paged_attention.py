@@ -10,8 +10,10 @@ block table. On CPU the C++ kernel serves prefills and decodes alike (`kernel_at
 `paged_attention` prefills over a cached prefix (one masked SDPA over padded sequences);
 `decode_attention` serves decodes (cascade attention in key chunks: a shared prompt prefix is read
 once per group, combined exactly by log-sum-exp), with indices built once per step by
-`build_decode_metadata`. These are what a CUDA kernel replaces. See docs/inference.md, "KV cache
-and attention"."""
+`build_decode_metadata`. On CUDA in float16/bfloat16, `varlen_paged_attention` serves prefills and
+decodes alike: each sequence's keys gathered from the cache (`build_gathered_keys`, once per step)
+into one packed stream for flash attention's varlen kernel. See docs/inference.md, "KV cache and
+attention"."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 from tandem.inference import cpu_kernels
 from tandem.models.common import padded_causal_attention
+from tandem.models.common.attention import varlen_attention
 
 
 @dataclass
@@ -65,6 +68,44 @@ Pass = ChunkPass | KernelPass
 
 
 @dataclass
+class GatheredKeys:
+    """A step's keys for the varlen kernel: sequence i's keys 0..c_i-1 (cached and new) read from
+    the cache into one packed stream, key j from block `blocks[j]` at offset `offsets[j]`;
+    `cu_seqlens_k` bounds each sequence's keys."""
+
+    blocks: torch.Tensor  # [T_k] int64
+    offsets: torch.Tensor  # [T_k] int64
+    cu_seqlens_k: torch.Tensor  # [B+1] int32
+    max_k: int
+
+
+def build_gathered_keys(block_tables: list[list[int]], context_lens: list[int], block_size: int,
+                        device: torch.device) -> GatheredKeys:
+    """Per step, for all layers: where each sequence's keys live (on the host, then one copy)."""
+    lens = torch.tensor(context_lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(context_lens)), lens)
+    pos = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+    where = torch.stack([tables[seq, pos // block_size], pos % block_size]).to(device)
+    cu = torch.tensor([0, *itertools.accumulate(context_lens)], dtype=torch.int32).to(device)
+    return GatheredKeys(where[0], where[1], cu, max(context_lens))
+
+
+def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, batch_invariant: bool = False) -> torch.Tensor:
+    """q `[T, H, D]` (a prefill's new tokens or a decode's one per sequence, their k/v already
+    written) -> `[T, H, D]`: each query attends causally to its sequence's keys, gathered as
+    `meta.gathered` says, through flash attention's varlen kernel (CUDA, float16/bfloat16)."""
+    g = meta.gathered
+    assert g is not None, "build_gathered_keys first"
+    keys = k_cache.permute(1, 3, 0, 2)[g.blocks, g.offsets]  # [blocks, block_size, H_kv, D] -> [T_k, H_kv, D]
+    values = v_cache.permute(1, 2, 0, 3)[g.blocks, g.offsets]
+    return varlen_attention(q, keys, values, meta.cu_seqlens_q, g.cu_seqlens_k, meta.max_query_len, g.max_k,
+                            scale, batch_invariant=batch_invariant)
+
+
+@dataclass
 class DecodeMetadata:
     suffix: Pass  # every sequence: its keys past its shared prefix (at least its newest one)
     prefix: list[Pass]  # shared prefixes, one pass per padded group size
@@ -81,6 +122,7 @@ class AttentionMetadata:
     no_cached_prefix: bool  # every sequence attends only to its new tokens (plain prefill)
     decode: DecodeMetadata | None = None  # set for decode steps (one new token per sequence)
     prefill: KernelPass | None = None  # a prefill's attention in the CPU kernel, where the runner uses it
+    gathered: GatheredKeys | None = None  # prefill or decode through the varlen kernel (CUDA), where the runner uses it
     # Batch invariance (prefill): each sequence's rows and its metadata alone (`split`); attention
     # then runs per sequence, with exactly the calls and shapes it would run by itself.
     parts: list[tuple[slice, AttentionMetadata]] | None = None
@@ -363,8 +405,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class PagedAttentionBackend:
     """The model's attention hook for one step: store the new k/v, then attend through the cache."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float):
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float,
+                 batch_invariant: bool = False):
         self.k_caches, self.v_caches, self.scale = k_caches, v_caches, scale
+        self.batch_invariant = batch_invariant
         self.meta: AttentionMetadata | None = None
         self.kernel: ModuleType | None = None  # the CPU extension, where the model runner uses it
         # (`ModelRunner.attention_kernel`): KV writes here, decode passes through the metadata
@@ -374,6 +418,8 @@ class PagedAttentionBackend:
         assert meta is not None, "set the step's AttentionMetadata first"
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kernel)
+        if meta.gathered is not None:
+            return varlen_paged_attention(q, k_cache, v_cache, meta, self.scale, self.batch_invariant)
         if meta.decode is not None:
             return decode_attention(q, k_cache, v_cache, meta.decode, self.scale)
         if meta.parts is not None:

@@ -14,11 +14,33 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
+
+
+def _attention_kernels() -> set[Any]:
+    """The packed-attention kernels of CUDA (`tandem.models.common.attention`) where torch has them:
+    flash varlen's op and FlexAttention's higher-order op."""
+    found: set[Any] = set()
+    try:
+        import torch.nn.attention.varlen
+
+        found.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention
+
+        found.add(flex_attention)
+    except ImportError:
+        pass
+    return found
+
+
 # Outputs kept by op-level selective checkpointing: the ops whose recompute would cost a matmul.
 SAVED_OPS = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *_attention_kernels(),
 })
 
 

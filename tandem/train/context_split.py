@@ -10,13 +10,11 @@ parallelism"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from tandem.models.common import packed_causal_attention
-from tandem.parallel.context_parallel import gather_tokens, ulysses_attention
+from tandem.parallel.context_parallel import Kernel, gather_tokens, ulysses_attention
 
 
 @dataclass(frozen=True)
@@ -58,13 +56,13 @@ class ContextSplit:
         differentiable under the contract of `gather_tokens` (replicated consumers)."""
         return gather_tokens(x, self.group)[: self.num_tokens]
 
-    def attention(self, cu_seqlens: torch.Tensor):  # -> tandem.models.qwen.model.AttentionBackend
+    def attention(self, kernel: Kernel):  # -> tandem.models.qwen.model.AttentionBackend
         """The model's attention hook (`attn(layer, q, k, v)`) for this slice: Ulysses over the CP
-        group with packed causal attention on the full stream (`cu_seqlens` of the whole micro-batch)."""
+        group, `kernel` the packed causal attention of the whole stream (`padded` tokens; the
+        model's `packed_attention` for the micro-batch's full `cu_seqlens`)."""
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             del layer
-            kernel = partial(packed_causal_attention, cu_seqlens=cu_seqlens, scale=q.shape[-1] ** -0.5)
             return ulysses_attention(q, k, v, kernel, self.group)
 
         return attn

@@ -110,8 +110,12 @@ class LogprobModel(nn.Module):
         split = ContextSplit.of(input_ids.shape[0], self.cp_group)
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         local_routing = None if routing is None else _local_routing(routing, split)
+        # The whole stream's attention, planned once; an `auto` kernel (a model the engine did not
+        # set up) is chosen by the embedding's dtype.
+        kernel = self.model.packed_attention(cu_seqlens, split.padded, input_ids.device,
+                                             self.model.tok_embeddings.weight.dtype)
         hidden = self.model.hidden_states(split.local(input_ids), cu_seqlens, positions=split.local(positions),
-                                          attn=split.attention(cu_seqlens), routing=local_routing)
+                                          attn=split.attention(kernel), routing=local_routing)
         if routing is not None:
             for mine, whole in ((local_routing.recorded, routing.recorded), (local_routing.live, routing.live),
                                 (local_routing.logits, routing.logits)):

@@ -298,3 +298,84 @@ def test_the_kernel_refuses_row_keys_past_its_task():
         kernel.attend(qv, k_cache, v_cache, [[rows, blocks, nkeys, torch.tensor([[19, 21]])]])
     with pytest.raises(RuntimeError, match="more keys than its blocks hold"):
         kernel.attend(qv, k_cache, v_cache, [[rows, blocks, torch.tensor([33])]])
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["torch>=2.12", "torch-2.11"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
+def test_gathered_keys_hand_the_varlen_kernel_each_sequences_cache(monkeypatch, heads, takes_gqa):
+    """CUDA's path (`varlen_paged_attention`), with torch's varlen contract standing in for the
+    flash kernel on CPU (tests/varlen_reference.py): decodes over shared and private blocks, and
+    prefills of new tokens after cached prefixes of every length, equal float64 attention over
+    each sequence's keys read through its block table."""
+    import tandem.models.common.attention as attention
+    from tandem.inference.paged_attention import build_gathered_keys, varlen_paged_attention
+    from tests.varlen_reference import reference_varlen
+
+    calls: list[dict] = []
+    monkeypatch.setattr(attention, "_varlen", lambda: (reference_varlen(calls, takes_gqa), takes_gqa))
+    torch.manual_seed(7)
+    n_heads, h_kv = heads
+    bs, d, num_blocks = 16, 32, 400
+    k_cache, v_cache = torch.randn(h_kv, num_blocks, bs, d), torch.randn(h_kv, num_blocks, bs, d)
+    scale = d**-0.5
+
+    tables, lens, _ = _workload(3, bs, [4, 2], 5, num_blocks)  # decode: one query per sequence
+    q = torch.randn(len(tables), n_heads, d)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), cu_seqlens_q=torch.arange(len(tables) + 1, dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=None, max_query_len=1,
+        max_context_len=max(lens), no_cached_prefix=False,
+        gathered=build_gathered_keys(tables, lens, bs, torch.device("cpu")))
+    out = varlen_paged_attention(q, stored(k_cache), v_cache, meta, scale, batch_invariant=True)
+    assert (out.double() - _reference(q, k_cache, v_cache, tables, lens, scale)).abs().max() < 1e-5
+    assert calls[-1]["max_k"] == max(lens) and calls[-1]["splits"] == (1 if takes_gqa else None)
+
+    cached, new = [0, 5, 16, 33, 70], [40, 17, 16, 1, 3]  # prefill after cached prefixes
+    lens = [c + n for c, n in zip(cached, new, strict=True)]
+    free = list(range(1, num_blocks))
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    q = torch.randn(sum(new), n_heads, d)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=None, max_query_len=max(new),
+        max_context_len=max(lens), no_cached_prefix=False,
+        gathered=build_gathered_keys(tables, lens, bs, torch.device("cpu")))
+    out = varlen_paged_attention(q, stored(k_cache), v_cache, meta, scale)
+    first = 0
+    for table, context, n in zip(tables, lens, new, strict=True):
+        for t in range(n):  # token t of the new ones sees the keys up to its own position
+            visible = context - n + t + 1
+            ref = _reference(q[first + t:first + t + 1], k_cache, v_cache, [table], [visible], scale)
+            assert (out[first + t].double() - ref[0]).abs().max() < 1e-5, (context, n, t)
+        first += n
+
+
+def test_engine_on_the_varlen_path_serves_what_the_cpu_kernel_serves(qwen3_dir, monkeypatch):
+    """The model runner's CUDA path end to end on CPU (torch's varlen contract standing in for the
+    flash kernel): prefills, forked samples sharing prefix blocks, and decodes give the same tokens
+    and logprobs as the CPU kernel, to fp32 rounding through the layers."""
+    import tandem.models.common.attention as attention
+    from tandem.inference.engine import LLMEngine
+    from tandem.inference.sampling_params import SamplingParams
+    from tests.inference.conftest import prompts
+    from tests.varlen_reference import reference_varlen
+
+    batch = prompts([37, 5, 64, 20], seed=22)
+    params = SamplingParams(max_new_tokens=16, n=3, temperature=1.0, seed=4, ignore_eos=True)
+
+    def outputs(engine):
+        return {(o.rid, o.index): o for o in engine.generate(batch, params)}
+
+    want = outputs(LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64))
+    calls: list[dict] = []
+    monkeypatch.setattr(attention, "_varlen", lambda: (reference_varlen(calls, True), True))
+    engine = LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64)
+    assert not engine.runner.varlen  # CPU: the kernel's path unless asked
+    engine.runner.varlen, engine.runner.attention_kernel = True, False
+    got = outputs(engine)
+    assert calls and any(c["max_q"] > 1 for c in calls) and any(c["max_q"] == 1 for c in calls)
+    assert got.keys() == want.keys()
+    for key, out in got.items():
+        assert out.output_ids == want[key].output_ids
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, want[key].output_logprobs, strict=True)) < 1e-5

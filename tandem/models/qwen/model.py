@@ -24,6 +24,7 @@ from tandem.models.common import (
     packed_causal_attention,
     positions_from_cu_seqlens,
 )
+from tandem.models.common.attention import PackedAttention, choose_kernel
 from tandem.models.qwen.args import QwenArgs
 from tandem.models.registry import ModelSpec, get_model_spec
 
@@ -126,6 +127,9 @@ class QwenModel(nn.Module):
         # sequence-parallel shards must be equal), and what the plan did (`TensorParallelInfo`).
         self.token_multiple = 1
         self.tensor_parallel = None
+        # The packed-attention kernel (`tandem.models.common.attention.KERNELS`); the training
+        # engine sets a concrete one from its device and compute dtype.
+        self.attention_kernel = "auto"
 
     @property
     def model_type(self) -> str:
@@ -169,10 +173,22 @@ class QwenModel(nn.Module):
             positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         h = self.tok_embeddings(input_ids)
         rope = self.rope(positions, h.dtype)
+        packed = self.packed_attention(cu_seqlens, input_ids.shape[0], h.device, h.dtype) if attn is None else None
         for key, layer in self.layers.items():
-            h = layer(h, rope, cu_seqlens, None if attn is None else partial(attn, int(key)), routing)
+            h = layer(h, rope, cu_seqlens, packed if attn is None else partial(attn, int(key)), routing)
         h = self.norm(h)
         return h[:num_tokens] if pad else h
+
+    def packed_attention(self, cu_seqlens: torch.Tensor, num_tokens: int, device: torch.device,
+                         dtype: torch.dtype) -> LayerAttention:
+        """Every layer's attention over a packed stream of `num_tokens` (padding included), planned
+        once, outside compiled blocks (`tandem.models.common.attention`): varlen or flex, or for
+        `sdpa` the per-layer `packed_causal_attention` of the CPU."""
+        scale = self.args.head_dim**-0.5
+        kernel = choose_kernel(self.attention_kernel, device, dtype, self.args.head_dim)
+        if kernel == "sdpa":
+            return partial(packed_causal_attention, cu_seqlens=cu_seqlens, scale=scale, kernel="sdpa")
+        return partial(PackedAttention.plan(cu_seqlens, num_tokens, kernel), scale=scale)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Apply the output head; callers may pass token chunks to bound logits memory. Under

@@ -62,8 +62,9 @@ class QwenStage(nn.Module):
         else:
             h = x[0, :rows]
         rope = self.rope(positions_from_cu_seqlens(cu, padded), h.dtype)
+        attn = self._owner.packed_attention(cu, padded, h.device, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, cu)
+            h = layer(h, rope, cu, attn)
         if not self.is_last:
             return pad_row(h, self.local_rows(width))
         hidden = self.norm(h)[:n]
