@@ -53,7 +53,7 @@ BENCH = ROOT / "bench"
 
 # (name, timeout s on a GPU, timeout s with --quick)
 STEPS: list[tuple[str, float, float]] = [
-    ("env", 45, 45), ("correctness", 180, 120), ("serve", 120, 120), ("train", 120, 150),
+    ("env", 45, 45), ("correctness", 240, 120), ("serve", 120, 120), ("train", 180, 150),
     ("weight_sync", 60, 90), ("demo", 180, 150),
 ]
 MIN_STEP_S = 20.0  # a step with less time left than this is skipped
@@ -288,7 +288,8 @@ def summarize(name: str, r: dict[str, Any]) -> list[str]:
             if "error" in c:
                 out.append(f"{c['name']}: error {c['error']}")
                 continue
-            out.append(f"{c['name']}: fwd+bwd {c['tok_s']:,.0f} tok/s, MFU **{100 * c['mfu_nominal']:.1f}%** of "
+            chosen = f" [compile={c.get('compile')}, AC {c.get('activation_checkpoint')}, attention {c.get('attention')}]"
+            out.append(f"{c['name']}{chosen}: fwd+bwd {c['tok_s']:,.0f} tok/s, MFU **{100 * c['mfu_nominal']:.1f}%** of "
                        f"{c['peak_nominal'] / 1e12:.3g} TFLOP/s" + (
                            f" ({100 * c['mfu_measured']:.1f}% of measured {c['peak_measured'] / 1e12:.3g})"
                            if c.get("mfu_measured") is not None else "")
@@ -394,9 +395,12 @@ def matmul_flops(device: str, quick: bool) -> tuple[float, str]:
 def step_env(a: argparse.Namespace, f: Figures) -> None:
     import torch
     import transformers
+
+    from tandem.models.common.attention import varlen_available
+
     f.save(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
            torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(), cpus=os.cpu_count(),
-           host=platform.node())
+           host=platform.node(), varlen_attention=varlen_available())
     if shutil.which("nvidia-smi"):
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
@@ -585,8 +589,9 @@ def step_train(a: argparse.Namespace, f: Figures) -> None:
            peak_nominal=peak_nominal, peak_measured=measured,
            note="MFU = 6 x params (tied embedding counted once) x fwd+bwd tokens/s / peak; attention FLOPs left out")
     iters = 2 if a.quick else 3
-    configs = [("eager", False, "none"), ("eager + AC full", False, "full"), ("compile", True, "none"),
-               ("compile + AC full", True, "full")]
+    # The device's defaults (compile None, activation checkpointing auto) right after eager.
+    configs = [("eager", False, "none"), ("device defaults", None, "auto"), ("compile", True, "none"),
+               ("eager + AC full", False, "full")]
     results: list[dict[str, Any]] = []
     for name, compile_, ac in configs:
         row: dict[str, Any] = {"name": name, "compile": compile_, "activation_checkpoint": ac}
@@ -596,6 +601,10 @@ def step_train(a: argparse.Namespace, f: Figures) -> None:
                 path=str(model_dir), dtype="bfloat16", device=a.device, optimizer=OptimizerConfig(lr=1e-5),
                 mb=MicroBatchConfig(max_tokens_per_mb=mb_tokens),
                 parallelize=ParallelizeConfig(compile=compile_, activation_checkpoint=ac)))
+            chosen = engine.config.parallelize  # what the device's defaults became
+            row.update(compile=chosen.compile, activation_checkpoint=chosen.activation_checkpoint
+                       + (f" ({chosen.ac_selective})" if chosen.activation_checkpoint == "selective" else ""),
+                       attention=engine.model.attention_kernel)
             if a.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             counted = sum(p.numel() for p in engine.model.parameters())  # global sizes (DTensor numel)

@@ -289,6 +289,10 @@ class TandemConfig:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
         self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
+        self.actor.check_attention(self.experiment.device.split(":")[0], f"{prefix}actor.")
+        # What the ranks will run with, the options left to the device chosen (as the engine does).
+        chosen, _ = self.actor.parallelize.for_device(self.experiment.device.split(":")[0], self.actor.tp, self.actor.pp)
+        chosen.check(f"{prefix}actor.parallelize.")
         self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_model_sections(self.algo, self.critic, self.ref, prefix)

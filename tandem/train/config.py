@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PACKING = ("ffd", "kk")
-ROUTER_REPLAY = ("off", "r2", "r3")  # see tandem.train.routed_experts
+ROUTER_REPLAY = ("off", "r2", "r3")
+ATTENTION_KERNELS = ("auto", "sdpa", "varlen", "flex")  # tandem.models.common.attention.KERNELS  # see tandem.train.routed_experts
 
 # What deterministic mode sets in the environment (unless set already): cuBLAS's fixed workspace,
 # NCCL's ring algorithm (one reduction order whatever the message size; read when a communicator is
@@ -93,7 +94,13 @@ class TrainEngineConfig:
     ep: int = _f(1, "Expert-parallel size of MoE layers (the run config derives it from actor.backend).", min=1)
     etp: int = _f(1, "Expert tensor-parallel size, 1 or tp (the run config derives it from actor.backend).",
                   min=1)
-    deterministic: bool = _f(False, "Deterministic algorithms and seeds (bit-identical reruns).")
+    deterministic: bool = _f(
+        False, "Deterministic algorithms and seeds (bit-identical reruns). On CUDA an op without a deterministic "
+               "kernel warns instead of failing (torch's warn_only), as in Archon; on CPU it fails.")
+    attention: str = _f(
+        "auto", "Packed-attention kernel: sdpa (padded or document-masked SDPA), varlen (flash attention's varlen "
+                "kernel: CUDA, float16/bfloat16), flex (FlexAttention with a document mask: CUDA) or auto (varlen "
+                "on CUDA where it serves the dtype, else flex; sdpa off CUDA).", choices=ATTENTION_KERNELS)
     logprob_chunk_size: int = _f(1024, "Tokens per output-head chunk when computing log-probs.", min=1)
     dist_backend: str | None = _f(None, "torch.distributed backend of the trainer ranks (None: gloo on CPU, "
                                         "nccl on CUDA).")
@@ -112,3 +119,13 @@ class TrainEngineConfig:
     moe_aux_loss_coef: float = _f(
         0.0, "Weight of the MoE load-balancing loss added to the policy loss (0: off, as usual in RL). MoE "
              "models only.", min=0.0)
+
+    def check_attention(self, device_type: str, prefix: str = "") -> None:
+        """An attention kernel the device cannot train with, refused with the reason."""
+        key = f"{prefix}attention"
+        if self.attention == "varlen" and (device_type != "cuda" or self.dtype == "float32"):
+            raise ConfigError(f"{key}=varlen is flash attention's kernel: CUDA with dtype float16 or bfloat16 only "
+                              f"(here {device_type}, {self.dtype}); set {key}=auto")
+        if self.attention == "flex" and device_type != "cuda":
+            raise ConfigError(f"{key}=flex trains on CUDA only (torch runs FlexAttention's backward on no CPU); set "
+                              f"{key}=auto or sdpa")

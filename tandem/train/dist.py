@@ -65,17 +65,19 @@ def all_reduce_sum(values: list[float], device: torch.device, group: dist.Proces
     return t.tolist()
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
+def seed_everything(seed: int, deterministic: bool, device_type: str = "cpu") -> None:
     """Same seed on every rank (data differs per rank, weights must not). Deterministic mode
     also makes torch pick deterministic kernels (process-wide, and it stays on) and sets
-    `DETERMINISTIC_ENV`."""
+    `DETERMINISTIC_ENV`. On CUDA an op with no deterministic kernel warns instead of raising
+    (`warn_only`, Archon's semantics: some CUDA kernels have none, index_add_'s for one); on CPU
+    it raises."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
         for key, value in DETERMINISTIC_ENV.items():
             os.environ.setdefault(key, value)
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=device_type == "cuda")
         torch.backends.cudnn.benchmark = False
 
 

@@ -26,6 +26,7 @@ from tandem.config.fields import validate
 from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
 from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
+from tandem.models.common.attention import choose_kernel
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.models.value_head import config_for_head
@@ -84,19 +85,24 @@ class TrainEngine:
         gives values (`forward_values`) and `train_batch` takes a `ValueLossFn`. Data and context
         parallel layouts only (the head is neither tensor- nor pipeline-parallel)."""
         validate(config)
-        config.parallelize.check_device(torch.device(config.device).type, "parallelize.")
-        self.config = config
         device = torch.device(config.device)
+        config.parallelize.check_device(device.type, "parallelize.")
+        config.check_attention(device.type)
+        # Compile and activation checkpointing left to the device become concrete here.
+        config.parallelize, notes = config.parallelize.for_device(device.type, tp=config.tp, pp=config.pp)
+        config.parallelize.check("parallelize.")
+        self.config = config
         self._owns_group = init_distributed(device, config.dist_backend)
         self.device = resolve_device(config.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        seed_everything(config.seed, config.deterministic)
+        seed_everything(config.seed, config.deterministic, device.type)
         self.parallel_dims = ParallelDims.for_world(self.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
                                                     ep=config.ep, etp=config.etp, dp_replicate=config.dp_replicate)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dp_group = self.parallel_dims.dp_group(self.mesh)
         if self.rank == 0:
             logger.info("parallel dims: %s", self.parallel_dims.describe())
+
         self.param_dtype = parse_dtype(config.dtype)
 
         if head == "value" and (config.tp > 1 or config.pp > 1):
@@ -106,6 +112,14 @@ class TrainEngine:
         self.head: EngineHead = head
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
+        self.model.attention_kernel = choose_kernel(config.attention, device, self.param_dtype, self.model.args.head_dim)
+        if self.rank == 0:
+            p = config.parallelize
+            logger.info("compile=%s, activation_checkpoint=%s%s, attention=%s", p.compile, p.activation_checkpoint,
+                        f" ({p.ac_selective})" if p.activation_checkpoint == "selective" else "",
+                        self.model.attention_kernel)
+            for note in notes:
+                logger.info("parallelize: %s", note)
         # Context parallelism lives in the forward: each CP rank runs its slice of every micro-batch.
         cp_mesh = self.parallel_dims.cp_mesh(self.mesh)
         wrapper = ValueModel if head == "value" else LogprobModel

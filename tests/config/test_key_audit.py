@@ -99,12 +99,17 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "actor.mb.n_mbs_divisor": ("tests/train/test_microbatch.py::test_the_count_is_rounded_up_to_the_divisor",),
     "actor.mb.packing": ("tests/train/test_microbatch.py::test_packing_choice_changes_the_plan",
                          "tests/train/test_microbatch.py::test_sequence_over_budget_is_an_error"),
-    "actor.parallelize.activation_checkpoint": (T_AC, T_VALIDATION),
+    "actor.parallelize.activation_checkpoint": (
+        T_AC, T_VALIDATION,
+        "tests/train/test_device_defaults.py::test_cpu_defaults_are_unchanged_and_cuda_gets_compile_and_op_level_"
+        "selective_checkpointing"),
     "actor.parallelize.ac_selective": (T_AC,),
     "actor.parallelize.ac_every": (T_AC, "tests/train/test_engine.py::test_engine_refuses_an_invalid_config_naming_the_key"),
     "actor.parallelize.ac_memory_budget": (T_COMPILE,
                                            "tests/train/test_engine.py::test_memory_budget_checkpointing_through_compile"),
     "actor.parallelize.compile": (T_COMPILE,
+                                  "tests/train/test_device_defaults.py::test_cuda_defaults_step_aside_for_what_a_layout_"
+                                  "cannot_run",
                                   "tests/parallel/test_tensor_parallel.py::test_run_config_refuses_indivisible_tp_at_load"),
     "actor.parallelize.reshard_after_forward": (
         "tests/train/test_engine_config_keys.py::test_reshard_after_forward_frees_the_blocks_it_says",),
@@ -118,7 +123,11 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
         "tests/train/test_engine.py::test_offload_is_refused_on_a_cpu_run_with_the_reason", T_VALIDATION),
     "actor.dp_replicate": ("tests/parallel/test_parallel.py::test_hsdp_world4_matches_one_rank",
                            "tests/rl/test_run_config.py::test_dp_replicate_must_divide_the_trainer_ranks"),
-    "actor.deterministic": ("tests/train/test_engine.py::test_deterministic_mode_sets_the_environment",),
+    "actor.deterministic": ("tests/train/test_engine.py::test_deterministic_mode_sets_the_environment",
+                            "tests/train/test_device_defaults.py::test_deterministic_mode_warns_on_cuda_and_fails_on_cpu"),
+    "actor.attention": ("tests/models/test_attention.py::test_a_model_planned_with_flex_gives_the_sdpa_logits",
+                        "tests/train/test_device_defaults.py::test_an_attention_kernel_the_device_cannot_train_with_is_refused",
+                        "tests/train/test_device_defaults.py::test_the_engine_runs_with_the_devices_choices_and_logs_them"),
     "actor.logprob_chunk_size": ("tests/train/test_engine_config_keys.py::test_logprob_chunk_size_splits_the_output_head",),
     "actor.dist_backend": ("tests/train/test_engine_config_keys.py::test_dist_backend_is_the_process_groups_backend",),
     "actor.router_replay": (

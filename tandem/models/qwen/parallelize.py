@@ -68,6 +68,10 @@ def parallelize_qwen(
     if mesh is None:
         accelerator = torch.accelerator.current_accelerator()
         mesh = parallel_dims.build_mesh(accelerator.type if accelerator is not None else "cpu")
+    # Options left to the device (compile, activation checkpointing) are chosen here, where the
+    # layout is known; the engine has chosen them already and logged why (`for_device`).
+    config, _ = config.for_device(mesh.device_type, tp=sizes.tp, pp=sizes.pp)
+    config.check("parallelize.")
     tp_mesh = parallel_dims.tp_mesh(mesh)
     if tp_mesh is not None:
         config.check_layout(tp_mesh.size(), "parallelize.")
