@@ -312,7 +312,7 @@ def test_gathered_keys_hand_the_varlen_kernel_each_sequences_cache(monkeypatch, 
     from tests.varlen_reference import reference_varlen
 
     calls: list[dict] = []
-    monkeypatch.setattr(attention, "_varlen", lambda: (reference_varlen(calls, takes_gqa), takes_gqa))
+    monkeypatch.setattr(attention, "VARLEN", (reference_varlen(calls, takes_gqa), takes_gqa))
     torch.manual_seed(7)
     n_heads, h_kv = heads
     bs, d, num_blocks = 16, 32, 400
@@ -369,7 +369,7 @@ def test_engine_on_the_varlen_path_serves_what_the_cpu_kernel_serves(qwen3_dir, 
 
     want = outputs(LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64))
     calls: list[dict] = []
-    monkeypatch.setattr(attention, "_varlen", lambda: (reference_varlen(calls, True), True))
+    monkeypatch.setattr(attention, "VARLEN", (reference_varlen(calls, True), True))
     engine = LLMEngine(qwen3_dir, kv_cache_tokens=4096, block_size=8, max_num_seqs=64)
     assert not engine.runner.varlen  # CPU: the kernel's path unless asked
     engine.runner.varlen, engine.runner.attention_kernel = True, False

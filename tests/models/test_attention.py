@@ -129,7 +129,7 @@ def test_varlen_path_passes_the_kernel_the_trailing_segment_causal_window_and_kv
     import tandem.models.common.attention as attention
 
     calls: list[dict] = []
-    monkeypatch.setattr(attention, "_varlen", lambda: (reference_varlen(calls, takes_gqa), takes_gqa))
+    monkeypatch.setattr(attention, "VARLEN", (reference_varlen(calls, takes_gqa), takes_gqa))
     q, k, v, cu = _stream(2, FLEX_LENGTHS, FLEX_PAD)
     out = PackedAttention.plan(cu, q.shape[0], "varlen")(q, k, v, 0.3)
     torch.testing.assert_close(out, _dense(q, k, v, cu), rtol=0, atol=1e-5)

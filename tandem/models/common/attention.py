@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from tandem.models.common.packing import sequence_ids
 
@@ -30,8 +31,7 @@ KERNELS = ("auto", "sdpa", "varlen", "flex")
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # flash attention's
 
 
-@cache
-def _varlen() -> tuple[Any, bool] | None:
+def _find_varlen() -> tuple[Any, bool] | None:
     """(torch's `varlen_attn`, whether it takes `enable_gqa` and `num_splits`: torch >= 2.12), or
     None where torch has none."""
     try:
@@ -42,8 +42,21 @@ def _varlen() -> tuple[Any, bool] | None:
     return varlen_attn, "enable_gqa" in params and "num_splits" in params
 
 
+# torch's varlen module, looked up on first use (importing it costs ~1.3 s) and by every plan
+# before the compiled blocks run: a signature read inside a compiled block would break its graph.
+_UNSET: Any = object()
+VARLEN: Any = _UNSET
+
+
+def varlen() -> tuple[Any, bool] | None:
+    global VARLEN
+    if VARLEN is _UNSET:
+        VARLEN = _find_varlen()
+    return VARLEN
+
+
 def varlen_available() -> bool:
-    return _varlen() is not None
+    return varlen() is not None
 
 
 def choose_kernel(setting: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -75,7 +88,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     keys 0..p): prefill over a cached prefix, and decode. CUDA, fp16/bf16. `batch_invariant`: no
     split over keys, whose choice follows the batch's longest sequence (torch >= 2.12 splits by
     default; 2.11's varlen forward never does)."""
-    found = _varlen()
+    found = VARLEN if VARLEN is not _UNSET else varlen()
     if found is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen: use attention kernel "
                            "flex or sdpa")
@@ -111,6 +124,8 @@ class PackedAttention:
         lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
         cu = torch.tensor(bounds, dtype=torch.int32, device=cu_seqlens.device)
         block_mask = _document_block_mask(cu, num_tokens) if kernel == "flex" else None
+        if kernel == "varlen":
+            varlen()  # resolved here, outside compiled blocks
         return cls(kernel, cu, num_tokens, max(lengths, default=0), lengths, block_mask)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -128,8 +143,6 @@ class PackedAttention:
 
 
 def _document_block_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
-
     ids = sequence_ids(cu_seqlens, num_tokens)
 
     def document_causal(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
@@ -140,8 +153,6 @@ def _document_block_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> Any:
 
 @cache
 def _compiled_flex() -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=True)
 
 
@@ -149,8 +160,6 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
                           scale: float | None = None) -> torch.Tensor:
     """FlexAttention over `block_mask` (a document mask, `PackedAttention.plan`). Compiled on CUDA
     (eager flex is torch's unfused reference); inside a compiled block it is part of that graph."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     fn = flex_attention if q.device.type != "cuda" or torch.compiler.is_compiling() else _compiled_flex()
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
