@@ -59,10 +59,6 @@ class Component:
             dims = "".join(f"{k}{v}" for k, v in (("t", s.tp), ("p", s.pp), ("c", s.cp)) if v > 1)
             return (f"`tandem serve` runs one device per server; tandem:d{s.dp}{dims} asks for "
                     f"{s.world_size // s.dp} devices per server (use tandem:d{s.world_size})")
-        if not self.is_inference and s.pp > 1 and s.cp > 1:
-            return (f"the trainer does not combine pipeline and context parallelism yet (pipeline stages do not "
-                    f"split tokens over CP ranks); use {self.backend}:d{s.dp}p{s.pp}t{s.tp} or "
-                    f"{self.backend}:d{s.dp}c{s.cp}t{s.tp}")
         if not self.is_inference and s.etp not in (1, s.tp):
             return (f"expert tensor parallel size etp={s.etp} must be 1 or the attention's tp={s.tp} (experts are "
                     f"whole on each rank, or tensor-parallel over the attention's TP group); write "

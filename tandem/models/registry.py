@@ -25,7 +25,8 @@ class ModelSpec:
     hf_architecture: Callable[[Any], str]  # args -> e.g. "Qwen3ForCausalLM"
     # parallelize(model, parallel_dims, **options) -> model; filled in by the training engine.
     parallelize: Callable[..., nn.Module] | None = None
-    # pipeline_split(model, layout, pp_rank, head) -> this rank's stage modules (pipeline parallelism).
+    # pipeline_split(model, layout, pp_rank, head, cp_group) -> this rank's stage modules (pipeline
+    # parallelism; each stage splits its tokens over `cp_group` under context parallelism).
     pipeline_split: Callable[..., list[nn.Module]] | None = None
 
 

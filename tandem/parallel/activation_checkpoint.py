@@ -68,7 +68,7 @@ def checkpoint_module(module: nn.Module, op_level: bool = False) -> None:
 def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], mode: str, every: int = 1,
                                    selective: str = "layer", memory_budget: float = 0.5) -> list[str]:
     """Checkpoint `blocks` (in order) as `mode` says: `full` (every block), `selective` with
-    `selective="layer"` (every `every`-th block) or `"op"` (every block, keeping `SAVED_OPS` outputs),
+    `selective="layer"` (every `every`-th layer: blocks named by layer index count by it) or `"op"` (every block, keeping `SAVED_OPS` outputs),
     or `memory_budget` (no wrapping: torch.compile's min-cut partitioner keeps `memory_budget` of
     the activations). Returns the names of the checkpointed blocks (none for `memory_budget`)."""
     if mode == "none":
@@ -84,7 +84,9 @@ def apply_activation_checkpointing(blocks: Mapping[str, nn.Module], mode: str, e
         raise ValueError(f"unknown selective checkpointing option {selective!r}")
     op_level = mode == "selective" and selective == "op"
     step = every if mode == "selective" and not op_level else 1
-    chosen = [name for i, name in enumerate(blocks) if i % step == 0]
+    # Counted by layer index where blocks are named by it (a pipeline stage holds some layers of
+    # the model): the same layers are checkpointed whatever the layout.
+    chosen = [name for i, name in enumerate(blocks) if (int(name) if name.isdigit() else i) % step == 0]
     for name in chosen:
         checkpoint_module(blocks[name], op_level=op_level)
     return chosen

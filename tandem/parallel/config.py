@@ -12,8 +12,10 @@ AC_MODES = ("auto", "none", "full", "selective", "memory_budget")
 AC_SELECTIVE = ("layer", "op")
 RESHARD_POLICIES = ("default", "always", "never")
 # Pipeline schedules (torch.distributed.pipelining names) and AReaL's short names for them.
-SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Split backward into input and weight gradients (torch runs them on no compiled block).
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2*pp-1-r
 SHORT_NAMES = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
 PP_SCHEDULE_CHOICES = SCHEDULES + tuple(SHORT_NAMES)
 
@@ -44,14 +46,16 @@ class ParallelizeConfig:
         "backward needs at once; never under pipeline parallelism, where every micro-batch would gather "
         "again), always or never.", choices=RESHARD_POLICIES)
     pp_schedule: str = _f(
-        "1F1B", "Pipeline schedule when pp > 1 (short names I1F1B, IZB, ZBV accepted).",
+        "1F1B", "Pipeline schedule when pp > 1 (short names I1F1B, IZB, ZBV accepted). The zero-bubble ones "
+        "(InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run no compiled blocks and no op-level selective "
+        "or memory-budget checkpointing.",
         choices=PP_SCHEDULE_CHOICES)
     pp_microbatches: int | None = _f(
         None, "Pipeline micro-batches per step, at least (raised to the number of stages, with a warning, "
         "when lower; None: the number of stages). Each is one engine micro-batch.", min=1)
     pp_stages_per_rank: int | None = _f(
         None, "Pipeline stages per rank (None: 1 for 1F1B, 2 for the interleaved and V schedules; "
-        "ZBVZeroBubble needs exactly 2).", min=1)
+        "ZBVZeroBubble and DualPipeV need exactly 2).", min=1)
     offload_params: bool = _f(
         False, "FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and move "
         "to the accelerator per block (accelerator runs only).")
@@ -59,9 +63,9 @@ class ParallelizeConfig:
     def for_device(self, device_type: str, tp: int = 1, pp: int = 1) -> tuple[ParallelizeConfig, list[str]]:
         """A copy with the options left to the device (`compile` None, `activation_checkpoint`
         auto) chosen, and a line for each choice a layout moved off the device's default. CUDA:
-        compile on (off for the zero-bubble schedules, which cannot run compiled blocks) and
-        op-level selective checkpointing (none under tensor parallelism with compile, which torch
-        cannot compile); elsewhere both off. Options set explicitly stay as they are."""
+        compile on and op-level selective checkpointing, except that the zero-bubble schedules get
+        no compile and full checkpointing (`check_pipeline`), and tensor parallelism with compile
+        no checkpointing (`check_layout`); elsewhere both off. Options set explicitly stay as they are."""
         cuda = device_type == "cuda"
         notes: list[str] = []
         compile_ = self.compile
@@ -70,9 +74,17 @@ class ParallelizeConfig:
             if cuda and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
                 compile_ = False
                 notes.append(f"compile off: pp_schedule={self.pp_schedule} runs no compiled blocks")
+            elif cuda and tp > 1 and self.activation_checkpoint not in ("auto", "none"):
+                compile_ = False
+                notes.append(f"compile off: activation_checkpoint={self.activation_checkpoint} with tensor "
+                             f"parallelism (tp={tp}) cannot be compiled")
         ac, selective = self.activation_checkpoint, self.ac_selective
         if ac == "auto":
             ac, selective = ("selective", "op") if cuda else ("none", selective)
+            if ac != "none" and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
+                ac = "full"
+                notes.append(f"activation checkpointing full: pp_schedule={self.pp_schedule} runs no op-level "
+                             "selective checkpointing")
             if ac != "none" and tp > 1 and compile_:
                 ac = "none"
                 notes.append(f"activation checkpointing off: compile with tensor parallelism (tp={tp}) cannot "
@@ -105,13 +117,27 @@ class ParallelizeConfig:
 
     def check_pipeline(self, prefix: str = "") -> None:
         """The pipeline options, when the layout has pp > 1 (see `check_pipeline_options`). The
-        zero-bubble schedules split backward into input and weight gradients, which
-        torch.distributed.pipelining does not support for compiled blocks."""
+        zero-bubble schedules split backward into input and weight gradients: torch runs that
+        split on no compiled block, and its input-gradient pass keeps the graph (retain_graph)
+        for the weight pass, and op-level selective checkpointing allows one backward per region."""
         name, _ = check_pipeline_options(self.pp_schedule, self.pp_stages_per_rank, prefix)
-        if self.compile and name in ZERO_BUBBLE:
+        if name not in ZERO_BUBBLE:
+            return
+        if self.compile:
             raise ConfigError(f"{prefix}pp_schedule={self.pp_schedule!r} splits backward into input and weight "
                               f"gradients, which does not work with compiled blocks: set {prefix}compile=false or "
                               f"{prefix}pp_schedule to 1F1B or Interleaved1F1B")
+        if self.activation_checkpoint == "memory_budget":
+            raise ConfigError(f"{prefix}activation_checkpoint=memory_budget works through torch.compile, which "
+                              f"{prefix}pp_schedule={self.pp_schedule!r} cannot run (it splits backward into input "
+                              f"and weight gradients): choose full or selective checkpointing, or {prefix}pp_schedule "
+                              f"1F1B or Interleaved1F1B")
+        if self.activation_checkpoint == "selective" and self.ac_selective == "op":
+            raise ConfigError(f"{prefix}pp_schedule={self.pp_schedule!r} splits backward into input and weight "
+                              f"gradients, two backward passes over each block, and op-level selective checkpointing "
+                              f"allows one (torch: 'Trying to backward an extra time'): set "
+                              f"{prefix}ac_selective=layer or {prefix}activation_checkpoint=full, or {prefix}pp_schedule "
+                              f"to 1F1B or Interleaved1F1B")
 
 
 def normalize_schedule(name: str, prefix: str = "actor.parallelize.") -> str:
@@ -125,7 +151,7 @@ def normalize_schedule(name: str, prefix: str = "actor.parallelize.") -> str:
 def check_pipeline_options(schedule: str, stages_per_rank: int | None,
                            prefix: str = "actor.parallelize.") -> tuple[str, int]:
     """(full schedule name, stages per rank): 1 for 1F1B, at least 2 for the interleaved
-    schedules, exactly 2 for ZBVZeroBubble (default 2 for those). Raises `ConfigError` naming the key."""
+    schedules, exactly 2 for the V schedules (default 2 for those). Raises `ConfigError` naming the key."""
     name = normalize_schedule(schedule, prefix)
     key = f"{prefix}pp_stages_per_rank"
     if stages_per_rank is None:
@@ -136,7 +162,7 @@ def check_pipeline_options(schedule: str, stages_per_rank: int | None,
     if name in ("Interleaved1F1B", "InterleavedZeroBubble") and stages_per_rank < 2:
         raise ConfigError(f"{key}={stages_per_rank}: {name} needs at least 2 stages per rank; raise it, or set "
                           f"{prefix}pp_schedule to 1F1B")
-    if name == "ZBVZeroBubble" and stages_per_rank != 2:
-        raise ConfigError(f"{key}={stages_per_rank}: ZBVZeroBubble runs exactly 2 stages per rank (a V); set it "
+    if name in V_SCHEDULES and stages_per_rank != 2:
+        raise ConfigError(f"{key}={stages_per_rank}: {name} runs exactly 2 stages per rank (a V); set it "
                           "to 2 or leave it unset")
     return name, stages_per_rank

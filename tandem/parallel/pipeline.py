@@ -2,7 +2,7 @@
 stacked for `torch.distributed.pipelining`, and the gradient/norm reductions a pipeline needs.
 
 `pp` ranks run `pp * stages_per_rank` stages (`1F1B`: one per rank; looped schedules: stage s on
-rank s % pp; `ZBVZeroBubble`: rank r holds stages r and 2*pp-1-r). The schedules split inputs on
+rank s % pp; the V schedules `ZBVZeroBubble` and `DualPipeV`: rank r holds stages r and 2*pp-1-r). The schedules split inputs on
 dim 0, so `stack_packed` pads each packed micro-batch to the longest and stacks them, with the real
 counts in `sizes`; a stage computes on the real tokens only (`unpad_row`). See docs/parallelism.md."""
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.errors import ConfigError
-from tandem.parallel.config import check_pipeline_options
+from tandem.parallel.config import V_SCHEDULES, check_pipeline_options
 from tandem.parallel.tensor_parallel import local_tensor
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class PipelineLayout:
 
     @property
     def style(self) -> str:
-        return "v" if self.schedule == "ZBVZeroBubble" else "loop"
+        return "v" if self.schedule in V_SCHEDULES else "loop"
 
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank (index in the pp group) that runs `stage`."""

@@ -293,7 +293,7 @@ class TandemConfig:
         # What the ranks will run with, the options left to the device chosen (as the engine does).
         chosen, _ = self.actor.parallelize.for_device(self.experiment.device.split(":")[0], self.actor.tp, self.actor.pp)
         chosen.check(f"{prefix}actor.parallelize.")
-        self.actor.parallelize.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
+        chosen.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_model_sections(self.algo, self.critic, self.ref, prefix)
         if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":

@@ -20,9 +20,9 @@ from torch.utils.checkpoint import checkpoint
 from tandem.data.batch import next_token_labels
 from tandem.models.common import positions_from_cu_seqlens
 from tandem.models.common.moe import Routing
+from tandem.parallel.context_split import ContextSplit
 from tandem.parallel.loss_parallel import vocab_parallel_logprobs_entropy
 from tandem.parallel.tensor_parallel import TensorParallelInfo
-from tandem.train.context_split import ContextSplit
 
 
 def _chunk_logprobs_entropy(
@@ -75,7 +75,7 @@ class LogprobModel(nn.Module):
     `cp_group` (context parallelism): every rank of the group calls forward with the same whole
     micro-batch; each runs the model on its slice of the tokens (Ulysses attention through the
     model's `attn` hook) and the output head on its slice, and all return the whole `[T]` results
-    (see `tandem.train.context_split`). Set it before the first forward; None (default): one rank.
+    (see `tandem.parallel.context_split`). Set it before the first forward; None (default): one rank.
 
     When the model carries a `tensor_parallel` (`TensorParallelInfo`, set by its TP plan), its
     head is vocab-sharded and the log-probs are computed loss-parallel over the TP group."""
@@ -107,7 +107,7 @@ class LogprobModel(nn.Module):
             hidden = self.model.hidden_states(input_ids, cu_seqlens, routing=routing)
             _trim_records(routing, input_ids.shape[0])
             return self.head(hidden, labels, valid, temperature, sparse, tp)
-        split = ContextSplit.of(input_ids.shape[0], self.cp_group)
+        split = ContextSplit.of(input_ids.shape[0], self.cp_group, getattr(self.model, "token_multiple", 1))
         positions = positions_from_cu_seqlens(cu_seqlens, input_ids.shape[0])
         local_routing = None if routing is None else _local_routing(routing, split)
         # The whole stream's attention, planned once; an `auto` kernel (a model the engine did not

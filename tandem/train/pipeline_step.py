@@ -33,7 +33,7 @@ from tandem.parallel.pipeline import (
     tied_weight_groups,
 )
 from tandem.train.config import MicroBatchConfig
-from tandem.train.logprobs import next_token_outputs
+from tandem.train.logprobs import head_outputs, next_token_labels, next_token_outputs
 from tandem.train.losses import LossFn
 from tandem.train.optim import clip_grads, grads_by_layout, total_grad_norm
 from tandem.train.pipeline_export import export_plan, iter_pipeline_buckets, plan_nbytes
@@ -71,17 +71,25 @@ class PipelineRunner:
         split = model.spec.pipeline_split
         if split is None:
             raise NotImplementedError(f"model family {model.spec.name!r} has no pipeline split (pp must be 1)")
-        if dims.sizes.cp > 1:
-            raise NotImplementedError("pipeline and context parallelism together are not implemented (pp or cp must be 1)")
         config.check_pipeline("actor.parallelize.")
         pp_mesh = mesh["pp"]
         layout = resolve_layout(config.pp_schedule, pp_mesh.size(), config.pp_stages_per_rank, model.args.n_layers)
         pp_rank = pp_mesh.get_local_rank()
 
-        def head(output, hidden, ids, cu, temperature, wanted, tp=None):
-            return next_token_outputs(output, hidden, ids, cu, temperature, wanted, chunk_size, tp)
+        def head(output, hidden, ids, cu, temperature, wanted, tp=None, split=None):
+            if split is None:
+                return next_token_outputs(output, hidden, ids, cu, temperature, wanted, chunk_size, tp)
+            # Context parallel: this rank's slice of the labels, the whole stream's outputs gathered
+            # (every CP rank then computes the same loss: `ContextSplit.gather`'s contract).
+            labels, valid = next_token_labels(ids, cu)
+            if wanted is not None:
+                valid = valid & wanted
+            outputs = head_outputs(output, hidden, split.local(labels), split.local(valid, False), temperature,
+                                   wanted is not None, chunk_size, tp)
+            return tuple(split.gather(x) for x in outputs)
 
-        stages = split(model, layout, pp_rank, head)
+        cp_mesh = dims.cp_mesh(mesh)
+        stages = split(model, layout, pp_rank, head, cp_mesh.get_group() if cp_mesh is not None else None)
         model.spec.parallelize(model, dims, mesh=mesh, config=config, param_dtype=param_dtype,
                                reduce_dtype=reduce_dtype, stages=stages)
         tied = None

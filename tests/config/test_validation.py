@@ -55,7 +55,6 @@ def model_dir(tmp_path_factory) -> Path:
                                                        "ffn:e1t2"]),
         ("actor.backend=archon:c4e2", ["actor.backend", "ep=2 must divide d*c = 4 and be a multiple of cp=4"]),
         ("actor.backend=archon:t2e2", ["actor.backend", "ep=2 must divide d*c = 1"]),
-        ("actor.backend=archon:p2c2", ["actor.backend", "does not combine pipeline and context parallelism"]),
         ("actor.tp=2", ["actor.tp", "actor.backend (e.g. archon:d2t2)"]),
         ("actor.parallelize.offload_params=true", ["actor.parallelize.offload_params=true needs an accelerator",
                                                    "actor.parallelize.offload_params=false"]),

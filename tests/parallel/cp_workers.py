@@ -9,7 +9,7 @@ from tandem.models import build_model
 from tandem.models.common import packed_causal_attention
 from tandem.models.tiny import hf_config_for
 from tandem.parallel.context_parallel import ulysses_attention
-from tandem.train.context_split import ContextSplit
+from tandem.parallel.context_split import ContextSplit
 from tandem.train.logprobs import LogprobModel
 
 # Documents crossing the slice boundaries at cp=2 and cp=4 (T=29 pads to 30 and 32). The first

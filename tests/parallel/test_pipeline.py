@@ -35,6 +35,9 @@ def test_stages_per_rank_follow_the_schedule():
     with pytest.raises(ConfigError, match="does not work with compiled blocks"):
         ParallelizeConfig(pp_schedule="IZB", compile=True).check_pipeline()
     ParallelizeConfig(pp_schedule="I1F1B", compile=True).check_pipeline()
+    assert check_pipeline_options("dualpipev", None) == ("DualPipeV", 2)
+    with pytest.raises(ConfigError, match=r"actor\.parallelize\.pp_stages_per_rank=3: DualPipeV runs exactly 2"):
+        check_pipeline_options("DualPipeV", 3)
     with pytest.raises(ConfigError, match="fewer than the 8 pipeline stages"):
         resolve_layout("I1F1B", 4, None, 6)
 
@@ -75,3 +78,22 @@ def test_stack_packed_pads_rows_and_unpad_restores_them():
     hidden = torch.randn(2, 3)
     padded = pad_row(hidden, 5)
     assert padded.shape == (1, 5, 3) and torch.equal(padded[0, :2], hidden) and not padded[0, 2:].any()
+
+
+@pytest.mark.parametrize("schedule", ["IZB", "ZBV", "DualPipeV"])
+def test_zero_bubble_schedules_refuse_what_their_split_backward_cannot_run_with_the_reason(schedule):
+    """The document's rules: the split into input and weight gradients runs on no compiled block
+    and with no op-level selective or memory-budget checkpointing; full and layer-level
+    checkpointing are fine (tests/train/test_engine_pipeline.py runs them against d1)."""
+    split = "splits backward into input and weight gradients"
+    for options, fix in (({"compile": True}, "compile=false"),
+                         ({"activation_checkpoint": "selective", "ac_selective": "op"}, "ac_selective=layer"),
+                         ({"activation_checkpoint": "memory_budget"}, "choose full or selective")):
+        with pytest.raises(ConfigError, match=split) as info:
+            ParallelizeConfig(pp_schedule=schedule, **options).check_pipeline("actor.parallelize.")
+        assert fix in str(info.value)
+    ParallelizeConfig(pp_schedule=schedule, activation_checkpoint="full").check_pipeline()
+    ParallelizeConfig(pp_schedule=schedule, activation_checkpoint="selective", ac_every=2).check_pipeline()
+    on_cuda, notes = ParallelizeConfig(pp_schedule=schedule).for_device("cuda", pp=2)
+    assert (on_cuda.compile, on_cuda.activation_checkpoint) == (False, "full") and len(notes) == 2
+    on_cuda.check_pipeline()

@@ -3,6 +3,7 @@ import them)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -12,7 +13,21 @@ from tandem.train import MicroBatchConfig, TrainEngine
 from tests.train.dist_workers import SCHEDULE, split
 from tests.train.helpers import engine_config, full_params, make_batch, train_steps
 
-SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Activation checkpointing under each schedule, each mode the schedule allows (the zero-bubble ones
+# take neither op-level selective nor memory-budget checkpointing: ParallelizeConfig.check_pipeline).
+AC_CASES = {
+    "1F1B full": ("1F1B", {"activation_checkpoint": "full"}),
+    "1F1B op": ("1F1B", {"activation_checkpoint": "selective", "ac_selective": "op"}),
+    "1F1B budget": ("1F1B", {"activation_checkpoint": "memory_budget", "ac_memory_budget": 0.25, "compile": True}),
+    "I1F1B every-2": ("I1F1B", {"activation_checkpoint": "selective", "ac_every": 2}),
+    "I1F1B op": ("I1F1B", {"activation_checkpoint": "selective", "ac_selective": "op"}),
+    "IZB full": ("IZB", {"activation_checkpoint": "full"}),
+    "IZB every-2": ("IZB", {"activation_checkpoint": "selective", "ac_every": 2}),
+    "ZBV full": ("ZBV", {"activation_checkpoint": "full"}),
+    "DualPipeV full": ("DualPipeV", {"activation_checkpoint": "full"}),
+    "DualPipeV every-2": ("DualPipeV", {"activation_checkpoint": "selective", "ac_every": 2}),
+}
 SHORT = {"I1F1B": "Interleaved1F1B", "IZB": "InterleavedZeroBubble", "ZBV": "ZBVZeroBubble"}
 EXPORT_BYTES = 40_000
 DP_CASES = (("untied", "1F1B"), ("tied", "ZBV"))  # pp=2 x dp=2 cases: (model, schedule)
@@ -53,19 +68,28 @@ def run_case(engine: TrainEngine, batch, steps: int = 3) -> dict:
 
 def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir: str) -> dict:
     """Every schedule at pp=2 (world 2) on the untied model, then the tied model under 1F1B (first
-    and last stage on different ranks) and ZBV (both on rank 0), a save_hf and a resume."""
+    and last stage on different ranks), ZBV and DualPipeV (both on rank 0), activation
+    checkpointing under every schedule (`AC_CASES`), a save_hf and a resume."""
     out = Path(out_dir)
     batch = make_batch(512)
     res: dict = {}
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the compiled AC case: no compile worker pool
     for schedule in SCHEDULES:
         engine = pp_engine(untied, schedule)
         res[schedule] = run_case(engine, batch)
         if schedule == "1F1B":
             engine.save_hf(out / "hf")
         engine.close()
-    for schedule in ("1F1B", "ZBV"):
+    for schedule in ("1F1B", "ZBV", "DualPipeV"):
         engine = pp_engine(tied, schedule)
         res[f"tied-{schedule}"] = run_case(engine, batch)
+        engine.close()
+    # Every AC case, and the compiled case's reference: the same layout compiled without checkpointing.
+    cases = {f"ac {name}": case for name, case in AC_CASES.items()} | {"ac-ref compiled": ("1F1B", {"compile": True})}
+    for key, (schedule, options) in cases.items():
+        engine = pp_engine(untied, schedule, parallelize=dict(options))
+        res[key] = {"stats": train_steps(engine, batch, 3), "params": full_params(engine),
+                    "logprobs": engine.forward_logprobs(batch).logprobs, "checkpointed": _checkpointed_blocks(engine)}
         engine.close()
     # The data-parallel reference of `pipeline_dp_checks` (same DP split, same micro-batch plans).
     for name, schedule in DP_CASES:
@@ -85,6 +109,11 @@ def pipeline_checks(rank: int, world_size: int, untied: str, tied: str, out_dir:
     res["resume-resumed"] = train_steps(engine, batch, 1)[0]
     engine.close()
     return res
+
+
+def _checkpointed_blocks(engine: TrainEngine) -> int:
+    """How many of this rank's blocks run checkpointed (`checkpoint_module` replaces `forward`)."""
+    return sum("forward" in vars(block) for stage in engine.pipeline.stages for block in stage.layers.values())
 
 
 def pipeline_dp_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
@@ -119,6 +148,35 @@ def p2t2_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
         engine = pp_engine(untied if name == "untied" else tied, schedule, tp=2, lr_schedule=TP_SCHEDULE)
         res[name, schedule] = run_case(engine, make_batch(512))
         engine.close()
+    return res
+
+
+# (model, schedule) at pp=2 x cp=2: each stage splits its tokens over the CP pair (Ulysses attention).
+P2C2_CASES = (("untied", "1F1B"), ("untied", "I1F1B"), ("tied", "1F1B"), ("tied", "DualPipeV"))
+P2C2T2_CASES = (("untied", "1F1B"), ("tied", "ZBV"))  # pp=2 x cp=2 x tp=2 (world 8)
+
+
+def p2c2_checks(rank: int, world_size: int, untied: str, tied: str, tp: int = 1) -> dict:
+    """pp=2 x cp=2 (x tp=2 at world 8): context-parallel pipeline stages, tied weights, export to
+    rank 0."""
+    from tests.train.tp_workers import SCHEDULE as TP_SCHEDULE
+
+    res = {}
+    for name, schedule in P2C2_CASES if tp == 1 else P2C2T2_CASES:
+        engine = pp_engine(untied if name == "untied" else tied, schedule, cp=2, tp=tp, lr_schedule=TP_SCHEDULE)
+        res[name, schedule] = run_case(engine, make_batch(512))
+        engine.close()
+    return res
+
+
+def c2t2_checks(rank: int, world_size: int, untied: str, tied: str) -> dict:
+    """cp=2 x tp=2 without a pipeline (world 4), 4 micro-batches: some give a CP slice whose token
+    count is odd, which tensor parallelism pads (the slices must stay contiguous in the stream)."""
+    from tests.train.tp_workers import SCHEDULE as TP_SCHEDULE
+
+    engine = TrainEngine(engine_config(untied, mb=MicroBatchConfig(n_mbs=4), cp=2, tp=2, **TP_SCHEDULE))
+    res = {("untied", "I1F1B"): run_case(engine, make_batch(512))}  # the d1 reference with 4 micro-batches
+    engine.close()
     return res
 
 

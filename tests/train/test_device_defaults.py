@@ -33,18 +33,24 @@ def test_explicit_options_stay_as_set_on_every_device():
 
 def test_cuda_defaults_step_aside_for_what_a_layout_cannot_run():
     """Torch cannot compile checkpointed tensor-parallel blocks, and the zero-bubble schedules run
-    no compiled blocks: the device's defaults give way there, and say why."""
+    no compiled blocks and no op-level selective checkpointing: the device's defaults give way
+    there, and say why."""
     tp, notes = ParallelizeConfig().for_device("cuda", tp=2)
     assert (tp.compile, tp.activation_checkpoint) == (True, "none")
     assert notes == ["activation checkpointing off: compile with tensor parallelism (tp=2) cannot compile "
                      "checkpointed blocks"]
     tp.check_layout(2)  # what the defaults chose is a layout that runs
     zb, notes = ParallelizeConfig(pp_schedule="ZBV").for_device("cuda", pp=2)
-    assert (zb.compile, zb.activation_checkpoint) == (False, "selective")
-    assert notes == ["compile off: pp_schedule=ZBV runs no compiled blocks"]
+    assert (zb.compile, zb.activation_checkpoint) == (False, "full")
+    assert notes == ["compile off: pp_schedule=ZBV runs no compiled blocks",
+                     "activation checkpointing full: pp_schedule=ZBV runs no op-level selective checkpointing"]
     zb.check_pipeline()
     plain_pp, _ = ParallelizeConfig(pp_schedule="ZBV").for_device("cuda", pp=1)  # no pipeline: no schedule
     assert plain_pp.compile is True
+    chosen_ac, notes = ParallelizeConfig(activation_checkpoint="full").for_device("cuda", tp=2)
+    assert (chosen_ac.compile, chosen_ac.activation_checkpoint) == (False, "full")
+    assert notes == ["compile off: activation_checkpoint=full with tensor parallelism (tp=2) cannot be compiled"]
+    chosen_ac.check_layout(2)
 
 
 def test_memory_budget_takes_compile_from_the_device():

@@ -16,8 +16,8 @@ from tandem.data.trajectory import Trajectory, stack_group
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.loader import load_model
 from tandem.models.tiny import init_model
+from tandem.parallel.context_split import ContextSplit
 from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine
-from tandem.train.context_split import ContextSplit
 from tandem.train.logprobs import LogprobModel, _local_routing
 from tandem.train.rl_step import ppo_update
 from tandem.train.routed_experts import (

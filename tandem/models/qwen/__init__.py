@@ -13,6 +13,8 @@ from tandem.models.registry import ModelSpec, register_model_spec
 from tandem.models.value_head import CAUSAL_LM, VALUE_MODEL
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from tandem.models.qwen.pipeline import HeadFn, QwenStage
     from tandem.parallel import ParallelDims
     from tandem.parallel.pipeline import PipelineLayout
@@ -27,11 +29,12 @@ def parallelize_qwen(model: nn.Module, parallel_dims: ParallelDims, **options: A
     return parallelize(model, parallel_dims, **options)
 
 
-def split_qwen(model: nn.Module, layout: PipelineLayout, pp_rank: int, head: HeadFn) -> list[QwenStage]:
+def split_qwen(model: nn.Module, layout: PipelineLayout, pp_rank: int, head: HeadFn,
+               cp_group: dist.ProcessGroup | None = None) -> list[QwenStage]:
     """`tandem.models.qwen.pipeline.split_qwen`, imported when first called."""
     from tandem.models.qwen.pipeline import split_qwen as split
 
-    return split(model, layout, pp_rank, head)
+    return split(model, layout, pp_rank, head, cp_group)
 
 
 def _hf_architecture(args: QwenArgs) -> str:

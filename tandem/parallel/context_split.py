@@ -19,21 +19,26 @@ from tandem.parallel.context_parallel import Kernel, gather_tokens, ulysses_atte
 
 @dataclass(frozen=True)
 class ContextSplit:
-    """This rank's contiguous slice of a packed stream of `num_tokens` tokens over a CP group."""
+    """This rank's contiguous slice of a packed stream of `num_tokens` tokens over a CP group.
+    `multiple`: every slice's length is a multiple of it (tensor parallelism's token multiple), so
+    the model pads no slice: padding inside a slice would shift the next ranks' tokens in the
+    stream that Ulysses attention reassembles."""
 
     group: dist.ProcessGroup
     num_tokens: int
     cp: int
     rank: int
+    multiple: int = 1
 
     @classmethod
-    def of(cls, num_tokens: int, group: dist.ProcessGroup) -> ContextSplit:
-        return cls(group, num_tokens, dist.get_world_size(group), dist.get_rank(group))
+    def of(cls, num_tokens: int, group: dist.ProcessGroup, multiple: int = 1) -> ContextSplit:
+        return cls(group, num_tokens, dist.get_world_size(group), dist.get_rank(group), multiple)
 
     @property
     def padded(self) -> int:
-        """`num_tokens` rounded up to a multiple of `cp`."""
-        return -(-self.num_tokens // self.cp) * self.cp
+        """`num_tokens` rounded up to a multiple of `cp * multiple`."""
+        step = self.cp * self.multiple
+        return -(-self.num_tokens // step) * step
 
     @property
     def local_tokens(self) -> int:
