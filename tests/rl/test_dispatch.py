@@ -108,11 +108,11 @@ def test_trainer_models_split_by_actor_balance(model_dir, tmp_path):
         models = start_models(cfg, sched)
         assert models.hidden_size == 64
         stats = {}
-        for balance in ("tokens", "flops"):
+        for version, balance in enumerate(("tokens", "flops")):
             run = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, balance=balance))
             tb, _ = build_training_batch(trajs, run.algo, version=0)
             assert sorted(tb.batch.lengths) == [200, 400, 400, 400, 1000]
-            stats[balance] = models.update(tb, run, version=0)
+            stats[balance] = models.update(tb, run, version=version)
             assert stats[balance]["train/grad_norm"] > 0
         t, f = stats["tokens"], stats["flops"]
         assert t["dispatch/imbalance"] == t["dispatch/imbalance_tokens"] == 1.0
