@@ -25,7 +25,7 @@ from tandem.rl.batch import TrainingBatch, add_training_advantages
 from tandem.rl.checkpoints import CRITIC
 from tandem.rl.cluster import start_workers
 from tandem.rl.config import TandemConfig
-from tandem.rl.dispatch import split_for_ranks
+from tandem.rl.dispatch import model_hidden_size, split_for_ranks
 from tandem.train.config import TrainEngineConfig
 from tandem.train.controller import TrainController
 
@@ -37,12 +37,13 @@ class TrainerModels:
     actor: TrainController
     critic: TrainController | None = None
     reference: TrainController | None = None
+    hidden_size: int | None = None  # the actor's, for the FLOP cost of the split (the critic has its architecture)
 
     def update(self, tb: TrainingBatch, cfg: TandemConfig, version: int) -> dict[str, float]:
         """One training step on `tb` (`version`: the actor's weight version before it): the
         reference's logprobs and the critic's values of the batch, the advantages (on the
         controller: `add_training_advantages`), then the actor's PPO update and the critic's."""
-        shards, stats = split_for_ranks(tb.batch, self.actor.dp_size)
+        shards, stats = split_for_ranks(tb.batch, self.actor.dp_size, cfg.actor.balance, self.hidden_size)
         if self.reference is not None:
             outputs = self.reference.compute_logprobs(shards, cfg.gen.temperature, loss_tokens_only=True)
             _attach(shards, [o.logprobs for o in outputs], REF_LOGPROBS)
@@ -50,7 +51,7 @@ class TrainerModels:
         if self.critic is not None:
             critic_shards = shards
             if self.critic.dp_size != self.actor.dp_size:
-                critic_shards = split_for_ranks(tb.batch, self.critic.dp_size)[0]
+                critic_shards = split_for_ranks(tb.batch, self.critic.dp_size, cfg.actor.balance, self.hidden_size)[0]
             _attach(critic_shards, self.critic.compute_values(critic_shards), OLD_VALUES)
         stats.update(add_training_advantages(tb, cfg.algo))
         stats.update(self.actor.ppo_update(shards, cfg.algo, version, cfg.gen.temperature, cfg.train.n_minibatches))
@@ -99,7 +100,7 @@ def reference_engine_config(cfg: TandemConfig) -> TrainEngineConfig:
 def start_models(cfg: TandemConfig, scheduler: ProcessScheduler) -> TrainerModels:
     """The actor's ranks with its engine, and the critic and reference the algorithm needs."""
     actor = start_workers(cfg, scheduler)
-    models = TrainerModels(actor)
+    models = TrainerModels(actor, hidden_size=model_hidden_size(cfg.actor.path))
     if cfg.algo.ppo.kl_ctl > 0:
         models.reference = _initialize(actor.colocated("reference"), reference_engine_config(cfg))
     if cfg.algo.ppo.use_critic:

@@ -19,7 +19,7 @@ from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.rl.cluster import run_processes, start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
-from tandem.rl.dispatch import split_for_ranks
+from tandem.rl.dispatch import model_hidden_size, split_for_ranks
 from tandem.rl.evaluate import evaluate, reward_function
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.metrics import MetricsLogger
@@ -49,13 +49,14 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
                             processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs
             trainer = start_workers(cfg, scheduler)
+            hidden_size = model_hidden_size(cfg.actor.path)
             for step in tqdm(range(cfg.sft.steps), desc="sft", unit="step", disable=not cfg.stats.progress):
                 chunk = [next(examples) for _ in range(cfg.sft.batch_size)]
                 batch = SequenceBatch.from_token_lists(
                     [e["input_ids"] for e in chunk], loss_mask=[e["loss_mask"] for e in chunk]
                 )
-                shards, _ = split_for_ranks(batch, trainer.dp_size)
-                metrics.log(step + 1, trainer.sft_step(shards), phase="sft")
+                shards, dispatch = split_for_ranks(batch, trainer.dp_size, cfg.actor.balance, hidden_size)
+                metrics.log(step + 1, {**trainer.sft_step(shards), **dispatch}, phase="sft")
             trainer.save_hf(str(out), tokenizer_dir=cfg.actor.path, overwrite=True)
             trainer.shutdown()
             result: dict[str, float] = {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.config.fields import config_field as _f
+from tandem.data.balance import COSTS
 from tandem.errors import ConfigError
 from tandem.parallel.config import ParallelizeConfig
 
@@ -69,7 +70,8 @@ class MicroBatchConfig:
     n_mbs: int = _f(1, "At least this many micro-batches per rank.", min=1)
     n_mbs_divisor: int = _f(1, "The micro-batch count is rounded up to a multiple of this.", min=1)
     packing: str = _f("ffd", "Packing of sequences into micro-batches: first-fit decreasing (fewest under the "
-                             "budget) or Karmarkar-Karp (most even token counts).", choices=PACKING)
+                             "token budget) or Karmarkar-Karp (most even loads in the cost of actor.balance, each "
+                             "under the token budget).", choices=PACKING)
 
 
 @dataclass
@@ -87,6 +89,10 @@ class TrainEngineConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     parallelize: ParallelizeConfig = field(default_factory=ParallelizeConfig)
+    balance: str = _f(
+        "tokens", "The cost Karmarkar-Karp evens out when a batch is split over the data-parallel ranks, and over "
+                  "micro-batches with mb.packing=kk: tokens (L per sequence) or flops (12*h*L + L^2 with h the "
+                  "model's hidden_size: attention makes long sequences cost more than their tokens).", choices=COSTS)
     dp_replicate: int = _f(1, "HSDP: replicas of the FSDP group (must divide the data-parallel size).", min=1)
     tp: int = _f(1, "Tensor-parallel size (the run config derives it from actor.backend).", min=1)
     pp: int = _f(1, "Pipeline-parallel size (the run config derives it from actor.backend).", min=1)

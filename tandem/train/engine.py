@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.config.fields import validate
+from tandem.data.balance import sequence_cost
 from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
 from tandem.errors import ConfigError
 from tandem.models import build_model, read_hf_config
@@ -164,7 +165,8 @@ class TrainEngine:
     # ------------------------------------------------------------------------------ batches
 
     def _micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        plan = plan_micro_batches(batch.lengths, self._mb_config, self.dp_group, self.device)
+        costs = sequence_cost(batch.lengths, self.config.balance, hidden_size=self.model.args.dim)
+        plan = plan_micro_batches(batch.lengths, self._mb_config, self.dp_group, self.device, costs)
         return [mb.to(self.device) for mb in build_micro_batches(batch, plan)]
 
     @torch.no_grad()

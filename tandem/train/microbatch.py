@@ -1,8 +1,8 @@
 """Splitting a rank's batch into micro-batches, agreeing on their count across DP ranks, and
 putting per-sequence results back in the original order.
 
-Partitioning itself is `tandem.data.balance` (FFD bin packing or Karmarkar–Karp); this module only
-decides how many micro-batches there are. Every rank must run the same number of forward/backward
+Partitioning itself is `tandem.data.balance` (FFD bin packing or Karmarkar–Karp, the latter on the
+cost of `actor.balance`); this module only decides how many micro-batches there are. Every rank must run the same number of forward/backward
 passes, because each pass issues FSDP all-gathers and reduce-scatters that all ranks must join: the
 count is all-reduced (max) over the data-parallel group and ranks short of it pad with empty
 micro-batches.
@@ -28,8 +28,9 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _partition(lengths: list[int], k: int, capacity: float, packing: str) -> list[list[int]]:
-    """At least `k` parts (exactly k when n >= k, else n), each under `capacity`."""
+def _partition(lengths: list[int], costs: list[float], k: int, capacity: float, packing: str) -> list[list[int]]:
+    """At least `k` parts (exactly k when n >= k, else n), each under `capacity` tokens; kk evens
+    out `costs`, ffd fills by tokens."""
     n = len(lengths)
     if n == 0:
         return []
@@ -38,7 +39,7 @@ def _partition(lengths: list[int], k: int, capacity: float, packing: str) -> lis
         return ffd_pack(lengths, capacity, min_bins=k)
     # Karmarkar–Karp: the most even split into k parts; add parts until the budget holds.
     while True:
-        parts = karmarkar_karp(lengths, k)
+        parts = karmarkar_karp(costs, k)
         if max(part_loads(lengths, parts)) <= capacity:
             return parts
         if k == n:  # unreachable: every item fits alone (checked by the caller)
@@ -46,17 +47,17 @@ def _partition(lengths: list[int], k: int, capacity: float, packing: str) -> lis
         k += 1
 
 
-def _split_to(lengths: list[int], parts: list[list[int]], target: int) -> list[list[int]]:
-    """Split the heaviest multi-sequence part in two (evenly, by KK) until there are `target`
-    parts or every part is a single sequence; splitting never breaks a budget."""
+def _split_to(costs: list[float], parts: list[list[int]], target: int) -> list[list[int]]:
+    """Split the costliest multi-sequence part in two (evenly in `costs`, by KK) until there are
+    `target` parts or every part is a single sequence; splitting never breaks a budget."""
     parts = [list(p) for p in parts]
     while len(parts) < target:
         splittable = [i for i, p in enumerate(parts) if len(p) > 1]
         if not splittable:
             break
-        i = max(splittable, key=lambda i: (sum(lengths[j] for j in parts[i]), -i))
+        i = max(splittable, key=lambda i: (sum(costs[j] for j in parts[i]), -i))
         old = parts[i]
-        left, right = karmarkar_karp([lengths[j] for j in old], 2)
+        left, right = karmarkar_karp([costs[j] for j in old], 2)
         parts[i] = [old[j] for j in left]
         parts.append([old[j] for j in right])
     return parts
@@ -76,12 +77,19 @@ def plan_micro_batches(
     config: MicroBatchConfig,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
+    costs: Sequence[float] | None = None,
 ) -> list[list[int]]:
     """Index groups into `lengths`, one per micro-batch; `[]` marks a padding micro-batch.
 
+    The token budget always bounds a micro-batch (it stands for memory). `costs` (one per
+    sequence, default the lengths: `actor.balance`) is what `packing="kk"` evens out; ffd packs
+    by tokens, as its job is the fewest micro-batches under the budget.
     Collective over `group` when a process group exists: call it on every DP rank.
     """
     lengths = [int(n) for n in lengths]
+    if costs is not None and len(costs) != len(lengths):
+        raise ValueError(f"{len(costs)} costs for {len(lengths)} sequences")
+    even = [float(c) for c in (costs if costs is not None and config.packing == "kk" else lengths)]
     capacity = float(config.max_tokens_per_mb) if config.max_tokens_per_mb else math.inf
     for i, n in enumerate(lengths):
         if n > capacity:
@@ -89,11 +97,11 @@ def plan_micro_batches(
                 f"sequence {i} has {n} tokens, more than max_tokens_per_mb={config.max_tokens_per_mb}; "
                 "raise the budget or truncate the sequence"
             )
-    parts = _partition(lengths, config.n_mbs, capacity, config.packing)
+    parts = _partition(lengths, even, config.n_mbs, capacity, config.packing)
     target = _round_up(agree_on_count(max(len(parts), config.n_mbs), group, device), config.n_mbs_divisor)
     if len(parts) < target and len(parts) < len(lengths):
-        more = _partition(lengths, target, capacity, config.packing)
-        parts = more if len(more) == min(target, len(lengths)) else _split_to(lengths, parts, target)
+        more = _partition(lengths, even, target, capacity, config.packing)
+        parts = more if len(more) == min(target, len(lengths)) else _split_to(even, parts, target)
     return parts + [[] for _ in range(target - len(parts))]
 
 

@@ -121,6 +121,11 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "actor.parallelize.offload_params": (
         "tests/train/test_engine_config_keys.py::test_offload_params_keeps_parameters_in_host_memory",
         "tests/train/test_engine.py::test_offload_is_refused_on_a_cpu_run_with_the_reason", T_VALIDATION),
+    "actor.balance": ("tests/rl/test_dispatch.py::test_the_cost_chooses_the_split_and_the_stats_measure_both",
+                      "tests/rl/test_dispatch.py::test_trainer_models_split_by_actor_balance",
+                      "tests/rl/test_dispatch.py::test_bad_values_are_refused_naming_actor_balance",
+                      "tests/train/test_microbatch.py::test_kk_packing_evens_the_balance_cost_under_the_token_budget",
+                      "tests/train/test_engine.py::test_balance_chooses_the_cost_kk_packing_evens"),
     "actor.dp_replicate": ("tests/parallel/test_parallel.py::test_hsdp_world4_matches_one_rank",
                            "tests/rl/test_run_config.py::test_dp_replicate_must_divide_the_trainer_ranks"),
     "actor.deterministic": ("tests/train/test_engine.py::test_deterministic_mode_sets_the_environment",

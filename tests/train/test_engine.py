@@ -75,6 +75,22 @@ def test_ffd_vs_kk_packing(tiny_dir):
     _assert_same_run(ffd, kk, "FFD vs KK")
 
 
+def test_balance_chooses_the_cost_kk_packing_evens(tiny_dir):
+    """Catches the engine packing by tokens whatever `balance` says, or measuring FLOPs with another
+    hidden size than its model's (64 here: FLOP cost 768·L + L²). Lengths 1000, 200, 400, 400, 400
+    in two micro-batches: tokens even out as {1000, 200} / {400, 400, 400} (1200 / 1200), FLOPs as
+    {1000} / {200, 400, 400, 400} (1,768,000 / 1,595,200; {1000, 200} would be 1,961,600)."""
+    plans = {}
+    for balance in ("tokens", "flops"):
+        engine = TrainEngine(engine_config(str(tiny_dir), balance=balance,
+                                           mb=MicroBatchConfig(max_tokens_per_mb=None, n_mbs=2, packing="kk")))
+        assert engine.model.args.dim == 64
+        batch = make_batch(engine.model.args.vocab_size, [1000, 200, 400, 400, 400])
+        plans[balance] = sorted(list(mb.indices) for mb in engine._micro_batches(batch))
+        engine.close()
+    assert plans == {"tokens": [[0, 1], [2, 3, 4]], "flops": [[0], [1, 2, 3, 4]]}
+
+
 @pytest.mark.slow
 def test_activation_checkpointing_modes_match(tiny_dir, reference):
     full = ParallelizeConfig(activation_checkpoint="full")

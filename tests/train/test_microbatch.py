@@ -3,10 +3,13 @@ checked in test_engine_distributed.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tandem.config.fields import validate
+from tandem.data.balance import sequence_cost
 from tandem.data.batch import pack_sequences, shift_to_next_token
 from tandem.errors import ConfigError
 from tandem.train import MicroBatchConfig, SequenceBatch, plan_micro_batches, restore_order
@@ -57,6 +60,28 @@ def test_packing_choice_changes_the_plan():
         loads[packing] = sorted(sum(LENGTHS[i] for i in p) for p in plan)
     assert len(loads["ffd"]) == len(loads["kk"])
     assert loads["ffd"][-1] - loads["ffd"][0] > 500 and loads["kk"][-1] - loads["kk"][0] <= 1
+
+
+def test_kk_packing_evens_the_balance_cost_under_the_token_budget():
+    """Catches `actor.balance` not reaching micro-batch packing, or the budget checked in the cost
+    instead of tokens. Hidden size 1: FLOP cost 12·L + L². Lengths 10, 2, 4, 4, 4 in two
+    micro-batches: tokens even out only as {10, 2} / {4, 4, 4} (12 / 12), FLOPs only as
+    {10} / {2, 4, 4, 4} (220 / 220). FFD packs by tokens whatever the cost."""
+    lengths = [10, 2, 4, 4, 4]
+    flops = sequence_cost(lengths, "flops", hidden_size=1)
+    kk = MicroBatchConfig(max_tokens_per_mb=None, n_mbs=2, packing="kk")
+    assert sorted(plan_micro_batches(lengths, kk)) == [[0, 1], [2, 3, 4]]
+    assert sorted(plan_micro_batches(lengths, kk, costs=sequence_cost(lengths))) == [[0, 1], [2, 3, 4]]
+    assert sorted(plan_micro_batches(lengths, kk, costs=flops)) == [[0], [1, 2, 3, 4]]
+    # A budget of 13 tokens: {2, 4, 4, 4} (14 tokens) no longer fits, so a third micro-batch opens.
+    budget = dataclasses.replace(kk, max_tokens_per_mb=13)
+    plan = plan_micro_batches(lengths, budget, costs=flops)
+    _check_plan(plan, lengths, budget)
+    assert len(plan) == 3
+    ffd = MicroBatchConfig(max_tokens_per_mb=12, packing="ffd")
+    assert plan_micro_batches(lengths, ffd, costs=flops) == plan_micro_batches(lengths, ffd)
+    with pytest.raises(ValueError, match="4 costs for 5 sequences"):
+        plan_micro_batches(lengths, kk, costs=flops[:4])
 
 
 def test_the_count_is_rounded_up_to_the_divisor():
