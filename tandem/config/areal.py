@@ -12,7 +12,7 @@ from AReaL"."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tandem.config.alloc import parse_allocation
+from tandem.config.alloc import AllocationMode, parse_allocation
 from tandem.errors import AllocationError, ConfigError
 
 # AReaL's defaults (areal/api/cli_args.py) that the rules below use when a file leaves a key unset.
@@ -171,8 +171,6 @@ class _Facts:
     """What the rules need to know about the whole config."""
 
     keys: dict[str, Any]  # every leaf key of the AReaL config -> its value, in file order
-    rollout: str | None = None  # the AReaL inference allocation (rollout.backend or allocation_mode's part)
-    actor: str | None = None
     rollout_devices: int = 0
     actor_devices: int = 0
     tp: int = 1
@@ -224,7 +222,7 @@ def _to(tandem: str, values: Mapping[Any, Any] | None = None, note: str = "") ->
     """A rename (with `values` translating the value, where the names differ)."""
     def rule(key: str, value: Any, facts: _Facts) -> list[Mapped | Unmapped]:
         if values is not None:
-            if value not in values:
+            if not isinstance(value, Hashable) or value not in values:
                 return [Unmapped(key, value, f"Tandem's {tandem} has no counterpart for {_show(value)} "
                                              f"(AReaL's values it maps: {', '.join(map(_show, values))})")]
             value = values[value]
@@ -265,10 +263,7 @@ def _allocation(facts: _Facts) -> list[tuple[str, Mapped | Unmapped]]:
     legacy = facts.keys.get("allocation_mode")
     if legacy:
         for group in _top_level_groups(str(legacy)):
-            try:
-                mode = parse_allocation(group)
-            except AllocationError as exc:
-                raise ConfigError(f"allocation_mode={legacy!r}: {exc}") from None
+            mode = _parse(group, "allocation_mode")
             if len(mode.components) > 1:
                 out.append(("allocation_mode", Unmapped("allocation_mode", legacy, f"{group!r} colocates components "
                             "('|'); Tandem runs servers and trainers on separate devices: give rollout.backend "
@@ -282,17 +277,20 @@ def _allocation(facts: _Facts) -> list[tuple[str, Mapped | Unmapped]]:
     for role in ("rollout", "actor"):
         key = f"{role}.backend"
         if key in facts.keys:
+            if parts.get(role, ("", ""))[1] == "allocation_mode":
+                out.append(("allocation_mode", Unmapped("allocation_mode", legacy, f"its {role} part is superseded by "
+                                                        f"{key}, as in AReaL (allocation_mode is deprecated there)")))
             parts[role] = (str(facts.keys[key]), key)
     if "actor" in parts:
         spec, source = parts["actor"]
-        comp = parse_allocation(spec).components[0]
-        facts.actor, facts.actor_devices, facts.tp, facts.pp = spec, comp.sizes.world_size, comp.sizes.tp, comp.sizes.pp
+        comp = _parse(spec, source).components[0]
+        facts.actor_devices, facts.tp, facts.pp = comp.sizes.world_size, comp.sizes.tp, comp.sizes.pp
         out.append((source, Mapped(source, "actor.backend", spec,
                                    "the trainer part of allocation_mode" if source == "allocation_mode" else "")))
     if "rollout" in parts:
         spec, source = parts["rollout"]
-        comp = parse_allocation(spec).components[0]
-        facts.rollout, facts.rollout_devices = spec, comp.sizes.world_size
+        comp = _parse(spec, source).components[0]
+        facts.rollout_devices = comp.sizes.world_size
         s = comp.sizes
         launched = comp.backend in LAUNCHED_INFERENCE and s.tp == 1 and s.pp == 1
         if launched:
@@ -306,6 +304,13 @@ def _allocation(facts: _Facts) -> list[tuple[str, Mapped | Unmapped]]:
                                        f"`tandem serve` servers; to keep {spec}, start those servers yourself and "
                                        f"pass rollout.backend={spec} rollout.servers=[host:port, ...]")))
     return out
+
+
+def _parse(spec: str, key: str) -> AllocationMode:
+    try:
+        return parse_allocation(spec)
+    except AllocationError as exc:
+        raise ConfigError(f"AReaL's {key}={spec!r}: {exc}") from None
 
 
 def _top_level_groups(spec: str) -> list[str]:

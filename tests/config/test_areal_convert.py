@@ -261,3 +261,17 @@ def test_the_mapping_in_docs_is_what_the_converter_prints():
     block = text.split("$ tandem convert-config archon_qwen3_8b.yaml +actor.archon.ac_debug=True -o run.yaml\n", 1)[1]
     shown = block.split("\nNote: ", 1)[0].splitlines()
     assert shown == convert(read_areal(DENSE, ["+actor.archon.ac_debug=True"])).report().splitlines()
+
+
+def test_the_legacy_allocation_mode_splits_into_the_two_backends():
+    conversion = convert({"allocation_mode": "vllm:d2+archon:d2p2", "actor": {"path": "m"}})
+    flat = leaves(conversion.tandem)
+    assert (flat["rollout.backend"], flat["actor.backend"], flat["actor.parallelize.pp_schedule"]) == (
+        "vllm:d2", "archon:d2p2", "Interleaved1F1B")  # AReaL's default schedule, written for pp > 1
+    assert "allocation_mode -> actor.backend = archon:d2p2  # the trainer part of allocation_mode" in conversion.report()
+    superseded = convert({"allocation_mode": "vllm:d2+archon:d2", "actor": {"backend": "archon:d1"}})
+    assert leaves(superseded.tandem)["actor.backend"] == "archon:d1"
+    assert [u.reason for u in superseded.unmapped] == [
+        "its actor part is superseded by actor.backend, as in AReaL (allocation_mode is deprecated there)"]
+    with pytest.raises(ConfigError, match=r"AReaL's actor\.backend='archon:d0': invalid allocation mode"):
+        convert({"actor": {"backend": "archon:d0"}})
