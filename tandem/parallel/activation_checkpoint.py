@@ -82,11 +82,13 @@ def checkpoint_module(module: nn.Module, op_level: bool = False, debug: BlockDeb
 
 
 def _op_name(op: Any) -> str:
-    name = str(op)
-    return name.removesuffix(".default")
+    return str(op).removesuffix(".default")
 
 
 def _describe(ops: Counter[str], most: int = 8) -> str:
+    """The most frequent op kinds with their counts, e.g. 'aten.mm x7, aten.add.Tensor x2'."""
+    if not ops:
+        return "none"
     shown = ", ".join(f"{name} x{n}" for name, n in ops.most_common(most))
     rest = len(ops) - most
     return f"{shown}, and {rest} more kinds" if rest > 0 else shown
