@@ -130,6 +130,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="print the table of every key (type, default, meaning)")
     p.set_defaults(func=_cmd_show_config)
 
+    p = sub.add_parser("convert-config", help="map an AReaL experiment config to a Tandem run config, key by key, "
+                                              "and say what has no counterpart")
+    p.add_argument("config", nargs="+", metavar="AREAL.yaml [key=value | +key=value ...]",
+                   help="AReaL's YAML file, then Hydra-style overrides as AReaL takes them (+actor.archon.ac_debug=True)")
+    p.add_argument("-o", "--output", metavar="OUT.yaml", default=None,
+                   help="write the Tandem config here and the mapping to stdout (default: the config to stdout, the "
+                        "mapping to stderr)")
+    p.add_argument("--for", dest="for_command", choices=["train", "sft"], default="train",
+                   help="the command whose loader must accept the result (default: train)")
+    p.set_defaults(func=_cmd_convert_config)
+
     p = sub.add_parser("train", help="asynchronous RL: launch servers and trainers, train, sync weights, evaluate")
     add_config_arguments(p)
     p.set_defaults(func=_cmd_train)
@@ -225,6 +236,46 @@ def _cmd_show_config(args: argparse.Namespace) -> int:
         print(keys_markdown(type(cfg), cfg))
     else:
         print(to_yaml(cfg), end="")
+    return 0
+
+
+def _cmd_convert_config(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from tandem.config.areal import convert, read_areal
+    from tandem.rl.config import load_run_config  # OmegaConf and every schema: ~0.4 s
+
+    source, *overrides = args.config
+    conversion = convert(read_areal(source, overrides))
+    report = conversion.report()
+    model = str(conversion.tandem.get("actor", {}).get("path") or "")
+    check_overrides = []
+    if model and not Path(model).is_dir():  # a Hub id, most often: Tandem loads local directories
+        check_overrides = ["actor.path=''"]
+        report += (f"\nNote: actor.path {model!r} is not a directory here; Tandem loads a local HF directory: "
+                   f"download it (e.g. `huggingface-cli download {model} --local-dir DIR`) and run with "
+                   "actor.path=DIR (the load check here leaves actor.path out)")
+    text = (f"# Converted by `tandem convert-config` from the AReaL config {source}"
+            + "".join(f" {o}" for o in overrides) + "\n" + "".join(f"# {line}\n" for line in report.splitlines())
+            + yaml.safe_dump(conversion.tandem, sort_keys=False))
+    out = sys.stdout if args.output is None else sys.stderr
+    print(report, file=sys.stderr if args.output is None else sys.stdout)
+    with tempfile.TemporaryDirectory() as tmp:  # what `tandem <command> OUT.yaml` will load
+        probe = Path(tmp) / "converted.yaml"
+        probe.write_text(text)
+        try:
+            load_run_config(probe, check_overrides, args.for_command)
+        except ConfigError as exc:
+            raise ConfigError(f"the converted config does not load for tandem {args.for_command} (nothing written): "
+                              f"{exc}") from None
+    if args.output is None:
+        print(text, end="", file=out)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}; it loads for tandem {args.for_command}")
     return 0
 
 

@@ -37,7 +37,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> Non
 def test_help_lists_commands():
     proc = run("--help")
     assert proc.returncode == 0
-    for command in ("alloc", "show-config", "init-model", "model-info"):
+    for command in ("alloc", "show-config", "convert-config", "init-model", "model-info"):
         assert command in proc.stdout
 
 

@@ -38,6 +38,11 @@ class ParallelizeConfig:
     ac_memory_budget: float = _f(
         0.5, "With memory_budget: the fraction of activation memory compile's partitioner may keep "
         "(0 recomputes all it can, 1 keeps everything).", min=0.0, max=1.0)
+    ac_debug: bool = _f(
+        False, "Log, per checkpointed block, what activation checkpointing saves and recomputes: which blocks are "
+        "checkpointed, and per block the ops whose outputs its forward kept (op-level) and the ops its backward "
+        "ran again, counted (trainer rank logs; slower: every op of a checkpointed block is observed). Needs "
+        "activation checkpointing on (full or selective) and eager blocks (compile off).")
     compile: bool | None = _f(
         None, "torch.compile each transformer block (None: on CUDA, the Archon default; off elsewhere, where it "
         "buys ~1.1x for a 10-24 s compile).")
@@ -71,7 +76,10 @@ class ParallelizeConfig:
         compile_ = self.compile
         if compile_ is None:
             compile_ = cuda
-            if cuda and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
+            if cuda and self.ac_debug:
+                compile_ = False
+                notes.append("compile off: ac_debug observes the ops of eager blocks")
+            elif cuda and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
                 compile_ = False
                 notes.append(f"compile off: pp_schedule={self.pp_schedule} runs no compiled blocks")
             elif cuda and tp > 1 and self.activation_checkpoint not in ("auto", "none"):
@@ -92,9 +100,19 @@ class ParallelizeConfig:
         return replace(self, compile=compile_, activation_checkpoint=ac, ac_selective=selective), notes
 
     def check(self, prefix: str = "") -> None:
+        """Contradictory options. Run on the copy `for_device` returns, where auto and None are chosen."""
         if self.activation_checkpoint == "memory_budget" and self.compile is False:
             raise ConfigError(f"{prefix}activation_checkpoint=memory_budget works through torch.compile's "
                               f"partitioner: set {prefix}compile=true (or choose full / selective)")
+        if self.ac_debug and self.activation_checkpoint not in ("full", "selective"):
+            raise ConfigError(f"{prefix}ac_debug=true logs what activation checkpointing saves and recomputes, but "
+                              f"this run checkpoints no block ({prefix}activation_checkpoint resolves to "
+                              f"{self.activation_checkpoint!r}; auto is none off CUDA): set "
+                              f"{prefix}activation_checkpoint=full or selective, or {prefix}ac_debug=false")
+        if self.ac_debug and self.compile:
+            raise ConfigError(f"{prefix}ac_debug=true observes each op of a checkpointed block as it runs, which "
+                              f"compiled blocks do not do one by one: set {prefix}compile=false (or leave it unset: "
+                              f"ac_debug then turns compile off), or {prefix}ac_debug=false")
 
     def check_layout(self, tp: int, prefix: str = "") -> None:
         """Options that a parallel layout cannot run, refused with the reason. Under tensor

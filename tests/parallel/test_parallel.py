@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections import Counter
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from tandem.config.fields import validate
 from tandem.config.parallel_sizes import ParallelSizes
@@ -73,19 +76,22 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.computing = 0  # ops other than those SAC passes through untouched (detach, ...)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func.overloadpacket)] += 1
+        self.computing += func not in SAC_IGNORED_OPS
         return func(*args, **(kwargs or {}))
 
 
-def _ops_of_a_training_step(mode: str, selective: str = "layer") -> tuple[Counter[str], torch.Tensor]:
+def _ops_of_a_training_step(mode: str, selective: str = "layer", debug: bool = False,
+                            counter: _OpCounter | None = None) -> tuple[Counter[str], torch.Tensor]:
     model = build_model(CONFIG, seed=0)
-    apply_activation_checkpointing(model.layers, mode, selective=selective)
+    apply_activation_checkpointing(model.layers, mode, selective=selective, debug=debug)
     ids, cu = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 5, 12])
-    with _OpCounter() as counter:
+    with counter or _OpCounter() as counted:
         model(ids, cu).square().mean().backward()
-    return counter.counts, model.layers["0"].attention.wq.weight.grad
+    return counted.counts, model.layers["0"].attention.wq.weight.grad
 
 
 def test_op_level_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest():
@@ -97,6 +103,70 @@ def test_op_level_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest(
     assert full["aten.mm"] > plain["aten.mm"] and op_level["aten.mm"] == plain["aten.mm"], (plain, full, op_level)
     assert op_level["aten.rsqrt"] > plain["aten.rsqrt"]  # the norms are recomputed
     assert torch.equal(g_plain, g_full) and torch.equal(g_plain, g_op)
+
+
+AC_DEBUG = re.compile(r"ac_debug (layers\.\d+) \((.+?)\) (forward|backward): (.*)")
+
+
+def _ac_debug_lines(caplog, mode: str, selective: str) -> tuple[dict[tuple[str, str], str], int, torch.Tensor]:
+    """{(block, phase): logged text}, the ops (SAC's ignored ones aside) a debug training step ran,
+    and a gradient."""
+    counter = _OpCounter()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tandem.parallel.activation_checkpoint"):
+        _, grad = _ops_of_a_training_step(mode, selective, debug=True, counter=counter)
+    lines = {(m[1], m[3]): m[4] for r in caplog.records if (m := AC_DEBUG.match(r.getMessage()))}
+    return lines, counter.computing, grad
+
+
+def test_ac_debug_logs_what_each_block_saves_and_recomputes(caplog):
+    """Catches a debug log that miscounts (against op counts taken outside it, and the hand count of
+    a Qwen3 block: 7 projections, one attention) or that changes training (gradients bit-equal)."""
+    plain = _OpCounter()
+    _, g_plain = _ops_of_a_training_step("none", counter=plain)
+    recomputed = re.compile(r"recomputed (\d+) ops")
+    for mode, selective in (("selective", "op"), ("full", "layer")):
+        lines, computing, grad = _ac_debug_lines(caplog, mode, selective)
+        print(f"\n[ac_debug {mode}/{selective}]", *(f"{k}: {v}" for k, v in lines.items()), sep="\n  ")
+        assert set(lines) == {(f"layers.{i}", phase) for i in range(CONFIG["num_hidden_layers"])
+                              for phase in ("forward", "backward")}
+        assert torch.equal(grad, g_plain)
+        # Every op a block ran again in backward is counted once: the step's extra ops.
+        logged = sum(int(recomputed.match(text)[1]) for (_, phase), text in lines.items() if phase == "backward")
+        assert logged == computing - plain.computing > 0
+        forward = lines[("layers.0", "forward")]
+        if selective == "op":
+            assert forward.startswith("saved the outputs of 8 ops (aten.mm x7, aten._scaled_dot_product_")
+            assert "aten.mm" not in lines[("layers.0", "backward")]  # matmuls are served, not recomputed
+        else:
+            assert forward.startswith("saved no op output (only the block's inputs)")
+            assert "aten.mm x" in lines[("layers.0", "backward")]
+    _, _, grad = _ac_debug_lines(caplog, "selective", "layer")  # every block: every=1
+    assert torch.equal(grad, g_plain)
+
+
+def test_ac_debug_names_the_blocks_layer_level_leaves_alone(caplog):
+    model = build_model(CONFIG, seed=0)
+    with caplog.at_level(logging.INFO, logger="tandem.parallel.activation_checkpoint"):
+        apply_activation_checkpointing(model.layers, "selective", every=2, debug=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ac_debug layer-level selective checkpointing: 1 of 2 blocks recomputed in backward (layers.0); "
+        "activations kept, nothing recomputed: layers.1"]
+
+
+def test_ac_debug_needs_checkpointed_eager_blocks():
+    base = ParallelizeConfig(activation_checkpoint="full", ac_debug=True)
+    base.check()
+    chosen, notes = base.for_device("cuda")
+    assert chosen.compile is False and notes == ["compile off: ac_debug observes the ops of eager blocks"]
+    with pytest.raises(ConfigError, match=r"ac_debug=true observes each op .* set p\.compile=false"):
+        ParallelizeConfig(activation_checkpoint="full", ac_debug=True, compile=True).check("p.")
+    for mode in ("none", "memory_budget"):
+        with pytest.raises(ConfigError, match=f"checkpoints no block .*resolves to '{mode}'"):
+            ParallelizeConfig(activation_checkpoint=mode, ac_debug=True, compile=True if mode != "none" else None).check()
+    auto_on_cpu, _ = ParallelizeConfig(ac_debug=True).for_device("cpu")
+    with pytest.raises(ConfigError, match="set activation_checkpoint=full or selective, or ac_debug=false"):
+        auto_on_cpu.check()
 
 
 def test_qwen_plan_shards_blocks_and_root(one_rank_group):

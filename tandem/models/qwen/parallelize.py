@@ -90,7 +90,7 @@ def parallelize_qwen(
     for part, part_root in ((s, s) for s in stages) if pipelined else [(model, root or model)]:
         blocks = part.layers
         apply_activation_checkpointing(blocks, config.activation_checkpoint, config.ac_every, config.ac_selective,
-                                       config.ac_memory_budget)
+                                       config.ac_memory_budget, debug=config.ac_debug)
         if config.compile:
             # Under TP, `dynamic=True` (every dim symbolic) makes inductor fail compiling the backward
             # (`mul expected 2 arguments, got 3` on a `2 * s0 * s1` size, torch 2.13); automatic dynamic
