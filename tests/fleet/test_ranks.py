@@ -133,3 +133,20 @@ def test_an_elastic_fleet_of_mixed_sizes_renumbers_as_servers_come_and_go():
     assert m.topology().devices_of(B) == 1 and B in m.topology().warming
     with pytest.raises(ValueError, match="at least one device"):
         m.register("http://127.0.0.1:9005", devices=0)
+
+
+def test_the_allocation_gives_each_starting_server_its_devices():
+    from tandem.errors import ConfigError
+    from tandem.rl.config import check_weight_sync
+    from tandem.rollout import RolloutConfig
+
+    assert RolloutConfig(backend="sglang:d4t2", servers=["h:1"]).devices_per_server == 2
+    assert RolloutConfig(backend="vllm:d1t2").devices_per_server == 2
+    assert RolloutConfig(backend="tandem:d3").devices_per_server == 1
+    check_weight_sync("distributed", RolloutConfig(backend="sglang:d2t2", servers=["h:1"]), "")
+    # SGLang places its workers by TP rank alone: pipeline stages would share ranks
+    with pytest.raises(ConfigError, match=r"train.weight_sync='distributed'.*pipeline stages.*weight_sync=disk"):
+        check_weight_sync("distributed", RolloutConfig(backend="sglang:d1t2p2", servers=["h:1"]), "")
+    check_weight_sync("disk", RolloutConfig(backend="sglang:d1t2p2", servers=["h:1"]), "")
+    with pytest.raises(ConfigError, match=r"rollout.backend='vllm:d1p2'.*tensor-parallel only.*vllm:d1t2"):
+        RolloutConfig(backend="vllm:d1p2").check()
