@@ -2,7 +2,7 @@
 in member order. Server i's device j (its tensor/pipeline-parallel rank j) is group rank
 `1 + sum(devices of servers 0..i-1) + j`; the world is `1 + sum(devices)`. Every adapter's join
 call and the broadcast transport take both from `group_ranks`, so offsets and world cannot
-disagree. See docs/weight-sync.md, "Transports"."""
+disagree. See docs/weight-sync.md, "Group ranks"."""
 
 from __future__ import annotations
 
