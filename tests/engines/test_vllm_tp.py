@@ -96,8 +96,7 @@ def test_a_server_counted_with_the_wrong_devices_is_refused_by_name(tp_server):
         fleet.send(ops.CONTINUE, ops.ContinueGeneration()).result(30)  # the failed update left it paused
 
 
-@pytest.mark.parametrize("sync", ["distributed"])
-def test_train_with_a_launched_tensor_parallel_vllm_server(tmp_path, small_model, vllm_python_path, sync):
+def test_train_with_a_launched_tensor_parallel_vllm_server(tmp_path, small_model, vllm_python_path):
     """`rollout.backend=vllm:d1t2`: Tandem starts one vLLM server of two workers and updates it over
     a group of 1 + 2 ranks after each step. Staleness 0: steps 2 and 3 train only on tokens the
     server sampled after the first and second update, and their logprobs equal the trainer's
@@ -106,7 +105,7 @@ def test_train_with_a_launched_tensor_parallel_vllm_server(tmp_path, small_model
                        rollout={"backend": f"vllm:d1t{TP}", "server_args": [], "max_head_offpolicyness": 0,
                                 "vllm": {"python": vllm_python_path, "threads": 1, "max_model_len": 512,
                                          "enforce_eager": True}},
-                       train={"total_steps": 3, "weight_sync": sync})
+                       train={"total_steps": 3, "weight_sync": "distributed"})
     proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = rl_rows(tmp_path)
