@@ -75,6 +75,11 @@ class Component:
         return None
 
     @property
+    def devices_per_server(self) -> int:
+        """An inference component's devices per server (one server per data-parallel replica)."""
+        return self.sizes.world_size // self.sizes.dp
+
+    @property
     def label(self) -> str:
         """The name, or the backend for an unnamed component (what `target` refers to)."""
         return self.name or self.backend

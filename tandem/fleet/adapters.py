@@ -89,8 +89,9 @@ def _staging(bucket_index: int | None, commit: bool, version: int | None) -> dic
 
 # -- SGLang's native protocol (both kinds) --------------------------------------------------------------
 def _join_group(req: ops.JoinGroup, index: int) -> HttpCall:
+    # SGLang's workers join as rank_offset + their TP rank (ModelRunner.init_weights_update_group).
     return HttpCall("/init_weights_update_group", {
-        "master_address": req.master_address, "master_port": req.master_port, "rank_offset": 1 + index,
+        "master_address": req.master_address, "master_port": req.master_port, "rank_offset": req.rank_offset(index),
         "world_size": req.world_size, "group_name": req.group_name, "backend": req.backend})
 
 
@@ -110,6 +111,9 @@ SGLANG_ROUTES: dict[str, Encoder] = {
 # -- Tandem's extensions ------------------------------------------------------------------------------------
 def _tandem_join(req: ops.JoinGroup, index: int) -> HttpCall:
     call = _join_group(req, index)
+    if req.devices[index] != 1:
+        raise UnsupportedOperation(f"`tandem serve` runs on one device, but join_group counts {req.devices[index]} "
+                                   f"for server {index}")
     return HttpCall(call.path, {**call.body, "timeout_s": req.timeout_s})
 
 
@@ -306,9 +310,11 @@ def _vllm_bucket(req: ops.DistributedBucket, index: int) -> HttpCall:
 # group and staged commit, through its methods.
 VLLM_EXTENSION_ROUTES: dict[str, Encoder] = {
     **VLLM_ROUTES,
+    # Each worker joins as rank_offset + its rank in the server (`TandemWorkerExtension.tandem_join_group`).
     "join_group": lambda req, i: _rpc("tandem_join_group", master_address=req.master_address,
-                                      master_port=req.master_port, rank_offset=1 + i, world_size=req.world_size,
-                                      group_name=req.group_name, backend=req.backend, timeout_s=req.timeout_s),
+                                      master_port=req.master_port, rank_offset=req.rank_offset(i),
+                                      world_size=req.world_size, devices=req.devices[i], group_name=req.group_name,
+                                      backend=req.backend, timeout_s=req.timeout_s),
     "leave_group": lambda req, i: _rpc("tandem_leave_group", group_name=req.group_name),
     "stage_distributed": _vllm_bucket,
     "load_disk": lambda req, i: _vllm_disk(req, i) if req.commit else _rpc("tandem_stage_disk", path=req.path),

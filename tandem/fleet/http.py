@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,6 +25,7 @@ from tandem.aio import new_event_loop
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter, TandemAdapter
 from tandem.fleet.interface import Topology
+from tandem.fleet.ranks import group_ranks
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,16 @@ def normalize_address(address: str) -> str:
 
 class HttpFleet:
     def __init__(self, addresses: Sequence[str], *, adapter: ServerAdapter | None = None, api_key: str | None = None,
-                 deadlines: ops.Deadlines | None = None):
+                 deadlines: ops.Deadlines | None = None, devices: int | Mapping[str, int] = 1):
+        """`devices`: each server's devices (its ranks in a transfer group), one count for all or
+        per address (absent ones: 1)."""
         if not addresses:
             raise ValueError("HttpFleet needs at least one server address")
         self.addresses = [normalize_address(a) for a in addresses]
+        per_server = ({normalize_address(a): int(n) for a, n in devices.items()} if isinstance(devices, Mapping)
+                      else dict.fromkeys(self.addresses, int(devices)))
+        group_ranks(list(per_server.values()))  # each at least 1
+        self.devices = {a: n for a, n in per_server.items() if n != 1}
         self.adapter = adapter or TandemAdapter()
         self._deadlines = deadlines or ops.Deadlines()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -65,7 +72,7 @@ class HttpFleet:
 
     @property
     def world_size(self) -> int:
-        return len(self.addresses)
+        return self.topology().ranks(self.addresses).world_size - 1
 
     @property
     def capabilities(self) -> Capabilities:
@@ -76,14 +83,14 @@ class HttpFleet:
         return self._deadlines
 
     def topology(self) -> Topology:
-        return Topology(0, tuple(self.addresses))
+        return Topology(0, tuple(self.addresses), devices=dict(self.devices))
 
     def admit(self, addresses: Sequence[str], version: int) -> None:
         return None  # a fixed list: every address is a member already
 
     def send(self, op: ops.FleetOp, request: Any, targets: Sequence[str] | None = None) -> Future[FleetResult]:
         """`op` on `targets` (any addresses; default: this fleet's); server i of them is index i
-        for the adapter (its rank in a transfer group)."""
+        for the adapter (which places it in a transfer group, `JoinGroup.rank_offset`)."""
         if self._closed:
             raise RuntimeError("this HttpFleet is closed")
         addresses = self.addresses if targets is None else [normalize_address(a) for a in targets]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from tandem.fleet.adapters import Capabilities
 from tandem.fleet.ops import Deadlines, FleetOp
+from tandem.fleet.ranks import GroupRanks, group_ranks
 from tandem.fleet.results import FleetResult
 
 Req = TypeVar("Req")
@@ -32,22 +33,32 @@ class Topology:
     """The servers a weight update works with, as the fleet's owner decided at one moment.
 
     `members`: the servers in the update group (healthy, or suspect but not yet evicted), in a
-    stable order (server i takes rank 1 + i in a transfer group). `warming`: servers that answer
-    but do not hold the current weights yet, due to be warmed from disk and admitted at this
-    update. `generation` grows whenever `members` changes. `elastic`: the fleet's owner evicts
-    any member an update leaves out (so it never serves stale weights), which lets an update go on
-    without servers that fail; a fixed fleet is not elastic, and an update fails with them."""
+    stable order (a transfer group gives their devices ranks in this order, `tandem.fleet.ranks`).
+    `warming`: servers that answer but do not hold the current weights yet, due to be warmed from
+    disk and admitted at this update. `generation` grows whenever `members` changes. `elastic`:
+    the fleet's owner evicts any member an update leaves out (so it never serves stale weights),
+    which lets an update go on without servers that fail; a fixed fleet is not elastic, and an
+    update fails with them. `devices`: the devices (transfer-group ranks) of each server named in
+    `members` or `warming` that has more than one; `devices_of` reads it."""
 
     generation: int
     members: tuple[str, ...]
     warming: tuple[str, ...] = ()
     elastic: bool = False
+    devices: dict[str, int] = field(default_factory=dict)
+
+    def devices_of(self, address: str) -> int:
+        return self.devices.get(address, 1)
+
+    def ranks(self, servers: Sequence[str]) -> GroupRanks:
+        """The transfer group of `servers`, in this order."""
+        return group_ranks([self.devices_of(a) for a in servers])
 
 
 class Fleet(Protocol):
     @property
     def world_size(self) -> int:
-        """Ranks the members occupy in a transfer group (one per server today)."""
+        """Ranks the members occupy in a transfer group: their devices (`Topology.devices`)."""
         ...
 
     @property

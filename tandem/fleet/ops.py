@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from tandem.fleet.ranks import GroupRanks, group_ranks
 from tandem.fleet.results import ServerChecksums
 
 Req = TypeVar("Req")
@@ -96,14 +97,31 @@ class SetVersion:
 
 @dataclass(frozen=True)
 class JoinGroup:
-    """Join the transfer group hosted by trainer rank 0 (rank 0); server i takes rank 1 + i."""
+    """Join the transfer group hosted by trainer rank 0 (rank 0). `devices[i]`: the ranks target i
+    of the call occupies (its devices, in the call's target order); its device j joins as rank
+    `rank_offset(i) + j` of `world_size` (`tandem.fleet.ranks`)."""
 
     master_address: str
     master_port: int
     group_name: str
     backend: str
-    world_size: int
+    devices: tuple[int, ...]
     timeout_s: float
+
+    @property
+    def ranks(self) -> GroupRanks:
+        return group_ranks(self.devices)
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def rank_offset(self, index: int) -> int:
+        """The group rank of target `index`'s first device."""
+        if not 0 <= index < len(self.devices):
+            raise ValueError(f"join_group names the devices of {len(self.devices)} server(s) but was sent to "
+                             f"server {index} of more; send it to exactly the servers of `devices`")
+        return self.ranks.offsets[index]
 
 
 @dataclass(frozen=True)

@@ -95,9 +95,10 @@ class ControllerClient:
             raise ControllerFileError(f"the controller at {self.info.address} answered an unexpected body: {data!r:.200}")
         return data
 
-    def join(self, address: str, pid: int | None) -> str:
-        """Register the server at `address`; -> its state ("joining", or what it is already)."""
-        data = self._request("POST", "/fleet/join", {"address": address, "pid": pid})
+    def join(self, address: str, pid: int | None, devices: int = 1) -> str:
+        """Register the server at `address`, spanning `devices` (its ranks in a transfer group);
+        -> its state ("joining", or what it is already)."""
+        data = self._request("POST", "/fleet/join", {"address": address, "pid": pid, "devices": devices})
         return str(data.get("state", "")) if isinstance(data, dict) else ""
 
     def _request(self, method: str, path: str, body: Any) -> Any:

@@ -9,7 +9,7 @@ See docs/fleet.md, "Elastic membership"."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,15 +23,18 @@ logger = logging.getLogger(__name__)
 
 
 class FleetView:
-    def __init__(self, fleet: Fleet, targets: Sequence[str], shrink: bool = True):
+    def __init__(self, fleet: Fleet, targets: Sequence[str], shrink: bool = True,
+                 devices: Mapping[str, int] | None = None):
+        """`devices`: the targets' devices where more than one (`Topology.devices` of the fleet)."""
         self.fleet = fleet
         self.shrink = shrink
         self.targets = [normalize_address(a) for a in targets]
+        self.devices = {normalize_address(a): n for a, n in (devices or {}).items()}
         self.dropped: dict[str, str] = {}  # address -> what it said when it was dropped
 
     @property
     def world_size(self) -> int:
-        return len(self.targets)
+        return self.topology().ranks(self.targets).world_size - 1
 
     @property
     def capabilities(self) -> Capabilities:
@@ -42,7 +45,7 @@ class FleetView:
         return self.fleet.deadlines
 
     def topology(self) -> Topology:
-        return Topology(0, tuple(self.targets))
+        return Topology(0, tuple(self.targets), devices={a: self.devices[a] for a in self.targets if a in self.devices})
 
     def admit(self, addresses: Sequence[str], version: int) -> None:
         self.fleet.admit(addresses, version)

@@ -70,6 +70,7 @@ class VLLMServerSpec:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     threads: int | None = None  # OMP_NUM_THREADS
     worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: one worker per device
     enforce_eager: bool = False  # True: --enforce-eager (starts faster, decodes slower); False: vLLM's default, compiled
     extra_args: list[str] = field(default_factory=list)
 
@@ -80,6 +81,8 @@ class VLLMServerSpec:
                str(self.max_model_len)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.worker_extension:
@@ -92,6 +95,10 @@ class VLLMServerSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.tensor_parallel_size > 1:
+            # The CPU build's automatic binding puts each worker on a NUMA node of its own and
+            # refuses more workers than nodes; unbound, the workers share the server's cores.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.worker_extension:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path_entry(), env.get("PYTHONPATH")) if p)
         return env
@@ -138,9 +145,12 @@ def start_servers(scheduler: ProcessScheduler, specs: Sequence[VLLMServerSpec], 
     with the log's tail."""
     procs = []
     try:
+        first = 0
         for i, spec in enumerate(specs):
+            devices = list(range(first, first + spec.tensor_parallel_size))
+            first += spec.tensor_parallel_size
             procs.append(scheduler._launch_server(f"{name}-{i}", spec.command(),
-                                                  scheduler._env(spec.env(dict(env or {}))), [i], "cpu"))
+                                                  scheduler._env(spec.env(dict(env or {}))), devices, "cpu"))
         deadline = time.monotonic() + timeout_s
         for spec, proc in zip(specs, procs, strict=True):
             wait_healthy(spec.url, proc, max(1.0, deadline - time.monotonic()), proc.log_path)

@@ -86,7 +86,7 @@ def start_servers(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: st
     comp = cfg.rollout.allocation.components[0]
     api_key = cfg.rollout.api_key or secrets.token_urlsafe(32)
     if comp.backend == "vllm":
-        return _start_vllm(cfg, scheduler, model_path, comp.sizes.dp, api_key)
+        return _start_vllm(cfg, scheduler, model_path, comp.sizes.dp, comp.sizes.tp, api_key)
     env = {ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else None
     server_args = list(cfg.rollout.server_args)
     if weights_dir is not None:
@@ -97,16 +97,17 @@ def start_servers(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: st
                             server_args=server_args)
 
 
-def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str, count: int,
+def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str, count: int, tp: int,
                 api_key: str) -> InferenceServers:
-    """`count` vLLM servers (`rollout.vllm`), each requiring `api_key` on its OpenAI routes
-    (VLLM_API_KEY, in the environment); the model's dtype is the trainer's."""
+    """`count` vLLM servers (`rollout.vllm`) of `tp` tensor-parallel workers each, each requiring
+    `api_key` on its OpenAI routes (VLLM_API_KEY, in the environment); the model's dtype is the
+    trainer's."""
     v = cfg.rollout.vllm
     env = {"VLLM_API_KEY": api_key, **({ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else {})}
     specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype,
                            served_model_name=cfg.rollout.model, max_model_len=v.max_model_len,
                            kv_cache_gib=v.kv_cache_gib, threads=v.threads or None, worker_extension=v.worker_extension,
-                           enforce_eager=v.enforce_eager, extra_args=list(v.args))
+                           enforce_eager=v.enforce_eager, tensor_parallel_size=tp, extra_args=list(v.args))
     began = time.monotonic()
     handles = vllm.start_servers(scheduler, specs, env=env, timeout_s=v.start_timeout_s)
     logger.info("rollout: %d vLLM server(s) healthy after %.1f s", len(handles), time.monotonic() - began)

@@ -418,6 +418,12 @@ def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str, ver
         raise ConfigError(f"{prefix}train.verify_weights=true compares per-tensor checksums, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not report; "
                           f"set {prefix}train.verify_weights=false or use tandem servers")
+    sizes = rollout.allocation.components[0].sizes
+    if update_type == "distributed" and rollout.server_kind == "sglang" and sizes.pp > 1:
+        raise ConfigError(f"{prefix}train.weight_sync='distributed' with {prefix}rollout.backend={rollout.backend!r}: "
+                          f"SGLang's workers join the weight group as rank_offset + their TP rank, so its "
+                          f"{sizes.pp} pipeline stages would take the same ranks; use "
+                          f"{prefix}train.weight_sync=disk or servers without pipeline parallelism")
     missing = capabilities.missing_for(update_type)
     if missing is not None:
         raise ConfigError(f"{prefix}train.weight_sync={update_type!r} needs {missing}, which "

@@ -95,9 +95,12 @@ def build_app(ctl: RolloutController) -> ASGIApp:
         try:
             address = normalize_address(from_json(str, body.get("address"), "body.address"))
             pid = from_json(int | None, body.get("pid"), "body.pid")
+            devices = from_json(int, body.get("devices", 1), "body.devices")
         except WireError as exc:
             raise _BadRequest(f"{JOIN_ROUTE}: {exc}") from exc
-        return JSONResponse({"success": True, "state": ctl.join(address, pid)})
+        if devices < 1:
+            raise _BadRequest(f"{JOIN_ROUTE}: body.devices must be at least 1, got {devices}")
+        return JSONResponse({"success": True, "state": ctl.join(address, pid, devices=devices)})
 
     @app.post(EPISODE_ROUTE)
     async def episode(request: Request) -> JSONResponse:

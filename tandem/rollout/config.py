@@ -131,6 +131,12 @@ class RolloutConfig:
         return self.allocation.components[0].backend
 
     @property
+    def devices_per_server(self) -> int:
+        """Devices of each server the run starts with (`backend`: `vllm:d1t2` -> 2), its ranks in a
+        transfer group; servers that join later say their own."""
+        return self.allocation.components[0].devices_per_server
+
+    @property
     def launched_by_tandem(self) -> bool:
         """True when Tandem starts the servers (a `tandem` or `vllm` backend and no addresses given)."""
         return self.allocation.components[0].backend in ("tandem", "vllm") and not self.servers
@@ -159,9 +165,10 @@ class RolloutConfig:
             raise ConfigError(f"{prefix}backend={self.backend!r} must name one inference component, e.g. 'tandem:d2'")
         comp = mode.components[0]
         backend = comp.backend
-        if self.launched_by_tandem and backend == "vllm" and comp.sizes.world_size > comp.sizes.dp:
-            raise ConfigError(f"{prefix}backend={self.backend!r}: Tandem starts vLLM servers on one device each; "
-                              f"use vllm:d{comp.sizes.dp} or start them yourself and list {prefix}servers")
+        if self.launched_by_tandem and backend == "vllm" and comp.sizes.world_size > comp.sizes.dp * comp.sizes.tp:
+            raise ConfigError(f"{prefix}backend={self.backend!r}: Tandem starts vLLM servers tensor-parallel only "
+                              f"(--tensor-parallel-size); use vllm:d{comp.sizes.dp}t{comp.devices_per_server} or "
+                              f"start them yourself and list {prefix}servers")
         if self.launched_by_tandem and comp.run_error:
             raise ConfigError(f"{prefix}backend={self.backend!r}: {comp.run_error}")
         starting = len(self.servers) if self.servers else comp.sizes.dp

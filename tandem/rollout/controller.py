@@ -64,7 +64,7 @@ class RolloutController:
         self.fleet = ElasticFleet(
             config.servers, self.pool, self.adapter, health=config.health, min_servers=config.min_servers,
             min_servers_grace_s=config.min_servers_grace_s, topology_cooldown_s=config.topology_cooldown_s,
-            deadlines=self.deadlines, api_key=config.api_key)
+            deadlines=self.deadlines, api_key=config.api_key, devices=config.devices_per_server)
         self.workers: WorkerPool | None = None
         self._remote: dict[int, tuple[RolloutWorkflow, RemoteWorkflow]] = {}
         self._lock = threading.Lock()
@@ -191,10 +191,11 @@ class RolloutController:
         """What `GET /fleet/members` answers (`tandem fleet`)."""
         return self.fleet.members()
 
-    def join(self, address: str, pid: int | None, listed: bool = False) -> str:
+    def join(self, address: str, pid: int | None, listed: bool = False, devices: int = 1) -> str:
         """A server asked to join (`tandem serve --join`; `listed`: a replacement the run launched,
-        probed while evicted like the servers it started with); -> its state."""
-        return self.fleet.join(address, pid, listed=listed)
+        probed while evicted like the servers it started with; `devices`: its ranks in a transfer
+        group); -> its state."""
+        return self.fleet.join(address, pid, listed=listed, devices=devices)
 
     # -- Fleet (a trainer in this process calls it; trainer workers reach it via RolloutCallback) --------
     @property

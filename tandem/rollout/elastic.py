@@ -40,8 +40,9 @@ class FleetTooSmall(RolloutError):
 class ElasticFleet:
     def __init__(self, addresses: Sequence[str], pool: ServerPool, adapter: ServerAdapter, *,
                  health: HealthConfig, min_servers: int, min_servers_grace_s: float, topology_cooldown_s: float,
-                 deadlines: Deadlines, api_key: str | None = None,
+                 deadlines: Deadlines, api_key: str | None = None, devices: int = 1,
                  clock: Callable[[], float] = time.monotonic):
+        """`devices`: those of each server in `addresses` (joiners say their own)."""
         self.adapter = adapter
         self.pool = pool
         self.min_servers = min_servers
@@ -49,7 +50,7 @@ class ElasticFleet:
         self._deadlines = deadlines
         self._clock = clock
         self.membership = Membership(addresses, MembershipConfig(health.failure_threshold, topology_cooldown_s),
-                                     clock=clock)
+                                     clock=clock, devices=devices)
         self.monitor = HealthMonitor(self.membership, health, api_key=api_key, on_round=self.check_size)
         self.http = HttpFleet([normalize_address(a) for a in addresses], adapter=adapter, api_key=api_key,
                               deadlines=deadlines)
@@ -73,7 +74,8 @@ class ElasticFleet:
     # -- Fleet ----------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return len(self.membership.topology().members)
+        topology = self.membership.topology()
+        return topology.ranks(topology.members).world_size - 1
 
     @property
     def capabilities(self) -> Capabilities:
@@ -110,8 +112,8 @@ class ElasticFleet:
         return inner
 
     # -- joins and the view for `tandem fleet` --------------------------------------------------
-    def join(self, address: str, pid: int | None, listed: bool = False) -> str:
-        record = self.membership.register(normalize_address(address), pid, listed=listed)
+    def join(self, address: str, pid: int | None, listed: bool = False, devices: int = 1) -> str:
+        record = self.membership.register(normalize_address(address), pid, listed=listed, devices=devices)
         logger.info("%s (pid %s) asked to join; it is %s", record.address, pid, record.state.value)
         return record.state.value
 

@@ -55,6 +55,7 @@ class ServerRecord:
     listed: bool = False  # configured or launched by the run: probed while evicted, so its revival is seen
     evictions: int = 0  # times it was evicted: each doubles the wait before it is admitted again
     evicted_at: float = float("-inf")
+    devices: int = 1  # its ranks in a transfer group (`tandem.fleet.ranks`)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class MembershipConfig:
 
 class Membership:
     def __init__(self, addresses: Iterable[str], config: MembershipConfig = MembershipConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, devices: int = 1):
+        """`devices`: those of each server in `addresses` (the rollout allocation's per server)."""
         self.config = config
         self._clock = clock
         self._lock = threading.Lock()
@@ -73,7 +75,8 @@ class Membership:
         self._records: dict[str, ServerRecord] = {}
         for a in addresses:
             a = normalize_address(a)
-            self._records.setdefault(a, ServerRecord(a, MemberState.HEALTHY, version=0, since=now, listed=True))
+            self._records.setdefault(a, ServerRecord(a, MemberState.HEALTHY, version=0, since=now, listed=True,
+                                                     devices=devices))
         self._generation = 0
         self._members_dirty = False
         self._members_changed = float("-inf")  # clock() of the last change of the members
@@ -137,7 +140,9 @@ class Membership:
             due = ()
             if warming and now >= max(min(r.since for r in warming), self._members_changed) + cooldown:
                 due = tuple(r.address for r in warming)
-            return Topology(self._generation, members, due, elastic=True)
+            devices = {r.address: r.devices for r in self._records.values()
+                       if r.devices != 1 and (r.address in members or r.address in due)}
+            return Topology(self._generation, members, due, elastic=True, devices=devices)
 
     # -- changes ------------------------------------------------------------------------------------
     def watch(self, callback: Callable[[list[str]], None]) -> None:
@@ -186,18 +191,21 @@ class Membership:
         self._change(address, apply)
         return bool(out and out[0])
 
-    def register(self, address: str, pid: int | None = None, listed: bool = False) -> ServerRecord:
-        """A server asks to join: new or evicted ones start joining; others stay as they are.
-        `listed`: the run launched it (a replacement), so it is probed while evicted like the
-        servers listed at the start."""
+    def register(self, address: str, pid: int | None = None, listed: bool = False, devices: int = 1) -> ServerRecord:
+        """A server asks to join: new or evicted ones start joining (with `devices`, the ranks it
+        occupies in a transfer group); others stay as they are. `listed`: the run launched it (a
+        replacement), so it is probed while evicted like the servers listed at the start."""
+        if devices < 1:
+            raise ValueError(f"a server has at least one device, not {devices}")
         address = normalize_address(address)
         with self._lock:
             r = self._records.get(address)
             if r is None:
-                r = self._records[address] = ServerRecord(address, MemberState.JOINING, since=self._clock())
+                r = self._records[address] = ServerRecord(address, MemberState.JOINING, since=self._clock(),
+                                                          devices=devices)
             elif r.state is MemberState.EVICTED:
                 self._set(r, MemberState.JOINING)
-                r.failures, r.version = 0, None
+                r.failures, r.version, r.devices = 0, None, devices
             if pid is not None:
                 r.pid = pid
             r.listed = r.listed or listed

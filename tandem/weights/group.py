@@ -8,8 +8,9 @@ either side may be theirs; one formation per store (a re-formed group needs a ne
 (`dist.broadcast(group=...)` refuses it). The rendezvous in detail: docs/weight-sync.md,
 "Transports".
 
-    g = init_weight_group(addr, port, rank, 1 + n_servers)   # trainer: 0, server i: 1 + i
-    g.broadcast(tensor); g.destroy()                         # receivers get it in `tensor`"""
+    ranks = group_ranks(devices_per_server)                     # tandem.fleet.ranks
+    g = init_weight_group(addr, port, rank, ranks.world_size)   # trainer: 0, then every server device
+    g.broadcast(tensor); g.destroy()                            # receivers get it in `tensor`"""
 
 from __future__ import annotations
 

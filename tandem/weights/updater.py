@@ -72,6 +72,7 @@ class WeightUpdater:
         self._warned_no_warmup = False
         self._warming: tuple[str, ...] = ()  # rank 0: the joiners this update warms
         self._plan_error = ""  # rank 0: why the plan has no targets, when the topology was unreadable
+        self._devices: dict[str, int] = {}  # rank 0: the planned servers' devices, where more than one
 
     def update(self, version: int) -> UpdateReport:
         """Move the source's current weights to the fleet's members (and warmed joiners) as
@@ -96,7 +97,7 @@ class WeightUpdater:
         while True:
             report.attempts += 1
             if self.rank == 0:
-                view = FleetView(self.fleet, targets, shrink=plan.elastic)
+                view = FleetView(self.fleet, targets, shrink=plan.elastic, devices=self._devices)
                 self.transport.retarget(view)
                 # With no target the attempt still runs: the other ranks are in the export's collectives.
                 failure = run_update(meta, self.transport, view, self.rank, self._verifier(view), report, clock)
@@ -139,6 +140,7 @@ class WeightUpdater:
                 self._warned_no_warmup = True
             warm = False
         self._warming = topology.warming if warm else ()
+        self._devices = dict(topology.devices)
         return _Plan(topology.members, warm, topology.elastic)
 
     def _next_attempt(self, meta: WeightUpdateMeta, failure: WeightSyncError | None, targets: tuple[str, ...],

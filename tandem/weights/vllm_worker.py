@@ -7,8 +7,10 @@ Called through `/collective_rpc` by `VLLMAdapter(extension=True)`: `tandem_join_
 `tandem_stage_bucket` / `tandem_stage_disk`, `tandem_commit` (vLLM's in-place `reload_weights` of
 the full staged set), `tandem_discard`, `tandem_leave_group`. Every method answers `{"success":
 bool, "message": str}` instead of raising; nothing touches the served weights before the commit,
-and the version is set afterwards with `/update_weight_version`. One worker per server (tensor and
-pipeline parallel size 1). See docs/engines.md, "Weight updates"."""
+and the version is set afterwards with `/update_weight_version`. Every worker of the server (one
+per device, `--tensor-parallel-size`) runs them: each joins the group as `rank_offset` + its rank
+in the server, receives every tensor whole, and at the commit vLLM's own loader
+(`model.load_weights`) keeps the worker's shard. See docs/engines.md, "Weight updates"."""
 
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class TandemWorkerExtension:
     # Every name here starts with `tandem_` or `_tandem_`: vLLM refuses an extension whose names
     # collide with its worker's.
     vllm_config: Any  # the worker's
+    rank: int  # the worker's rank in the server, 0 .. parallel_config.world_size - 1
 
     # -- state --------------------------------------------------------------------------------------
     def _tandem_state(self) -> _Receiver:
@@ -95,22 +98,33 @@ class TandemWorkerExtension:
     # -- group ---------------------------------------------------------------------------------------
     def tandem_join_group(self, master_address: str, master_port: int | str, rank_offset: int | str,
                           world_size: int | str, group_name: str, backend: str = "gloo",
-                          timeout_s: float | str = 60.0) -> dict[str, Any]:
-        workers = self.vllm_config.parallel_config.world_size
-        if workers != 1:
-            return _answer(False, f"Tandem's vLLM worker extension receives weights in one worker per server; "
-                                  f"this server has {workers} (tensor/pipeline parallel size 1 needed)")
+                          timeout_s: float | str = 60.0, devices: int | str | None = None) -> dict[str, Any]:
+        """Join the trainer's group as rank `rank_offset` + this worker's rank in the server;
+        `devices`: the workers the trainer counted for this server (refused when the server has
+        another number: the group would never form)."""
+        parallel = self.vllm_config.parallel_config
+        workers = parallel.world_size
+        if getattr(parallel, "data_parallel_size", 1) > 1:
+            return _answer(False, f"join_group: this server runs data parallel size {parallel.data_parallel_size}; "
+                                  "Tandem's weight group takes one engine per server: start one server per replica")
+        if devices is not None and int(devices) != workers:
+            return _answer(False, f"join_group: the trainer counts {devices} device(s) for this server but it runs "
+                                  f"{workers} worker(s) (tensor x pipeline parallel); make rollout.backend's devices "
+                                  f"per server match (e.g. vllm:d1t{workers})")
+        if not 0 <= self.rank < workers:
+            return _answer(False, f"join_group: worker rank {self.rank} is outside the server's {workers} workers")
+        rank = int(rank_offset) + self.rank
         receiver = self._tandem_state()
         if receiver.group is not None:
             receiver.group.destroy()
             receiver.group = None
         receiver.clear()
         try:
-            receiver.group = init_weight_group(str(master_address), int(master_port), int(rank_offset),
+            receiver.group = init_weight_group(str(master_address), int(master_port), rank,
                                                int(world_size), group_name, backend, timeout_s=float(timeout_s))
         except (WeightGroupError, ValueError) as exc:
             return _answer(False, f"join_group: {exc}")
-        return _answer(True, f"joined {group_name!r} as rank {rank_offset} of {world_size}")
+        return _answer(True, f"joined {group_name!r} as rank {rank} of {world_size}")
 
     def tandem_leave_group(self, group_name: str) -> dict[str, Any]:
         receiver = self._tandem_state()

@@ -106,7 +106,7 @@ def test_a_collective_spoiled_by_a_given_up_member_fails_for_all(silent):
     try:
         with HttpFleet([silent, second], deadlines=PATIENT) as fleet:
             start = time.monotonic()
-            future = fleet.send(ops.JOIN_GROUP, ops.JoinGroup("127.0.0.1", 29501, "g", "gloo", 3, 30.0))
+            future = fleet.send(ops.JOIN_GROUP, ops.JoinGroup("127.0.0.1", 29501, "g", "gloo", (1, 1), 30.0))
             time.sleep(0.2)
             fleet.abandon(silent, "evicted: stopped")
             with pytest.raises(FleetError) as info:

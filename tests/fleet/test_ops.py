@@ -29,7 +29,7 @@ EXAMPLES: dict[str, object] = {
     "pause_generation": ops.PauseGeneration(),
     "continue_generation": ops.ContinueGeneration(),
     "set_version": ops.SetVersion(7),
-    "join_group": ops.JoinGroup("127.0.0.1", 29501, "g", "gloo", 3, 30.0),
+    "join_group": ops.JoinGroup("127.0.0.1", 29501, "g", "gloo", (1, 1), 30.0),
     "leave_group": ops.LeaveGroup("g"),
     "stage_distributed": ops.DistributedBucket("g", SPECS, bucket_index=2, flat=ops.FlatLayout((0, 64), 80),
                                                commit=False),

@@ -236,3 +236,24 @@ def test_rollout_workers_die_with_the_controller(spawn_server, tmp_path):
         kill_owner_and_check(marked, proc, workers, "controller with a blocked rollout worker", pool=False)
     finally:
         marked.clean_up()
+
+
+def test_a_joiner_says_how_many_devices_it_spans(make_server, make_controller):
+    """`POST /fleet/join` with `devices`: the controller's topology gives that server as many
+    transfer-group ranks once it warms; listed servers span what `rollout.backend` gives each;
+    a count below 1 is refused (400) naming the field."""
+    from tandem.fleet.run_file import ControllerClient, ControllerFile, ControllerFileError
+
+    listed, joiner = make_server(), make_server()
+    ctl = make_controller([listed.address], backend="sglang:d1t2", topology_cooldown_s=0.0)
+    client = ControllerClient(ControllerFile(ctl.callback_address(), ctl.join_token, None, os.getpid()))
+    assert client.join(joiner.address, None, devices=4) == "joining"
+    deadline = time.monotonic() + 30
+    while joiner.address not in ctl.topology().warming and time.monotonic() < deadline:
+        time.sleep(0.1)  # the health monitor's probe moves it to warming
+    topology = ctl.topology()
+    assert topology.members == (listed.address,) and topology.warming == (joiner.address,)
+    assert topology.ranks([*topology.members, *topology.warming]).offsets == (1, 3)
+    assert ctl.fleet.world_size == 2  # the members' devices; the joiner counts once admitted
+    with pytest.raises(ControllerFileError, match=r"body\.devices must be at least 1"):
+        client.join(dead_address(), None, devices=0)

@@ -224,8 +224,9 @@ def _trainer_worker(callback, weights_root: str, controller_pid: int, go, out) -
         store = host_store("127.0.0.1", 0)
         meta = WeightUpdateMeta("distributed", master_port=store.port, version=3,
                                 deadlines=Deadlines(init_group_s=30, bucket_s=60))
-        world = 1 + callback.world_size
-        fut = callback.send(ops.JOIN_GROUP, ops.JoinGroup("127.0.0.1", store.port, meta.group_name, "gloo", world, 60))
+        join = ops.JoinGroup("127.0.0.1", store.port, meta.group_name, "gloo", (1,) * callback.world_size, 60)
+        world = join.world_size
+        fut = callback.send(ops.JOIN_GROUP, join)
         # The servers now wait for rank 0: the fan-out waits with them. Nobody may spin meanwhile.
         cpu0, ctl0, t0 = time.process_time(), proc_cpu_s(controller_pid), time.monotonic()
         done, _ = wait_futures([fut], timeout=3.0)

@@ -1,5 +1,6 @@
 """Broadcast transport: the weights go over a transfer group formed with the servers (trainer rank
-0 is its rank 0, server i is 1 + i; gloo on CPU, NCCL on GPU).
+0 is its rank 0, then every device of every server, `tandem.fleet.ranks`; gloo on CPU, NCCL on
+GPU). Each device receives the whole bucket; a server of several devices loads its shards from it.
 
 A bucket goes out as ONE broadcast of a flat send buffer when the servers take flat buckets
 (`Capabilities.flat_buckets`), else one per tensor. Pipelined (default): bucket k + 1 is gathered
@@ -101,12 +102,14 @@ class BroadcastTransport(StreamingTransport):
         except Exception as exc:
             return WeightSyncError(f"cannot host the weight group's store on {meta.master_address}:"
                                    f"{meta.master_port}: {exc}", ops.JOIN_GROUP.name)
-        world = 1 + self.fleet.world_size
+        topology = self.fleet.topology()
         self.groups_formed += 1
-        self._members = list(self.fleet.topology().members)
-        join = ops.JoinGroup(meta.master_address, self._store.port, meta.group_name, meta.backend, world,
+        self._members = list(topology.members)
+        ranks = topology.ranks(self._members)
+        join = ops.JoinGroup(meta.master_address, self._store.port, meta.group_name, meta.backend, ranks.devices,
                              max(meta.deadlines.init_group_s, meta.deadlines.bucket_s))
-        future = self.fleet.send(ops.JOIN_GROUP, join)
+        world = join.world_size
+        future = self.fleet.send(ops.JOIN_GROUP, join, self._members)  # target i is `ranks`' server i
         # The trainer's own join runs beside the servers' so that a member given up meanwhile (the
         # fleet's call fails at its eviction) is not waited for here either.
         local = _in_thread(init_weight_group, meta.master_address, self._store.port, 0, world, meta.group_name,
