@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from _run import stop_tandem
 from current import record, this_command
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
@@ -256,12 +256,7 @@ def run_train(args: argparse.Namespace, model: Path, root: Path, staleness: int,
                 time.sleep(0.02)  # bounded by the timeout above
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)  # tandem train tears its processes down on Ctrl-C
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                stop_tandem(proc)
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"tandem train ({trial}) exited with {proc.returncode}:\n{tail}")

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import _longtail_agent as agent
 from _report import append_benchmark
+from _run import stop_tandem
 from current import record, this_command
 
 from tandem.data.balance import _ldm, greedy_partition, imbalance, karmarkar_karp
@@ -82,12 +82,7 @@ def train_run(args: argparse.Namespace, model: Path, root: Path, balance: str) -
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)  # tandem train tears its processes down on Ctrl-C
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_tandem(proc)
             raise TimeoutError(f"run {balance} took more than {args.timeout:.0f} s; see {log_path}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"tandem train ({balance}) exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")

@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from _report import append_benchmark  # bench/ is on sys.path when run as a script
+from _run import stop_tandem
 from current import record, this_command
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
@@ -115,12 +116,7 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | 
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)  # tandem tears its servers and ranks down on Ctrl-C
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_tandem(proc)
             raise TimeoutError(f"{cmd[1]} took more than {timeout:.0f} s; see {log}") from None
         except BaseException:
             os.killpg(proc.pid, signal.SIGINT)
