@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tandem.config.alloc_rules import check_colocation, check_names, resolve_sizes
 from tandem.config.alloc_syntax import INFERENCE_BACKENDS, parse_syntax
-from tandem.config.parallel_sizes import ParallelSizes
+from tandem.config.parallel_sizes import ParallelSizes, ep_layout_problem
 from tandem.errors import AllocationError, ConfigError
 
 __all__ = ["AllocationMode", "Component", "ParallelSizes", "parse_allocation", "parse_allocation_of_kind"]
@@ -63,10 +63,9 @@ class Component:
             return (f"expert tensor parallel size etp={s.etp} must be 1 or the attention's tp={s.tp} (experts are "
                     f"whole on each rank, or tensor-parallel over the attention's TP group); write "
                     f"{self.backend}:(attn:...|ffn:e{s.ep}t{s.tp}) or ffn:e{s.ep}")
-        if not self.is_inference and s.ep > 1 and ((s.dp * s.cp) % s.ep or s.ep % s.cp):
-            return (f"expert parallel size ep={s.ep} must divide d*c = {s.dp * s.cp} and be a multiple of "
-                    f"cp={s.cp}: the experts are split over data- and context-parallel ranks, all of a rank's "
-                    f"context-parallel peers included; change 'e' (e.g. e{s.cp}) or 'd'")
+        problem = None if self.is_inference else ep_layout_problem(s.dp, s.cp, s.tp, s.ep, s.etp)
+        if problem:
+            return f"expert parallel size: {problem}; change 'e' (e.g. e{s.cp * s.tp}) or 'd'"
         pending = [f"{name}={getattr(s, name)}" for name in TRAINER_DIMS_PENDING if getattr(s, name) > 1]
         if not self.is_inference and pending:
             return (f"the trainer does not apply {', '.join(pending)} yet (it applies "
@@ -85,10 +84,31 @@ class Component:
         return self.name or self.backend
 
     def to_json(self) -> dict[str, object]:
-        """backend, name, the sizes (dp ... edp, world_size), scheduling, target: in this order."""
+        """backend, name, the sizes (dp ... edp, world_size), scheduling, target: in this order;
+        for a training layout whose experts are laid out (ep or etp > 1) also `meshes`."""
         sizes = {key: getattr(self.sizes, key) for key in _SIZE_KEYS}
-        return {"backend": self.backend, "name": self.name, **sizes, "scheduling": self.scheduling,
-                "target": self.target}
+        out: dict[str, object] = {"backend": self.backend, "name": self.name, **sizes, "scheduling": self.scheduling,
+                                  "target": self.target}
+        if self.has_expert_mesh:
+            out["meshes"] = self.meshes()
+        return out
+
+    @property
+    def has_expert_mesh(self) -> bool:
+        return not self.is_inference and (self.sizes.ep > 1 or self.sizes.etp > 1)
+
+    def meshes(self) -> dict[str, object]:
+        """The two views of the same ranks (MoE parallel folding): the attention's `pp, dp, cp,
+        tp` and the experts' `pp, edp, ep, etp`, with every rank's place on each (its `ep`
+        index: which 1/ep of each MoE layer's experts it holds)."""
+        s = self.sizes
+        return {
+            "attention": {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp},
+            "experts": {"pp": s.pp, "edp": s.edp, "ep": s.ep, "etp": s.etp},
+            "experts_fold_tp": s.ep_folds_tp,
+            "ranks": [{"rank": r, "attention": s.coords(r), "experts": s.expert_coords(r)}
+                      for r in range(s.world_size)],
+        }
 
     def explain(self) -> str:
         kind = "inference" if self.is_inference else "training"
@@ -101,6 +121,11 @@ class Component:
             f"{head} ({kind}): dp={s.dp} tp={s.tp} pp={s.pp} cp={s.cp} ep={s.ep} "
             f"etp={s.etp}, expert dp={s.edp}, world size {s.world_size}, {where}, {sched}"
         )
+        if self.has_expert_mesh:
+            over = "tp x cp x dp" if s.ep_folds_tp else "cp x dp"
+            text += (f"\n  experts: ep={s.ep} over {over} (innermost first), etp={s.etp}, edp={s.edp}; expert shard "
+                     f"(ep index) by rank: "
+                     + " ".join(f"{r}:{s.expert_coords(r)['ep']}" for r in range(s.world_size)))
         if self.launch_error:
             text += f"\n  note: {self.launch_error}"
         return text

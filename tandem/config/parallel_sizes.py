@@ -67,7 +67,48 @@ class ParallelSizes:
             rank, out[name] = divmod(rank, size)
         return {name: out[name] for name in ("pp", "dp", "cp", "tp")}
 
+    @property
+    def ep_folds_tp(self) -> bool:
+        """MoE parallel folding: the experts are split over the attention's TP ranks too (etp 1, ep
+        a multiple of cp x tp; `ep_layout_problem`)."""
+        return self.ep > 1 and self.etp == 1 and self.tp > 1 and self.ep % (self.cp * self.tp) == 0
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits on the experts' view of the same ranks, `pp, edp, ep, etp`: its
+        `ep` index is which 1/ep of every MoE layer's experts it holds, `etp` which 1/etp of each
+        expert's hidden units. The ep ranks are carved innermost first (`ep_layout_problem`): with
+        folding from tp, cp, then dp; otherwise from cp, then dp (tp being etp, or whole experts
+        replicated over the TP ranks, counted in edp)."""
+        c = self.coords(rank)
+        if self.ep_folds_tp or self.tp == 1:
+            local = (c["dp"] * self.cp + c["cp"]) * self.tp + c["tp"]
+            return {"pp": c["pp"], "edp": local // self.ep, "ep": local % self.ep, "etp": 0}
+        local = c["dp"] * self.cp + c["cp"]
+        if self.etp > 1:
+            return {"pp": c["pp"], "edp": local // self.ep, "ep": local % self.ep, "etp": c["tp"]}
+        return {"pp": c["pp"], "edp": local // self.ep * self.tp + c["tp"], "ep": local % self.ep, "etp": 0}
+
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global `rank`: which shard of a batch it trains on (its TP,
         CP and PP peers train on the same one)."""
         return self.coords(rank)["dp"]
+
+
+def ep_layout_problem(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str | None:
+    """Why `ep` experts ranks cannot be carved from these ranks, or None. Innermost first, as
+    Megatron's MoE parallel folding: with etp = 1 and ep a multiple of cp x tp, the ep ranks span
+    every TP and CP rank of a data-parallel rank and `ep / (cp tp)` of the data-parallel ranks;
+    otherwise (etp = tp, or ep not such a multiple) they span the CP ranks and `ep / cp` of the
+    data-parallel ones, each TP rank holding whole experts (etp 1) or its share of each (etp = tp)."""
+    if ep == 1:
+        return None
+    if etp == 1 and tp > 1 and ep % (cp * tp) == 0:
+        if dp_shard % (ep // (cp * tp)):
+            return (f"ep ({ep}) spans the {cp * tp} context- and tensor-parallel ranks of a data-parallel rank and "
+                    f"{ep // (cp * tp)} data-parallel ranks, more than the {dp_shard} there are")
+        return None
+    if (dp_shard * cp) % ep or ep % cp:
+        folding = f", or a multiple of cp*tp = {cp * tp} with etp=1 (experts folded over the TP ranks)" if tp > 1 else ""
+        return (f"ep ({ep}) must divide dp_shard * cp = {dp_shard * cp} and be a multiple of cp = {cp} (the experts "
+                f"are split over data- and context-parallel ranks){folding}")
+    return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tandem.config.parallel_sizes import ParallelSizes
+from tandem.config.parallel_sizes import ParallelSizes, ep_layout_problem
 from tandem.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -24,8 +24,8 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 class ParallelDims:
     """A job's `ParallelSizes` with its data-parallel size split into `dp_replicate` (HSDP
     replicas) x `dp_shard` (FSDP shards). Raises `ConfigError` when `dp_replicate` does not divide
-    `sizes.dp`, `ep` does not divide `dp_shard * cp` (experts are sharded over a slice of those
-    ranks; `ep` adds none) or is not a multiple of cp, or `etp` is neither 1 nor tp.
+    `sizes.dp`, `etp` is neither 1 nor tp, or the ep ranks cannot be carved from the others
+    (`ep_layout_problem`; `ep` adds no ranks).
     """
 
     sizes: ParallelSizes
@@ -35,14 +35,12 @@ class ParallelDims:
         if self.dp_replicate < 1 or self.sizes.dp % self.dp_replicate:
             raise ConfigError(f"dp_replicate ({self.dp_replicate}) must be >= 1 and divide the data-parallel "
                               f"size {self.sizes.dp}")
-        if (self.dp_shard * self.sizes.cp) % self.sizes.ep:
-            raise ConfigError(f"ep ({self.sizes.ep}) must divide dp_shard * cp ({self.dp_shard * self.sizes.cp})")
-        if self.sizes.ep > 1 and self.sizes.ep % self.sizes.cp:
-            raise ConfigError(f"ep ({self.sizes.ep}) must be a multiple of cp ({self.sizes.cp}): the expert-parallel "
-                              "ranks span the context-parallel ones")
         if self.sizes.etp not in (1, self.sizes.tp):
             raise ConfigError(f"etp ({self.sizes.etp}) must be 1 or tp ({self.sizes.tp}): experts are either whole "
                               "on each rank or tensor-parallel over the attention's TP group")
+        problem = ep_layout_problem(self.dp_shard, self.sizes.cp, self.sizes.tp, self.sizes.ep, self.sizes.etp)
+        if problem:
+            raise ConfigError(problem)
 
     @classmethod
     def data_parallel(cls, world_size: int, dp_replicate: int = 1) -> ParallelDims:
@@ -89,6 +87,11 @@ class ParallelDims:
     def etp_enabled(self) -> bool:
         return self.sizes.etp > 1
 
+    @property
+    def ep_folds_tp(self) -> bool:
+        """MoE parallel folding: the experts are split over the attention's TP ranks too."""
+        return self.sizes.ep_folds_tp
+
     def mesh_sizes(self) -> dict[str, int]:
         """Size of every mesh dimension, in `MESH_ORDER`."""
         s = self.sizes
@@ -104,12 +107,14 @@ class ParallelDims:
         dims = [(n, s) for n, s in self.mesh_sizes().items() if s > 1 or n == "dp_shard"]
         if self.ep_enabled:  # dp_shard as dp_shard_mod_ep x dp_shard_in_ep (both kept, even of size 1)
             at = [n for n, _ in dims].index("dp_shard")
-            in_ep = self.sizes.ep // self.sizes.cp
+            in_ep = self.sizes.ep // (self.sizes.cp * (self.sizes.tp if self.ep_folds_tp else 1))
             dims[at: at + 1] = [("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep)]
         mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         if self.ep_enabled:
             _flattened(mesh, self._base("dp_shard"), "dp_shard")
-            if self.sizes.cp > 1:
+            if self.ep_folds_tp:
+                _flattened(mesh, ("dp_shard_in_ep", *(("cp",) if self.sizes.cp > 1 else ()), "tp"), "ep")
+            elif self.sizes.cp > 1:
                 _flattened(mesh, ("dp_shard_in_ep", "cp"), "ep")
         if self.dp_replicate > 1:
             _flattened(mesh, self._base("dp_replicate", "dp_shard"), "dp")
@@ -170,10 +175,11 @@ class ParallelDims:
     def _ep_dim(self) -> str | None:
         if not self.ep_enabled:
             return None
-        return "ep" if self.sizes.cp > 1 else "dp_shard_in_ep"
+        return "ep" if self.sizes.cp > 1 or self.ep_folds_tp else "dp_shard_in_ep"
 
     def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
-        """The 1-D mesh the experts are split over (`dp_shard_in_ep x cp`), or None without EP."""
+        """The 1-D mesh the experts are split over (`dp_shard_in_ep x cp`, and x tp when the
+        experts fold over the TP ranks), or None without EP."""
         ep = self._ep_dim()
         return None if ep is None else mesh[ep]
 

@@ -242,6 +242,17 @@ def test_cli_prints_the_mapping_and_writes_a_config_tandem_loads(tmp_path):
     assert all(line.startswith("#") for line in proc.stdout.splitlines() if " -> " in line)  # only as comments
 
 
+def test_the_documents_moe_example_writes_a_config_tandem_loads(tmp_path):
+    """Its flagship layout, pipeline x context parallel with the experts folded over the TP and CP
+    ranks, loads (it was refused before MoE parallel folding and PP x CP, issue 45 items 1-2)."""
+    proc = run_cli(str(MOE), "-o", "moe.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith("wrote moe.yaml; it loads for tandem train")
+    cfg = load_run_config(tmp_path / "moe.yaml", ["actor.path=''"])
+    assert cfg.actor.backend == "archon:(attn:d1p4t2c2|ffn:d1p4t1e4)"
+    assert (cfg.actor.pp, cfg.actor.cp, cfg.actor.tp, cfg.actor.ep, cfg.actor.etp) == (4, 2, 2, 4, 1)
+
+
 def test_cli_refuses_what_would_not_load_and_writes_nothing(tmp_path):
     proc = run_cli(str(DENSE), "experiment_name=a/b", "-o", "out.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "out.yaml").exists()

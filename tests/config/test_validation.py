@@ -53,8 +53,10 @@ def model_dir(tmp_path_factory) -> Path:
                                    "rollout.backend='tandem:d1'"]),
         ("actor.backend=archon:(attn:d2t2|ffn:e1t4)", ["actor.backend", "etp=4 must be 1 or the attention's tp=2",
                                                        "ffn:e1t2"]),
-        ("actor.backend=archon:c4e2", ["actor.backend", "ep=2 must divide d*c = 4 and be a multiple of cp=4"]),
-        ("actor.backend=archon:t2e2", ["actor.backend", "ep=2 must divide d*c = 1"]),
+        ("actor.backend=archon:c4e2", ["actor.backend", "ep (2) must divide dp_shard * cp = 4 and be a multiple of "
+                                                         "cp = 4"]),
+        ("actor.backend=archon:c3t2e2", ["actor.backend", "ep (2) must divide dp_shard * cp = 3",
+                                         "or a multiple of cp*tp = 6 with etp=1 (experts folded over the TP ranks)"]),
         ("actor.tp=2", ["actor.tp", "actor.backend (e.g. archon:d2t2)"]),
         ("actor.parallelize.offload_params=true", ["actor.parallelize.offload_params=true needs an accelerator",
                                                    "actor.parallelize.offload_params=false"]),

@@ -100,3 +100,33 @@ def layout_worker(rank: int, world_size: int, model_dir: str, out_dir: str, back
     resumed.close()
     return res
 
+
+
+def expert_mesh_worker(rank: int, world_size: int, model_dir: str, backend: str) -> dict:
+    """Which experts this rank's engine holds for `backend` (the first expert's index in the
+    checkpoint, found by comparing the local shard with the stacked weight) and its place on the
+    expert-parallel group, next to what `tandem alloc` explains for the rank."""
+    from tandem.config.alloc import parse_allocation
+    from tandem.models import load_model
+    from tandem.train.engine import TrainEngine
+    from tests.train.helpers import engine_config
+
+    sizes = parse_allocation(backend).components[0].sizes
+    engine = TrainEngine(engine_config(path=model_dir, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp, ep=sizes.ep,
+                                       etp=sizes.etp))
+    local = dict(engine.model.named_parameters())["layers.0.moe.experts.w1"].to_local()
+    stacked = load_model(model_dir).layers["0"].moe.experts.w1
+    # Under ETP each expert's hidden units are split too: this rank's slice of them.
+    dim = next((d for d in (1, 2) if local.shape[d] != stacked.shape[d]), None)
+    if dim is not None:
+        size = local.shape[dim]
+        stacked = stacked.narrow(dim, engine.parallel_dims.etp_mesh(engine.mesh).get_local_rank() * size, size)
+    first = next(i for i in range(stacked.shape[0]) if torch.equal(stacked[i], local[0]))
+    held = list(range(first, first + local.shape[0]))
+    assert torch.equal(stacked[first: first + local.shape[0]], local)
+    ep_group = engine.parallel_dims.ep_mesh(engine.mesh).get_group()
+    res = {"held": held, "ep_rank": dist.get_rank(ep_group),
+           "ep_peers": sorted(dist.get_global_rank(ep_group, i) for i in range(dist.get_world_size(ep_group))),
+           "explained": sizes.expert_coords(rank)}
+    engine.close()
+    return res

@@ -40,10 +40,18 @@ def test_parallel_dims_split_and_validate():
     assert ParallelDims(ParallelSizes(dp=2, tp=2, pp=2)).world_size == 8
     with pytest.raises(ConfigError, match="must be >= 1 and divide the data-parallel size 6"):
         ParallelDims.data_parallel(6, dp_replicate=4)
-    with pytest.raises(ConfigError, match=r"ep \(3\) must divide dp_shard \* cp \(2\)"):
-        ParallelDims(ParallelSizes(dp=2, tp=3, ep=3))
-    with pytest.raises(ConfigError, match=r"ep \(2\) must be a multiple of cp \(4\)"):
+    with pytest.raises(ConfigError, match=r"ep \(2\) must divide dp_shard \* cp = 3 .* or a multiple of cp\*tp = 6 "
+                                          r"with etp=1 \(experts folded over the TP ranks\)"):
+        ParallelDims(ParallelSizes(dp=1, cp=3, tp=2, ep=2))
+    with pytest.raises(ConfigError, match=r"ep \(2\) must divide dp_shard \* cp = 4 and be a multiple of cp = 4"):
         ParallelDims(ParallelSizes(dp=1, cp=4, ep=2))
+    with pytest.raises(ConfigError, match=r"ep \(8\) spans the 2 context- and tensor-parallel ranks .* and 4 "
+                                          r"data-parallel ranks, more than the 2 there are"):
+        ParallelDims(ParallelSizes(dp=4, tp=2, ep=8), dp_replicate=2)  # HSDP: 2 FSDP shards per replica
+    # MoE parallel folding: ep over the TP ranks (and the CP ones), etp 1.
+    assert ParallelDims(ParallelSizes(dp=2, tp=3, ep=3)).ep_folds_tp
+    assert ParallelDims(ParallelSizes(dp=1, cp=2, tp=2, pp=4, ep=4, etp=1, edp=1)).ep_folds_tp
+    assert not ParallelDims(ParallelSizes(dp=2, tp=2, ep=2, etp=2)).ep_folds_tp  # ETP: ep over d x c
     with pytest.raises(ConfigError, match=r"etp \(4\) must be 1 or tp \(2\)"):
         ParallelDims(ParallelSizes(dp=2, tp=2, ep=1, etp=4, edp=1))
     with pytest.raises(ConfigError, match="tp must be >= 1"):

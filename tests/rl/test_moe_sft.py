@@ -3,7 +3,8 @@ user runs it: per-step loss within 1e-5 and grad norm within 1e-4 (relative), an
 weights within 1e-5 (3 steps of 8 sequences; 8 experts, top-2, one dense layer among the MoE ones).
 Layouts: plain and hybrid EP, ETP over the attention's TP pair, whole experts per TP rank (etp=1),
 EP inside pipeline stages, experts FSDP-sharded over two ranks each (d4e2: edp=2), EP over the
-context-parallel pair.
+context-parallel pair, and MoE parallel folding: experts split over the attention's TP (and CP)
+ranks, down to the Archon document's `(attn:d1p4t2c2|ffn:d1p4t1e4)` at pipeline depth 2.
 
 Same settings as tests/rl/test_parallel_sft.py (4 micro-batches per data-parallel rank, Adam eps
 1e-6; see there why).
@@ -27,6 +28,11 @@ LAYOUTS = {  # name -> actor.backend
     "d2p2e2": "archon:d2p2e2",
     "d4e2": "archon:d4e2",
     "c2e2": "archon:c2e2",
+    # MoE parallel folding (etp 1): the experts split over the attention's TP and CP ranks.
+    "t2e2-folded": "archon:t2e2",
+    "c2t2|e4-folded": "archon:(attn:c2t2|ffn:e4)",
+    # The Archon document's flagship layout at half its pipeline depth (8 ranks).
+    "d1p2t2c2|d1p2t1e4": "archon:(attn:d1p2t2c2|ffn:d1p2t1e4)",
 }
 
 

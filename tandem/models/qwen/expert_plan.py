@@ -93,13 +93,14 @@ class _MoeTokens:
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
-                          expert_tp: bool, experts_mesh: DeviceMesh | None) -> list[str]:
+                          expert_tp: bool, experts_mesh: DeviceMesh | None, ep_folds_tp: bool = False) -> list[str]:
     """Lay out every MoE block of `model` (a `QwenModel` or a pipeline rank's part, on any device)
     in place, after the dense TP plan. `ep_mesh`: the 1-D expert-parallel mesh (None: no EP);
     `tp_mesh`: the attention's TP mesh (None without TP); `expert_tp`: experts tensor-parallel over
     it (etp == tp); `experts_mesh`: the mesh the expert weights are DTensors on (`ep` and/or `tp`
-    dims, in that order; None when neither). Returns the names of parameters whose gradients are
-    partial over the TP group."""
+    dims, in that order; None when neither); `ep_folds_tp`: the ep mesh spans the TP ranks (each TP
+    rank holds its own experts and dispatches its sequence shard's tokens to every ep rank). Returns
+    the names of parameters whose gradients are partial over the TP group."""
     partial_grads: list[str] = []
     for key, block in model.layers.items():
         moe = getattr(block, "moe", None)
@@ -113,6 +114,6 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh | None, tp_me
             moe.register_forward_pre_hook(tokens.before)
             moe.register_forward_hook(tokens.after)
             partial_grads.append(f"layers.{key}.moe.router.weight")
-            if not expert_tp:
+            if not expert_tp and not ep_folds_tp:  # whole experts on every TP rank, each its own tokens
                 partial_grads += [f"layers.{key}.moe.experts.{w}" for w in ("w1", "w2", "w3")]
     return partial_grads

@@ -80,7 +80,8 @@ def parallelize_qwen(
     if moe:
         partial_grads = apply_expert_parallel(model, ep_mesh=ep_mesh, tp_mesh=tp_mesh,
                                               expert_tp=parallel_dims.etp_enabled,
-                                              experts_mesh=parallel_dims.experts_mesh(mesh))
+                                              experts_mesh=parallel_dims.experts_mesh(mesh),
+                                              ep_folds_tp=parallel_dims.ep_folds_tp)
         if partial_grads:
             model.tensor_parallel = replace(info, partial_grad_params=(*info.partial_grad_params, *partial_grads))
     expert_units = {}
