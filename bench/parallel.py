@@ -45,7 +45,12 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "p2-ZBVZeroBubble": (2, {"pp": 2, "schedule": "ZBVZeroBubble"}),
     "c2": (2, {"cp": 2}),
     "d2t2": (4, {"tp": 2}),
+    # Qwen3-MoE (--arch qwen3_moe): experts folded over the TP and CP ranks, the Archon document's
+    # (attn:d1p4t2c2|ffn:d1p4t1e4) and its half-depth twin.
+    "(attn:d1p2t2c2|ffn:d1p2t1e4)": (8, {"pp": 2, "tp": 2, "cp": 2, "ep": 4, "schedule": "1F1B"}),
+    "(attn:d1p4t2c2|ffn:d1p4t1e4)": (16, {"pp": 4, "tp": 2, "cp": 2, "ep": 4, "schedule": "1F1B"}),
 }
+MOE_LAYOUTS = ("d1", "(attn:d1p2t2c2|ffn:d1p2t1e4)", "(attn:d1p4t2c2|ffn:d1p4t1e4)")
 N_SEQS, MIN_LEN, MAX_LEN = 32, 32, 256
 
 
@@ -76,7 +81,7 @@ def _worker(rank: int, world_size: int, path: str, layout: dict, steps: int) -> 
     layout = dict(layout)
     schedule = layout.pop("schedule", None)
     parallelize = ParallelizeConfig(**({"pp_schedule": schedule} if schedule else {}))
-    model_parallel = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    model_parallel = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)  # ep adds no ranks
     dp = world_size // model_parallel
     vocab = int(__import__("json").loads((Path(path) / "config.json").read_text())["vocab_size"])
     gen = torch.Generator().manual_seed(1)
@@ -105,17 +110,21 @@ def _worker(rank: int, world_size: int, path: str, layout: dict, steps: int) -> 
     return {"tokens_per_s": n_tokens / statistics.median(times), "peak_mib": peak / 1024}
 
 
-def bench(presets: list[str], layouts: list[str], steps: int) -> tuple[str, dict[str, dict[str, dict[str, float]]]]:
+def bench(presets: list[str], layouts: list[str], steps: int,
+          arch: str = "qwen3") -> tuple[str, dict[str, dict[str, dict[str, float]]]]:
     """The table, and the results that ran: preset -> layout -> tokens_per_s, peak_mib."""
     from tandem.models.tiny import init_model
+
+    # 4 layers at least (pp=4 needs one per stage); a MoE model keeps one dense layer among them.
+    extra = {"num_hidden_layers": 4, "mlp_only_layers": [1]} if arch == "qwen3_moe" else {}
 
     rows = ["| preset | layout | ranks | tokens/s | vs d1 | peak memory per rank (MiB) | vs d1 |",
             "|---|---|---|---|---|---|---|"]
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
-            path = str(init_model(Path(tmp) / preset, preset=preset, seed=0,
-                                  overrides={"tie_word_embeddings": False}))
+            path = str(init_model(Path(tmp) / preset, arch=arch, preset=preset, seed=0,
+                                  overrides={"tie_word_embeddings": False, **extra}))
             ref: dict[str, float] | None = None
             for name in layouts:
                 world, layout = LAYOUTS[name]
@@ -123,29 +132,31 @@ def bench(presets: list[str], layouts: list[str], steps: int) -> tuple[str, dict
                     per_rank = run_distributed(_worker, world, args=(path, layout, steps), timeout=900)
                 except Exception as exc:  # a layout this build cannot run: say so in the table
                     print(f"{preset} {name}: failed: {str(exc).strip().splitlines()[-1][:200]}", flush=True)
-                    rows.append(f"| {preset} | {name} | {world} | failed | | | |")
+                    rows.append(f"| {preset} | {name.replace('|', chr(92) + '|')} | {world} | failed | | | |")
                     continue
                 result = {"tokens_per_s": per_rank[0]["tokens_per_s"], "peak_mib": max(r["peak_mib"] for r in per_rank)}
                 results.setdefault(preset, {})[name] = result
                 ref = ref or (result if name == "d1" else None)
                 speed = f"{result['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
                 memory = f"{result['peak_mib'] / ref['peak_mib']:.2f}x" if ref else ""
-                line = (f"| {preset} | {name} | {world} | {result['tokens_per_s']:.0f} | {speed} | "
+                shown = name.replace("|", "\\|")  # a hybrid layout's '|' inside a markdown table
+                line = (f"| {preset} | {shown} | {world} | {result['tokens_per_s']:.0f} | {speed} | "
                         f"{result['peak_mib']:.1f} | {memory} |")
                 print(line, flush=True)
                 rows.append(line)
     return "\n".join(rows), results
 
 
-def record_current(results: dict[str, dict[str, dict[str, float]]]) -> None:
-    """The Current figures row: the last preset's fastest layout and smallest peak memory against d1."""
+def record_current(results: dict[str, dict[str, dict[str, float]]], bench_name: str = "parallel") -> None:
+    """The Current figures row of `bench_name`: the last preset's fastest layout and smallest peak
+    memory against d1."""
     preset, runs = list(results.items())[-1]
     d1 = runs.get("d1")
     if d1 is None:
         return  # nothing to compare with
     fast = max(runs, key=lambda n: runs[n]["tokens_per_s"])
     small = min(runs, key=lambda n: runs[n]["peak_mib"])
-    record("parallel",
+    record(bench_name,
            f"{preset} {fast} {runs[fast]['tokens_per_s']:.0f} tok/s; peak memory per rank down to "
            f"{runs[small]['peak_mib']:.1f} MiB ({small})",
            f"d1 (one rank): {d1['tokens_per_s']:.0f} tok/s, {d1['peak_mib']:.1f} MiB",
@@ -158,21 +169,27 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["small", "medium"])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--arch", choices=["qwen3", "qwen3_moe"], default="qwen3",
+                        help="qwen3_moe: a 4-layer Qwen3-MoE (8 experts) under the MoE layouts (default layouts: "
+                             "d1 and the folded ones)")
     parser.add_argument("--no-append", action="store_true", help="print only")
     args = parser.parse_args()
+    if args.arch == "qwen3_moe" and args.layouts == list(LAYOUTS):
+        args.layouts = list(MOE_LAYOUTS)
     if "d1" not in args.layouts:
         args.layouts.insert(0, "d1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    table, results = bench(args.presets, args.layouts, args.steps)
+    table, results = bench(args.presets, args.layouts, args.steps, args.arch)
     print(table)
     if not args.no_append:
-        body = (f"Untied Qwen3 presets, fp32, {N_SEQS} sequences of {MIN_LEN}..{MAX_LEN} tokens per step, "
+        model = "Qwen3-MoE (4 layers, 8 experts, top-2)" if args.arch == "qwen3_moe" else "Qwen3"
+        body = (f"Untied {model} presets, fp32, {N_SEQS} sequences of {MIN_LEN}..{MAX_LEN} tokens per step, "
                 f"token budget 1024 per micro-batch, median of {args.steps} steps after a warm-up, gloo, one "
-                "thread per rank. `.venv/bin/python bench/parallel.py`. Peak memory per rank: the highest "
+                f"thread per rank. `{this_command()}`. Peak memory per rank: the highest "
                 "resident set a rank reached while building the engine and training, above its resident set "
                 "before (largest rank).\n\n" + table)
         append_benchmark("Parallel layouts: tokens/s and peak memory per rank", body)
-        record_current(results)
+        record_current(results, "parallel (MoE)" if args.arch == "qwen3_moe" else "parallel")
 
 
 if __name__ == "__main__":
