@@ -119,6 +119,12 @@ class ParallelizeConfig:
         parallelism, compile together with activation checkpointing fails inside torch (measured,
         torch 2.13: AOTAutograd cannot save the DeviceMesh a checkpointed DTensor block holds);
         each works with TP on its own."""
+        if tp > 1 and self.compile and self.activation_checkpoint == "memory_budget":
+            raise ConfigError(
+                f"{prefix}activation_checkpoint=memory_budget is not supported with tensor parallelism (tp={tp}): "
+                "torch's min-cut partitioner cannot size the process group a tensor-parallel block holds (measured, "
+                "torch 2.13: 'Cannot compute the size of FakeScriptObject'); choose full or selective checkpointing "
+                f"with {prefix}compile=false, or compile without checkpointing")
         if tp > 1 and self.compile and self.activation_checkpoint not in ("none", "auto"):
             raise ConfigError(
                 f"{prefix}compile=true with {prefix}activation_checkpoint={self.activation_checkpoint!r} is not "

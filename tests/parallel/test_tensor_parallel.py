@@ -69,6 +69,10 @@ def test_run_config_refuses_indivisible_tp_at_load(tmp_path):
                                           r"'full' is not supported with tensor parallelism \(tp=2\)"):
         load_run_config(None, [f"actor.path={model}", "actor.backend=archon:t2", "actor.parallelize.compile=true",
                                "actor.parallelize.activation_checkpoint=full"])
+    with pytest.raises(ConfigError, match=r"activation_checkpoint=memory_budget is not supported with tensor parallelism "
+                                          r"\(tp=2\): torch's min-cut partitioner cannot size the process group"):
+        load_run_config(None, [f"actor.path={model}", "actor.backend=archon:t2", "actor.parallelize.compile=true",
+                               "actor.parallelize.activation_checkpoint=memory_budget"])
 
 
 def test_tp_plan_refuses_indivisible_kv_heads():
