@@ -245,7 +245,7 @@ def _cmd_convert_config(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from tandem.config.areal import convert, read_areal
+    from tandem.config.areal import convert, read_areal  # OmegaConf, which --help and alloc never need
     from tandem.rl.config import load_run_config  # OmegaConf and every schema: ~0.4 s
 
     source, *overrides = args.config

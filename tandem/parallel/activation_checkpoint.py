@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._higher_order_ops.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
@@ -28,36 +29,22 @@ _aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 
-def _attention_kernels() -> set[Any]:
-    """The packed-attention kernels of CUDA (`tandem.models.common.attention`) where torch has them:
-    flash varlen's op and FlexAttention's higher-order op."""
-    found: set[Any] = set()
-    try:
-        import torch.nn.attention.varlen
-
-        found.add(torch.ops.torch_attn._varlen_attn.default)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention
-
-        found.add(flex_attention)
-    except ImportError:
-        pass
-    return found
-
-
-# Outputs kept by op-level selective checkpointing: the ops whose recompute would cost a matmul.
+# Outputs kept by op-level selective checkpointing: the ops whose recompute would cost a matmul,
+# attention included (on CUDA also FlexAttention's higher-order op, and flash varlen's ops of the
+# torch_attn namespace, matched by namespace: importing torch.nn.attention.varlen to name them
+# costs ~0.4 s at every trainer start, and only a varlen plan needs it).
 SAVED_OPS = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    *_attention_kernels(),
+    flex_attention,
 })
+VARLEN_NAMESPACE = "torch_attn"
 
 
 def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in SAVED_OPS or getattr(op, "namespace", None) == VARLEN_NAMESPACE
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_module(module: nn.Module, op_level: bool = False, debug: BlockDebug | None = None) -> None:

@@ -72,6 +72,7 @@ class ParallelizeConfig:
         no compile and full checkpointing (`check_pipeline`), and tensor parallelism with compile
         no checkpointing (`check_layout`); elsewhere both off. Options set explicitly stay as they are."""
         cuda = device_type == "cuda"
+        zero_bubble = pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE
         notes: list[str] = []
         compile_ = self.compile
         if compile_ is None:
@@ -79,7 +80,7 @@ class ParallelizeConfig:
             if cuda and self.ac_debug:
                 compile_ = False
                 notes.append("compile off: ac_debug observes the ops of eager blocks")
-            elif cuda and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
+            elif cuda and zero_bubble:
                 compile_ = False
                 notes.append(f"compile off: pp_schedule={self.pp_schedule} runs no compiled blocks")
             elif cuda and tp > 1 and self.activation_checkpoint not in ("auto", "none"):
@@ -89,7 +90,7 @@ class ParallelizeConfig:
         ac, selective = self.activation_checkpoint, self.ac_selective
         if ac == "auto":
             ac, selective = ("selective", "op") if cuda else ("none", selective)
-            if ac != "none" and pp > 1 and normalize_schedule(self.pp_schedule) in ZERO_BUBBLE:
+            if ac != "none" and zero_bubble:
                 ac = "full"
                 notes.append(f"activation checkpointing full: pp_schedule={self.pp_schedule} runs no op-level "
                              "selective checkpointing")

@@ -1,6 +1,6 @@
 """Splitting one packed micro-batch over the ranks of a context-parallel (CP) group.
 
-The stream is padded to a multiple of `cp` and rank r runs the model on its contiguous slice: input
+The stream is padded to a multiple of `cp` (times tensor parallelism's token multiple) and rank r runs the model on its contiguous slice: input
 ids with their TRUE positions (from the full `cu_seqlens`). Next-token labels and loss positions are
 computed on the full stream before slicing (t predicts t+1, which may live on the next rank); only
 the per-token log-probs and entropy are gathered back, so every CP rank returns the full `[T]`

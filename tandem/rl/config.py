@@ -288,10 +288,11 @@ class TandemConfig:
     def check(self, prefix: str = "") -> None:
         # Derived first: the algorithm validates against the rollout's bound and budget.
         self.derive()
-        self.actor.parallelize.check_device(self.experiment.device.split(":")[0], f"{prefix}actor.parallelize.")
-        self.actor.check_attention(self.experiment.device.split(":")[0], f"{prefix}actor.")
+        device_type = self.experiment.device.split(":")[0]
+        self.actor.parallelize.check_device(device_type, f"{prefix}actor.parallelize.")
+        self.actor.check_attention(device_type, f"{prefix}actor.")
         # What the ranks will run with, the options left to the device chosen (as the engine does).
-        chosen, _ = self.actor.parallelize.for_device(self.experiment.device.split(":")[0], self.actor.tp, self.actor.pp)
+        chosen, _ = self.actor.parallelize.for_device(device_type, self.actor.tp, self.actor.pp)
         chosen.check(f"{prefix}actor.parallelize.")
         chosen.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")

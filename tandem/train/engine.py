@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,7 +90,8 @@ class TrainEngine:
         config.parallelize.check_device(device.type, "parallelize.")
         config.check_attention(device.type)
         # Compile and activation checkpointing left to the device become concrete here.
-        config.parallelize, notes = config.parallelize.for_device(device.type, tp=config.tp, pp=config.pp)
+        parallelize, notes = config.parallelize.for_device(device.type, tp=config.tp, pp=config.pp)
+        config = replace(config, parallelize=parallelize)  # the caller's config stays as given
         config.parallelize.check("parallelize.")
         self.config = config
         self._owns_group = init_distributed(device, config.dist_backend)

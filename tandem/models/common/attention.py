@@ -118,9 +118,7 @@ class PackedAttention:
     @classmethod
     def plan(cls, cu_seqlens: torch.Tensor, num_tokens: int, kernel: str) -> PackedAttention:
         """One host sync (the lengths); `kernel` is a concrete one (`choose_kernel`)."""
-        bounds = cu_seqlens.tolist()
-        if bounds[-1] < num_tokens:
-            bounds.append(num_tokens)
+        bounds = _bounds(cu_seqlens, num_tokens)
         lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
         cu = torch.tensor(bounds, dtype=torch.int32, device=cu_seqlens.device)
         block_mask = _document_block_mask(cu, num_tokens) if kernel == "flex" else None
@@ -185,11 +183,15 @@ def packed_causal_attention(
     return PackedAttention.plan(cu_seqlens, q.shape[0], kernel)(q, k, v, scale)
 
 
-def _lengths(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+def _bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """`cu_seqlens` on the host, with the trailing padding tokens as one more sequence (they
+    attend among themselves, as in the dense mask)."""
     bounds = cu_seqlens.tolist()
-    if bounds[-1] < num_tokens:  # trailing padding tokens attend among themselves, as in the mask
-        bounds.append(num_tokens)
-    return [b - a for a, b in itertools.pairwise(bounds)]
+    return [*bounds, num_tokens] if bounds[-1] < num_tokens else bounds
+
+
+def _lengths(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    return [b - a for a, b in itertools.pairwise(_bounds(cu_seqlens, num_tokens))]
 
 
 def sdpa_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

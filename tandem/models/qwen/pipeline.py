@@ -64,7 +64,6 @@ class QwenStage(nn.Module):
         width = tokens.shape[1]
         cu, (ids, want) = unpad_row(sizes, cu_seqlens, tokens, wanted)
         n = ids.shape[0]
-        positions = positions_from_cu_seqlens(cu, n)
         multiple = getattr(self._owner, "token_multiple", 1)
         split = None if self.cp_group is None else ContextSplit.of(n, self.cp_group, multiple)
         mine = n if split is None else split.local_tokens  # this rank's tokens of the stream
@@ -79,7 +78,8 @@ class QwenStage(nn.Module):
             rope = self.rope(positions_from_cu_seqlens(cu, padded), h.dtype)
             attn = self._owner.packed_attention(cu, padded, h.device, h.dtype)
         else:  # this slice's true positions; attention over the whole stream (Ulysses)
-            rope = self.rope(F.pad(split.local(positions), (0, padded - mine)), h.dtype)
+            positions = split.local(positions_from_cu_seqlens(cu, n))
+            rope = self.rope(F.pad(positions, (0, padded - mine)), h.dtype)
             kernel = self._owner.packed_attention(cu, split.padded, h.device, h.dtype)
             attn = partial(split.attention(kernel), 0)
         for layer in self.layers.values():
