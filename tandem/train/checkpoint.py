@@ -30,7 +30,11 @@ TRAIN_STATE_FILE = "train_state.pt"
 # Optimizer state keyed by parameter name, param groups included: unflattened, each rank's group
 # would be saved under the same `param_groups.0.params` key, which pipeline stages (ranks holding
 # different parameters) would overwrite on one another.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters (LoRA's base weights) are not saved: they are the run's starting checkpoint.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# Setting it back leaves the frozen parameters as they are; `dcp.load` has already failed on any
+# saved (trainable) tensor the checkpoint lacks.
+_SET_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 def _rank() -> int:
@@ -76,6 +80,14 @@ def save_hf_weights(
     return out
 
 
+def _trainable_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state dicts of the trainable parameters. A frozen weight tied to
+    another name (the output head sharing a frozen embedding) is dropped under that name too."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
 def save_train_state(
     path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
 ) -> Path:
@@ -83,7 +95,7 @@ def save_train_state(
     all ranks) and every rank's RNG state. Collective."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_sd, optim_sd = _trainable_state(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(root))
     if _rank() == 0:
         torch.save(extra, root / TRAIN_STATE_FILE)
@@ -100,11 +112,11 @@ def load_train_state(
     root = Path(path)
     if not (root / TRAIN_STATE_FILE).is_file():
         raise CheckpointError(f"{str(root)!r} is not a training-state checkpoint (no {TRAIN_STATE_FILE})")
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_sd, optim_sd = _trainable_state(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(root))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=_OPTIONS)
+                   options=_SET_OPTIONS)
     rng_file = root / f"rng-rank{_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tandem.config.fields import config_field as _f
 from tandem.data.balance import COSTS
 from tandem.errors import ConfigError
+from tandem.models.common.lora import LoRAConfig
 from tandem.parallel.config import ParallelizeConfig
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class TrainEngineConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     parallelize: ParallelizeConfig = field(default_factory=ParallelizeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     balance: str = _f(
         "tokens", "The cost Karmarkar-Karp evens out when a batch is split over the data-parallel ranks, and over "
                   "micro-batches with mb.packing=kk: tokens (L per sequence) or flops (12*h*L + L^2 with h the "

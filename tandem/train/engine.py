@@ -25,9 +25,10 @@ from torch.distributed.fsdp import FSDPModule
 from tandem.config.fields import validate
 from tandem.data.balance import sequence_cost
 from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_tokens
-from tandem.errors import ConfigError
+from tandem.errors import CheckpointError, ConfigError
 from tandem.models import build_model, read_hf_config
 from tandem.models.common.attention import choose_kernel
+from tandem.models.common.lora import AdapterSpec, add_lora, check_adapter_fits, fresh_adapter, write_adapter
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.models.value_head import config_for_head
@@ -42,7 +43,7 @@ from tandem.train.microbatch import build_micro_batches, plan_micro_batches, res
 from tandem.train.optim import LRSchedule, build_optimizer, clip_grad_norm
 from tandem.train.pipeline_step import PipelineRunner
 from tandem.train.routed_experts import agreement_of, check_moe_options, routing_for, stack_layers
-from tandem.train.sharded_load import load_hf_weights_sharded
+from tandem.train.sharded_load import load_adapter, load_adapter_dir, load_hf_weights_sharded
 from tandem.train.weight_export import (
     SAVE_BUCKET_BYTES,
     export_nbytes,
@@ -114,6 +115,15 @@ class TrainEngine:
         self.head: EngineHead = head
         # Master weights in float32; FSDP casts them to `param_dtype` for compute.
         self.model = build_model(hf_config, dtype=torch.float32, device="meta")
+        self.lora = config.lora if config.lora.enabled else None
+        # Weight updates carry the adapters alone (servers merge them into their base), unless the
+        # servers take whole weights only: then the merged weights (set False).
+        self.sync_adapters = self.lora is not None
+        if self.lora is not None:
+            if head == "value":
+                raise ConfigError("LoRA adapters train a language model; a critic (value model) trains whole: "
+                                  "set critic.lora.rank=0")
+            self._add_adapters()
         self.model.attention_kernel = choose_kernel(config.attention, device, self.param_dtype, self.model.args.head_dim)
         if self.rank == 0:
             p = config.parallelize
@@ -155,13 +165,45 @@ class TrainEngine:
             load_hf_weights_sharded(self.model, config.path, zero_fill=VALUE_HEAD_PARAMS if fresh_head else ())
         else:
             load_hf_weights_sharded(self.model, config.path, partial=True, aliases=self.pipeline.load_aliases())
+        if self.lora is not None:
+            self._load_adapters()
         self._mb_config = config.mb if self.pipeline is None else self.pipeline.mb_config(config.mb)
         self.moe_layers: list[int] = list(getattr(self.model.args, "moe_layers", []))
         check_moe_options(config, self.moe_layers, pipelined=self.pipeline is not None)
 
-        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer, self.device.type)
+        # Frozen parameters (LoRA's base) have no optimizer state.
+        self.optimizer = build_optimizer(self.trainable_parameters(), config.optimizer, self.device.type)
         self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
         self.step = 0
+
+    # ------------------------------------------------------------------------------ adapters
+
+    def _add_adapters(self) -> None:
+        """LoRA (`tandem.models.common.lora`): adapters on the targeted linears, float32 (master
+        weights, like the whole model's); every other parameter frozen and kept in the compute
+        dtype, so it costs no optimizer state and half the memory in bfloat16."""
+        adapted = add_lora(self.model, self.lora)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(self.param_dtype)  # tied weights are one parameter: cast once
+        if self.rank == 0:
+            logger.info("LoRA rank %d, alpha %g on %d linear layers (%s)", self.lora.rank, self.lora.alpha,
+                        len(adapted), ", ".join(sorted(self.lora.target_modules)))
+
+    def _load_adapters(self) -> None:
+        """The adapters' values: from `lora.path` when given (checked against the config), else fresh."""
+        partial = self.pipeline is not None
+        if self.lora.path:
+            check_adapter_fits(self.lora.path, self.lora)
+            load_adapter_dir(self.model, self.lora.path, partial=partial)
+        else:
+            load_adapter(self.model, fresh_adapter(self.model, self.config.seed), partial=partial)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps: the adapters under LoRA, else all (this rank's stages'
+        under pipeline parallelism)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------------------ batches
 
@@ -364,7 +406,11 @@ class TrainEngine:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         overwrite: bool = False,
     ) -> Path:
-        """HF directory of the current weights, in `dtype` (default: the compute dtype). Collective."""
+        """HF directory of the current weights, in `dtype` (default: the compute dtype); with LoRA
+        adapters: the PEFT adapter directory while `sync_adapters` (`save_adapter`), else the
+        merged weights. Collective."""
+        if self.sync_adapters:
+            return self.save_adapter(out_dir, dtype=dtype, overwrite=overwrite)
         dtype = dtype or self.param_dtype
         tensors = None
         if self.pipeline is not None:  # gathered per stage, bucket by bucket, to rank 0
@@ -379,19 +425,47 @@ class TrainEngine:
             tensors=tensors,
         )
 
+    def save_adapter(self, out_dir: str | Path, *, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+        """The LoRA adapters as a PEFT directory (`adapter_model.safetensors` + `adapter_config.json`),
+        in `dtype` (default float32, as trained). Collective."""
+        if self.lora is None:
+            raise ValueError("this engine trains no LoRA adapters (actor.lora.rank=0)")
+        out = Path(out_dir)
+        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+            raise CheckpointError(f"{str(out)!r} exists and is not empty; pass overwrite=True or choose another path")
+        buckets = self.export_weights(SAVE_BUCKET_BYTES, dtype or torch.float32, dst=0, adapter_only=True)
+        tensors = {name: t.clone() for bucket in buckets for name, t in bucket}
+        if self.rank == 0:
+            write_adapter(out, tensors, self.lora, base_model=self.config.path)
+        if self.world_size > 1:
+            dist.barrier()
+        return out
+
+    @property
+    def adapter(self) -> AdapterSpec | None:
+        """What weight updates carry: the adapters over the servers' base (`sync_adapters`), or
+        None: whole (merged) weights."""
+        return AdapterSpec(self.lora.rank, self.lora.alpha) if self.sync_adapters else None
+
     def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
-                       dst: int | None = None):
+                       dst: int | None = None, adapter_only: bool | None = None):
         """Buckets of `(hf_name, full tensor)`, at most `bucket_bytes` each, in the compute dtype
         by default, written into `alloc`'s tensors when it gives some, on rank `dst` only when
-        given (see `weight_export.iter_weight_buckets`). Collective: iterate on every rank."""
+        given (see `weight_export.iter_weight_buckets`). With LoRA adapters: the adapters alone
+        (PEFT names) when `adapter_only` (default: `sync_adapters`), else the merged weights.
+        Collective: iterate on every rank."""
+        adapter_only = self.sync_adapters if adapter_only is None else adapter_only
         if self.pipeline is not None:
-            return self.pipeline.export_buckets(self.mesh, bucket_bytes, dtype or self.param_dtype, alloc, dst)
-        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst)
+            return self.pipeline.export_buckets(self.mesh, bucket_bytes, dtype or self.param_dtype, alloc, dst,
+                                                adapter_only=adapter_only)
+        return iter_weight_buckets(self.model, bucket_bytes, dtype or self.param_dtype, alloc, dst,
+                                   adapter_only=adapter_only)
 
     def local_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:
         """Every parameter whole and uncast, as its HF pieces, when this rank holds them all (a
-        world of one), else None (see `tandem.weights.source.WeightSource`)."""
-        return local_parameters(self.model) if self.pipeline is None else None
+        world of one), else None (see `tandem.weights.source.WeightSource`); the adapters alone
+        while `sync_adapters`."""
+        return local_parameters(self.model, self.sync_adapters) if self.pipeline is None else None
 
     def num_parameters(self) -> int:
         """Elements of the whole model (every stage's under pipeline parallelism; tied weights once)."""
@@ -401,8 +475,8 @@ class TrainEngine:
 
     def export_nbytes(self, dtype: torch.dtype | None) -> int:
         if self.pipeline is not None:
-            return self.pipeline.export_nbytes(dtype or self.param_dtype)
-        return export_nbytes(self.model, dtype or self.param_dtype)
+            return self.pipeline.export_nbytes(dtype or self.param_dtype, adapter_only=self.sync_adapters)
+        return export_nbytes(self.model, dtype or self.param_dtype, adapter_only=self.sync_adapters)
 
     def save_state(self, path: str | Path) -> Path:
         """Everything needed to continue exactly where this step left off. Collective."""

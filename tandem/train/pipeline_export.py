@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models import build_model
+from tandem.models.common.lora import add_lora, is_adapter_param, peft_name
 from tandem.models.qwen.pipeline import parameter_stage
 from tandem.models.state_dict_adapter import Piece, piece_shape
 from tandem.parallel.pipeline import PipelineLayout
@@ -32,6 +33,7 @@ class ExportEntry:
     shape: torch.Size  # of the whole parameter
     dtype: torch.dtype
     owner: int  # pipeline rank holding the parameter
+    adapter: bool = False  # a LoRA adapter parameter (`pieces` hold its PEFT name)
 
     @property
     def hf_names(self) -> list[str]:
@@ -44,12 +46,25 @@ class ExportEntry:
 
 def export_plan(model: nn.Module, layout: PipelineLayout) -> list[ExportEntry]:
     """Every parameter of the whole model in export order (that of an unsplit model's
-    `named_parameters`, tied weights once), with its owning pipeline rank."""
+    `named_parameters`, tied weights once), with its owning pipeline rank; LoRA adapters (when
+    `model` has them) under their PEFT names, with `adapter` set."""
     full = build_model(model.hf_config, dtype=torch.float32, device="meta")
+    if getattr(model, "lora_config", None) is not None:
+        add_lora(full, model.lora_config)
     adapter = model.spec.state_dict_adapter_cls(model.args)
-    return [ExportEntry(name, tuple(adapter.pieces(name, p.shape)), p.shape, p.dtype,
-                        layout.stage_rank(parameter_stage(name, layout)))
+    return [ExportEntry(name, ((peft_name(adapter, name), None),) if is_adapter_param(name)
+                        else tuple(adapter.pieces(name, p.shape)), p.shape, p.dtype,
+                        layout.stage_rank(parameter_stage(name, layout)), is_adapter_param(name))
             for name, p in full.named_parameters()]
+
+
+def exported(plan: list[ExportEntry], adapter_only: bool) -> list[ExportEntry]:
+    """What an export of `plan` carries: the adapters alone, or the rest. Merged weights (a model
+    with adapters, exported whole) are not implemented under pipeline parallelism."""
+    if not adapter_only and any(e.adapter for e in plan):
+        raise NotImplementedError("exporting merged LoRA weights under pipeline parallelism is not implemented; "
+                                  "use servers that take adapters (tandem serve) or a layout without pp")
+    return [e for e in plan if e.adapter == adapter_only]
 
 
 def _buckets(plan: list[ExportEntry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[ExportEntry]]:

@@ -36,7 +36,7 @@ from tandem.train.config import MicroBatchConfig
 from tandem.train.logprobs import head_outputs, next_token_labels, next_token_outputs
 from tandem.train.losses import LossFn
 from tandem.train.optim import clip_grads, grads_by_layout, total_grad_norm
-from tandem.train.pipeline_export import export_plan, iter_pipeline_buckets, plan_nbytes
+from tandem.train.pipeline_export import export_plan, exported, iter_pipeline_buckets, plan_nbytes
 
 
 def _lcm(a: int, b: int) -> int:
@@ -210,12 +210,14 @@ class PipelineRunner:
     # ------------------------------------------------------------------------ export
 
     def export_buckets(self, mesh: DeviceMesh, bucket_bytes: int, dtype: torch.dtype | None, alloc=None,
-                       dst: int | None = None):
-        """Full HF tensors of the whole model in buckets (see `tandem.train.pipeline_export`). Collective."""
-        return iter_pipeline_buckets(self.model, self._plan(), mesh, bucket_bytes, dtype, alloc, dst)
+                       dst: int | None = None, adapter_only: bool = False):
+        """Full HF tensors of the whole model (or its LoRA adapters alone) in buckets (see
+        `tandem.train.pipeline_export`). Collective."""
+        return iter_pipeline_buckets(self.model, exported(self._plan(), adapter_only), mesh, bucket_bytes, dtype,
+                                     alloc, dst)
 
-    def export_nbytes(self, dtype: torch.dtype | None) -> int:
-        return plan_nbytes(self._plan(), dtype)
+    def export_nbytes(self, dtype: torch.dtype | None, adapter_only: bool = False) -> int:
+        return plan_nbytes([e for e in self._plan() if e.adapter == adapter_only], dtype)
 
     def num_parameters(self) -> int:
         return sum(e.shape.numel() for e in self._plan())

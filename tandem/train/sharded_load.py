@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.errors import CheckpointError
+from tandem.models.common.lora import adapter_parameters, is_adapter_param, parse_peft_name, read_adapter
 from tandem.models.hf_checkpoint import iter_hf_tensors, read_tensor_shapes
 
 
@@ -56,7 +57,7 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
     skipped. `aliases`: native name -> the native name whose HF tensor fills it too (a pipeline
     stage's own copy of a tied weight, `output.weight` -> `tok_embeddings.weight`). `zero_fill`:
     native names of parameters the checkpoint does not hold; they are set to zero (a critic's
-    value head when it starts from a causal LM)."""
+    value head when it starts from a causal LM). LoRA adapters are not HF tensors: `load_adapter` fills them."""
     adapter = model.spec.state_dict_adapter_cls(model.args)
     params = dict(model.named_parameters())  # tied weights once, under the embedding's name
     sources = {n: n for n in params} | {n: src for n, src in (aliases or {}).items() if n in params}
@@ -85,7 +86,7 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
             problems.append(f"{hf_name}: shape {shape} in {file.name}, model has {expected}")
         else:
             plan[hf_name] = (wanted[native], index)
-    needed = {(hf, index): n for n in params if n not in zero_fill
+    needed = {(hf, index): n for n in params if n not in zero_fill and not is_adapter_param(n)
               for hf, index in adapter.pieces(sources[n], params[n].shape)}
     found = {(hf, index) for hf, (_, index) in plan.items()}
     problems += [f"missing tensor {hf}" for hf, _ in sorted(needed.keys() - found)]
@@ -100,3 +101,31 @@ def load_hf_weights_sharded(model: nn.Module, path: str | os.PathLike[str], *, p
                 _load_into(params[native], tensor)
             else:
                 _load_piece(params[native], index, tensor)
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], *, partial: bool = False,
+                 source: str = "the adapter") -> None:
+    """Fill every LoRA adapter parameter of `model` from whole tensors keyed by PEFT name (each rank
+    keeps its slice). Strict: every adapter filled, shapes equal, every tensor used unless
+    `partial` (a pipeline stage holds some layers only). CheckpointError listing the problems."""
+    mine = {peft: (native, p) for native, peft, p in adapter_parameters(model)}
+    problems = []
+    for name in tensors:
+        parse_peft_name(name)
+        if name not in mine and not partial:
+            problems.append(f"unexpected tensor {name}")
+    for peft, (_, p) in mine.items():
+        if peft not in tensors:
+            problems.append(f"missing tensor {peft}")
+        elif tuple(tensors[peft].shape) != tuple(p.shape):
+            problems.append(f"{peft}: shape {tuple(tensors[peft].shape)}, model has {tuple(p.shape)}")
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems))
+    for peft, (_, p) in mine.items():
+        _load_into(p, tensors[peft])
+
+
+def load_adapter_dir(model: nn.Module, path: str | os.PathLike[str], *, partial: bool = False) -> None:
+    """`load_adapter` from a PEFT adapter directory."""
+    load_adapter(model, read_adapter(path), partial=partial, source=f"adapter {str(path)!r}")

@@ -18,16 +18,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from tandem.models.common.lora import adapter_parameters, base_of_adapters, is_adapter_param, merged_weight
 from tandem.models.state_dict_adapter import Piece, piece_shape
 from tandem.weights.source import Alloc
 
 
-def hf_parameter_names(model: nn.Module) -> list[tuple[str, list[Piece], nn.Parameter]]:
+def hf_parameter_names(model: nn.Module, adapter_only: bool = False) -> list[tuple[str, list[Piece], nn.Parameter]]:
     """(native name, its HF pieces `[(hf_name, index | None)]`, parameter) in export order (that of
     `named_parameters()`; tied weights once). Pieces are in file order; `index` is the position
-    along dim 0 of the (global) parameter, None for a parameter that is one HF tensor."""
+    along dim 0 of the (global) parameter, None for a parameter that is one HF tensor. LoRA
+    adapters (`tandem.models.common.lora`) are left out, or with `adapter_only` are all there is,
+    under their PEFT names."""
+    if adapter_only:
+        return [(name, [(peft, None)], p) for name, peft, p in adapter_parameters(model)]
     adapter = model.spec.state_dict_adapter_cls(model.args)
-    return [(name, adapter.pieces(name, p.shape), p) for name, p in model.named_parameters()]
+    return [(name, adapter.pieces(name, p.shape), p) for name, p in model.named_parameters()
+            if not is_adapter_param(name)]
 
 
 def split_pieces(pieces: Sequence[Piece], full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -59,18 +65,32 @@ SAVE_BUCKET_BYTES = 128 << 20  # gathered together when saving; bounds the memor
 
 def iter_hf_tensors_from_model(
     model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = SAVE_BUCKET_BYTES,
-    dst: int | None = None,
+    dst: int | None = None, adapter_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` one HF tensor at a time, gathered a bucket at a time (one
     collective per bucket, see `gather_bucket`); with `dst`, only on that rank (nothing elsewhere).
     Collective: consume it on every rank."""
-    for bucket in iter_weight_buckets(model, bucket_bytes, dtype, dst=dst):
+    for bucket in iter_weight_buckets(model, bucket_bytes, dtype, dst=dst, adapter_only=adapter_only):
         yield from bucket
+
+
+def _adapters_by_weight(model: nn.Module, dst: int | None) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
+    """id(adapted weight parameter) -> (whole `a`, whole `b`, scale), float32, on `dst` (every
+    rank without one; `{}` elsewhere). Collective."""
+    params = dict(model.named_parameters())
+    out = {}
+    for a_name, base in base_of_adapters(model).items():
+        b_name = a_name[: -len(".a.weight")] + ".b.weight"
+        a, b = full_tensor(params[a_name], torch.float32), full_tensor(params[b_name], torch.float32)
+        scale = model.get_submodule(a_name[: -len(".a.weight")]).scale
+        if dst is None or _global_rank() == dst:
+            out[id(params[base])] = (a, b, scale)
+    return out
 
 
 def iter_weight_buckets(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
-    dst: int | None = None,
+    dst: int | None = None, adapter_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of `(hf_name, full tensor)` of at most `bucket_bytes` each, cut between parameters
     (a parameter's pieces travel in one bucket); a single parameter larger than the limit travels
@@ -79,12 +99,15 @@ def iter_weight_buckets(
     the caller drops it too). `alloc` (see `Alloc`) lets the caller say where each bucket's
     tensors are written, e.g. straight into a send buffer. `dst` (a global rank): only that rank
     needs the tensors; every other rank gets an empty list per bucket, and FSDP shards travel to
-    `dst` alone instead of to every rank. Collective: iterate it fully, on every rank."""
+    `dst` alone instead of to every rank. A model with LoRA adapters exports its merged weights
+    (`W + scale * B A` per adapted weight), or with `adapter_only` its adapters alone (PEFT names).
+    Collective: iterate it fully, on every rank."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    merge = {} if adapter_only else _adapters_by_weight(model, dst)
     plan: list[list[tuple[list[Piece], nn.Parameter]]] = [[]]
     size = 0
-    for _, pieces, param in hf_parameter_names(model):
+    for _, pieces, param in hf_parameter_names(model, adapter_only):
         nbytes = _nbytes(param, dtype)
         if plan[-1] and size + nbytes > bucket_bytes:
             plan.append([])
@@ -93,8 +116,19 @@ def iter_weight_buckets(
         size += nbytes
     scratch: dict[str, torch.Tensor] = {}  # the gather buffer, reused by every bucket of this export
     for entries in plan:
-        if entries:
-            yield gather_bucket(entries, dtype, scratch, alloc, dst)
+        if not entries:
+            continue
+        bucket = gather_bucket(entries, dtype, scratch, alloc, dst)
+        if merge and bucket:
+            owners = [param for pieces, param in entries for _ in pieces]  # the parameter of each piece
+            for i, (param, (name, t)) in enumerate(zip(owners, bucket, strict=True)):
+                if id(param) in merge:
+                    merged = merged_weight(t, *merge[id(param)])
+                    if alloc is not None:
+                        t.copy_(merged)  # the caller's buffer
+                    else:  # `t` may be the parameter itself (a plain model exports views)
+                        bucket[i] = (name, merged)
+        yield bucket
 
 
 def _dim0_shard_axis(t: torch.Tensor) -> int | None:
@@ -266,14 +300,17 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def local_parameters(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]] | None:
+def local_parameters(model: nn.Module, adapter_only: bool = False) -> list[list[tuple[str, torch.Tensor]]] | None:
     """Per parameter in export order, its `(hf_name, tensor)` pieces (views of the whole
     parameter, detached and uncast), when this process holds every parameter whole (plain tensors,
     or DTensors over a mesh of one); None otherwise. Grouped by parameter so that a caller cuts
-    buckets where the export does (`tandem.weights.packing.plan_buckets`)."""
+    buckets where the export does (`tandem.weights.packing.plan_buckets`). A model with adapters:
+    its adapters with `adapter_only`, else None (its weights are merged, not held)."""
+    if not adapter_only and base_of_adapters(model):
+        return None
     out = []
     with torch.no_grad():  # to_local is then the shard itself, not an autograd op
-        for _, pieces, param in hf_parameter_names(model):
+        for _, pieces, param in hf_parameter_names(model, adapter_only):
             t = param
             if isinstance(t, DTensor):
                 if t.device_mesh.size() != 1:
@@ -287,10 +324,10 @@ def local_parameters(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]] |
     return out
 
 
-def export_nbytes(model: nn.Module, dtype: torch.dtype | None, align: int = 64) -> int:
+def export_nbytes(model: nn.Module, dtype: torch.dtype | None, align: int = 64, adapter_only: bool = False) -> int:
     """Bytes of an export in `dtype` (global shapes), each HF tensor rounded up to `align` bytes."""
     return sum(_aligned(piece_shape(p.shape, index).numel() * (dtype or p.dtype).itemsize, align)
-               for _, pieces, p in hf_parameter_names(model) for _, index in pieces)
+               for _, pieces, p in hf_parameter_names(model, adapter_only) for _, index in pieces)
 
 
 def _aligned(nbytes: int, align: int) -> int:

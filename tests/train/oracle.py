@@ -63,13 +63,20 @@ class OracleTrainer:
     path: str | Path
     config: OptimizerConfig
     loss_sum: Callable[[torch.nn.Module, dict], torch.Tensor] = pg_loss_sum
+    adapter: str | Path | None = None  # a PEFT LoRA adapter: `peft` trains it, the base frozen
     model: torch.nn.Module = field(init=False)
     optimizer: torch.optim.AdamW = field(init=False)
 
     def __post_init__(self) -> None:
-        self.model = load_hf(self.path).train()
+        self.model = load_hf(self.path)
+        if self.adapter is not None:
+            import peft
+
+            self.model = peft.PeftModel.from_pretrained(self.model, str(self.adapter), is_trainable=True)
+        self.model.train()
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
                                            weight_decay=c.weight_decay, foreach=False)
 
     def step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
@@ -82,6 +89,12 @@ class OracleTrainer:
             group["lr"] = lr
         self.optimizer.step()
         return {"loss": float(loss.detach()), "grad_norm": float(norm)}
+
+    def adapter_params(self) -> dict[str, torch.Tensor]:
+        """PEFT name (as saved in `adapter_model.safetensors`) -> the adapter's tensor."""
+        import peft
+
+        return {n: t.detach().clone() for n, t in peft.get_peft_model_state_dict(self.model).items()}
 
     def params(self) -> dict[str, torch.Tensor]:
         """HF name -> tensor, each shared (tied) tensor under every name it has."""

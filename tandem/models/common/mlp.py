@@ -6,9 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.common.lora import adapted
+
 
 class SwiGLU(nn.Module):
-    """w1 = gate projection, w3 = up projection, w2 = down projection (torchtitan naming)."""
+    """w1 = gate projection, w3 = up projection, w2 = down projection (torchtitan naming); each
+    with its low-rank adapter when `lora` holds one (`tandem.models.common.lora`)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -17,4 +20,5 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = F.silu(adapted(self, "w1", x)) * adapted(self, "w3", x)
+        return adapted(self, "w2", h)

@@ -25,6 +25,7 @@ from tandem.models.common import (
     positions_from_cu_seqlens,
 )
 from tandem.models.common.attention import PackedAttention, choose_kernel
+from tandem.models.common.lora import adapted
 from tandem.models.qwen.args import QwenArgs
 from tandem.models.registry import ModelSpec, get_model_spec
 
@@ -64,9 +65,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         # Head counts from the projections' widths: under tensor parallelism each rank computes
         # only its own heads (n_heads / tp and n_kv_heads / tp).
-        q = self.wq(x).view(num_tokens, -1, self.head_dim)
-        k = self.wk(x).view(num_tokens, -1, self.head_dim)
-        v = self.wv(x).view(num_tokens, -1, self.head_dim)
+        q = adapted(self, "wq", x).view(num_tokens, -1, self.head_dim)
+        k = adapted(self, "wk", x).view(num_tokens, -1, self.head_dim)
+        v = adapted(self, "wv", x).view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
@@ -74,7 +75,7 @@ class Attention(nn.Module):
             out = packed_causal_attention(q, k, v, cu_seqlens, scale=self.head_dim**-0.5)
         else:
             out = attn(q, k, v)
-        return self.wo(out.reshape(num_tokens, -1))
+        return adapted(self, "wo", out.reshape(num_tokens, -1))
 
 
 class TransformerBlock(nn.Module):

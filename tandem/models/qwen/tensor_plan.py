@@ -53,6 +53,31 @@ def _block_plan(moe: bool) -> dict:
     return {k: v for k, v in plan.items() if not k.startswith("feed_forward")} if moe else plan
 
 
+# Which way each adapted linear is split (the plan above); its adapter follows it.
+_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+_ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+def _adapter_plan(block: nn.Module) -> dict:
+    """The plan of a block's LoRA adapters (`tandem.models.common.lora`), shaped by their linear's:
+    column-parallel `W`: `a` whole on every rank (its input is the whole activation; its gradient
+    is whole too, summed by `b`'s input layout), `b` column-parallel like `W`. Row-parallel `W`:
+    `a` row-parallel with the tokens reduce-scattered like `W`'s output, `b` replicated over
+    sequence-parallel tokens (its gradient summed over them by DTensor, as a norm's)."""
+    plan: dict = {}
+    for base in (*_COLWISE, *_ROWWISE):
+        parent, attr = base.split(".")
+        adapters = getattr(getattr(block, parent, None), "lora", None)
+        if adapters is None or attr not in adapters:
+            continue
+        if base in _COLWISE:
+            plan[f"{parent}.lora.{attr}.b"] = ColwiseParallel()
+        else:
+            plan[f"{parent}.lora.{attr}.a"] = RowwiseParallel(output_layouts=SEQ)
+            plan[f"{parent}.lora.{attr}.b"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return plan
+
+
 def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     """The embedding's local output is a view of its DTensor's local tensor; a compiled block that
     receives such a view returns no gradient through it (measured with torch 2.13: the embedding's
@@ -87,7 +112,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
         model.tok_embeddings.register_forward_hook(_own_storage)
     partial: list[str] = []
     for key, block in model.layers.items():
-        parallelize_module(block, tp_mesh, _block_plan(getattr(block, "moe", None) is not None))
+        parallelize_module(block, tp_mesh, _block_plan(getattr(block, "moe", None) is not None) | _adapter_plan(block))
         for norm in ("q_norm", "k_norm"):
             if getattr(block.attention, norm) is not None:
                 partial.append(f"layers.{key}.attention.{norm}.weight")
