@@ -301,6 +301,13 @@ VLLM_ROUTES: dict[str, Encoder] = {
 }
 
 
+def vllm_load_adapter(name: str, path: str) -> HttpCall:
+    """The call that makes a vLLM server started with LoRA (`VLLMServerSpec.lora_rank`) serve the
+    PEFT adapter directory `path` under the model name `name`, replacing what that name served
+    (`load_inplace`); `tandem.weights.vllm_lora.load_adapter` states the contract."""
+    return HttpCall("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+
+
 def _vllm_bucket(req: ops.DistributedBucket, index: int) -> HttpCall:
     flat = {} if req.flat is None else {"offsets": list(req.flat.offsets), "nbytes": req.flat.nbytes}
     return _rpc("tandem_stage_bucket", group_name=req.group_name, **tensor_fields(req.specs), **flat)

@@ -72,6 +72,10 @@ class VLLMServerSpec:
     worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
     tensor_parallel_size: int = 1  # --tensor-parallel-size: one worker per device
     enforce_eager: bool = False  # True: --enforce-eager (starts faster, decodes slower); False: vLLM's default, compiled
+    # LoRA adapters of rank <= lora_rank (one of vLLM's sizes: 1, 8, 16, 32, ...), up to max_loras in one
+    # batch, loaded at run time (`tandem.weights.vllm_lora`); None: no LoRA (the CPU build then runs uncompiled).
+    lora_rank: int | None = None
+    max_loras: int = 1
     extra_args: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:
@@ -87,6 +91,8 @@ class VLLMServerSpec:
             cmd += ["--served-model-name", self.served_model_name]
         if self.worker_extension:
             cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+        if self.lora_rank is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -99,6 +105,8 @@ class VLLMServerSpec:
             # The CPU build's automatic binding puts each worker on a NUMA node of its own and
             # refuses more workers than nodes; unbound, the workers share the server's cores.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the /v1/load_lora_adapter route
         if self.worker_extension:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path_entry(), env.get("PYTHONPATH")) if p)
         return env
