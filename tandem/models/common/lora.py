@@ -15,6 +15,7 @@ and `...lora_B.weight`; `adapter_config.json` holds `r`, `lora_alpha`, `lora_dro
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -28,6 +29,8 @@ from torch import nn
 
 from tandem.config.fields import config_field as _f
 from tandem.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -129,10 +132,14 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             hf = _hf_module(adapter, f"{name}.{attr}.weight" if name else f"{attr}.weight")
             if hf is not None and hf.rsplit(".", 1)[-1] in found:
                 found[hf.rsplit(".", 1)[-1]].append((module, attr, child))
-    missing = sorted(t for t, hits in found.items() if not hits)
-    if missing:
-        raise ConfigError(f"actor.lora.target_modules: {missing} name no linear layer of this "
+    unknown = sorted(t for t, hits in found.items() if not hits and t not in DEFAULT_TARGETS)
+    if unknown or not any(found.values()):
+        raise ConfigError(f"actor.lora.target_modules: {unknown or sorted(found)} name no linear layer of this "
                           f"{model.args.model_type} model; choose among {', '.join(DEFAULT_TARGETS)}")
+    absent = sorted(t for t, hits in found.items() if not hits)
+    if absent:  # a mixture-of-experts model's MLPs are experts, which take no adapters
+        logger.warning("LoRA: %s match no dense linear layer of this %s model (expert MLPs take no adapters); "
+                       "they are not adapted", ", ".join(absent), model.args.model_type)
     for p in model.parameters():
         p.requires_grad_(False)
     model.lora_config = config  # what a copy of the whole model needs to match it (a pipeline's export plan)
