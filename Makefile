@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo vllm-venv slurm-deps cxx-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean demo moe agent ppo lora vllm-venv slurm-deps cxx-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,14 @@ PPO_DIR ?= runs/ppo
 ppo: $(STAMP)
 	$(call warm_start,$(PPO_DIR),examples/demo.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/ppo.yaml actor.path=$(PPO_DIR)/sft train.overwrite=true
+
+# The LoRA job: the demo's warm start, then the demo's RL with rank-8 adapters on every projection
+# and the base frozen; each weight update sends the adapters alone, which the servers merge into
+# their base (examples/lora.yaml, docs/lora.md).
+LORA_DIR ?= runs/lora
+lora: $(STAMP)
+	$(call warm_start,$(LORA_DIR),examples/demo.yaml,qwen3)
+	$(VENV)/bin/tandem train examples/lora.yaml actor.path=$(LORA_DIR)/sft train.overwrite=true
 
 # The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
 # rollout routing replay (examples/moe.yaml, docs/moe.md).

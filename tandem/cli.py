@@ -159,6 +159,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
     p.set_defaults(func=_cmd_init_model)
 
+    p = sub.add_parser("export-merged", help="an HF model of a base with a PEFT LoRA adapter merged in")
+    p.add_argument("base", help="the base HF model directory the adapter was trained on")
+    p.add_argument("adapter", help="the PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("out_dir", help="directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
+    p.set_defaults(func=_cmd_export_merged)
+
     p = sub.add_parser("model-info", help="load an HF model directory and summarise it")
     p.add_argument("path", help="HF model directory (config.json + safetensors)")
     p.set_defaults(func=_cmd_model_info)
@@ -340,6 +347,14 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
                      overrides=overrides)
     shape = "".join(f", {k}={v}" for k, v in overrides.items())
     print(f"wrote {args.arch} preset {args.preset!r} (seed {args.seed}{shape}) to {out}")
+    return 0
+
+
+def _cmd_export_merged(args: argparse.Namespace) -> int:
+    from tandem.models.lora_export import export_merged
+
+    out = export_merged(args.base, args.adapter, args.out_dir, overwrite=args.overwrite)
+    print(f"merged {args.adapter} into {args.base}: {out}")
     return 0
 
 

@@ -35,6 +35,9 @@ class Capabilities:
     shared_memory: bool  # buckets read from /dev/shm (CUDA IPC on a GPU server)
     checksums: bool  # per-tensor checksums of the served weights
     disk_update: bool = True  # loads an HF checkpoint directory the trainer wrote
+    # The update types over which the servers take LoRA adapters (merged into or served over their
+    # base weights); other types move merged whole weights.
+    adapter_updates: tuple[str, ...] = ()
     # A tied model's checkpoint must store its output head for a disk load (vLLM's in-place reload
     # keeps the old head otherwise; `tandem.models.tied_head`).
     tied_head_on_disk: bool = False
@@ -80,10 +83,13 @@ def tensor_fields(specs: tuple[ops.ParamSpec, ...]) -> dict[str, Any]:
             "shapes": [list(s.shape) for s in specs]}
 
 
-def _staging(bucket_index: int | None, commit: bool, version: int | None) -> dict[str, Any]:
+def _staging(bucket_index: int | None, commit: bool, version: int | None,
+             lora_alpha: float | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"commit": commit, **(_version(version) if commit else {})}
     if bucket_index is not None:
         body["bucket_index"] = bucket_index
+    if lora_alpha is not None:
+        body["lora_alpha"] = lora_alpha
     return body
 
 
@@ -119,7 +125,7 @@ def _tandem_join(req: ops.JoinGroup, index: int) -> HttpCall:
 
 def _tandem_distributed(req: ops.DistributedBucket, index: int) -> HttpCall:
     body = {**tensor_fields(req.specs), "group_name": req.group_name, "flush_cache": True,
-            **_staging(req.bucket_index, req.commit, req.version)}
+            **_staging(req.bucket_index, req.commit, req.version, req.lora_alpha)}
     if req.flat is not None:
         body.update(offsets=list(req.flat.offsets), nbytes=req.flat.nbytes)
     return HttpCall("/update_weights_from_distributed", body)
@@ -128,7 +134,7 @@ def _tandem_distributed(req: ops.DistributedBucket, index: int) -> HttpCall:
 def _tandem_shm(req: ops.SharedMemoryBucket, index: int) -> HttpCall:
     bucket = req.bucket
     body = {**tensor_fields(bucket.specs), "offsets": list(bucket.offsets), "nbytes": bucket.nbytes,
-            "flush_cache": True, **_staging(req.bucket_index, req.commit, req.version)}
+            "flush_cache": True, **_staging(req.bucket_index, req.commit, req.version, req.lora_alpha)}
     body.update({"segment": bucket.segment} if bucket.segment is not None else {"cuda_ipc": bucket.cuda_ipc})
     if bucket.zero_copy:
         body["zero_copy"] = True
@@ -257,7 +263,8 @@ class TandemAdapter(_SGLangProtocol):
     kind = "tandem"
     samples_per_call = True
     capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True, shared_memory=True,
-                                checksums=True, stage_while_generating=True)
+                                checksums=True, stage_while_generating=True,
+                                adapter_updates=("disk", "distributed", "shm"))
     routes = TANDEM_ROUTES
 
 
@@ -268,6 +275,9 @@ class SGLangAdapter(_SGLangProtocol):
     routes = SGLANG_ROUTES
 
     def check(self, op: ops.FleetOp, request: Any) -> None:
+        if getattr(request, "lora_alpha", None) is not None or getattr(request, "adapter", False):
+            raise UnsupportedOperation("sglang servers are not mapped for LoRA adapter updates here; send merged "
+                                       "weights (a tandem or vllm server takes adapters)")
         if isinstance(request, ops.DistributedBucket | ops.DiskLoad) and not request.commit:
             raise UnsupportedOperation(f"sglang servers apply {op.name!r} on arrival; staged transfers "
                                        "(commit=false) need a tandem server")
@@ -368,6 +378,9 @@ class VLLMAdapter(ServerAdapter):
             self.routes = VLLM_EXTENSION_ROUTES
 
     def check(self, op: ops.FleetOp, request: Any) -> None:
+        if getattr(request, "lora_alpha", None) is not None or getattr(request, "adapter", False):
+            raise UnsupportedOperation("vllm servers take LoRA adapters through their own routes "
+                                       "(tandem.weights.vllm_lora), not these weight-update ops; send merged weights")
         if isinstance(request, ops.DiskLoad) and not request.commit and not self.extension:
             raise UnsupportedOperation(f"vllm servers without Tandem's worker extension apply {op.name!r} on "
                                        "arrival; staged loads (commit=false) need the extension (docs/engines.md)")

@@ -134,6 +134,7 @@ class DistributedBucket:
     flat: FlatLayout | None = None
     commit: bool = True
     version: int | None = None
+    lora_alpha: float | None = None  # the tensors are a LoRA adapter (PEFT names) with this alpha
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class SharedMemoryBucket:
     bucket_index: int | None = None
     commit: bool = True
     version: int | None = None
+    lora_alpha: float | None = None  # the tensors are a LoRA adapter (PEFT names) with this alpha
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class DiskLoad:
     path: str
     commit: bool = True
     version: int | None = None
+    adapter: bool = False  # `path` is a PEFT LoRA adapter directory, served over the base weights
 
 
 @dataclass(frozen=True)

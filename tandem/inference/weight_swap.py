@@ -183,6 +183,14 @@ def weight_checksums(model: nn.Module, hf_names: Iterable[str] | None = None) ->
     return out
 
 
+def served_tensor(model: nn.Module, hf_name: str) -> torch.Tensor:
+    """The parameter (or piece) that serves HF tensor `hf_name`; WeightUpdateError when none does."""
+    known = _known(model)
+    if hf_name not in known.pieces:
+        raise WeightUpdateError(f"no parameter named {hf_name!r}")
+    return _served(known, hf_name)
+
+
 def _served(known: _Known, hf_name: str) -> torch.Tensor:
     name, index = known.pieces[hf_name]
     param = known.params[name]

@@ -21,6 +21,7 @@ from tandem.algo.losses import OLD_VALUES, REF_LOGPROBS, to_input_alignment
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.data.batch import SequenceBatch
 from tandem.launch.process_scheduler import ProcessScheduler
+from tandem.models.common.lora import LoRAConfig
 from tandem.rl.batch import TrainingBatch, add_training_advantages
 from tandem.rl.checkpoints import CRITIC
 from tandem.rl.cluster import start_workers
@@ -85,16 +86,17 @@ def _attach(shards: list[SequenceBatch], per_shard: list[list], key: str) -> Non
 
 def critic_engine_config(cfg: TandemConfig) -> TrainEngineConfig:
     """The critic's engine: the actor's options (dtype, micro-batching, parallelize), its own path
-    and optimizer, data parallel over its ranks, live MoE routing."""
+    and optimizer, data parallel over its ranks, live MoE routing; it trains whole (no LoRA)."""
     return dataclasses.replace(cfg.actor, path=cfg.critic.path or cfg.actor.path, optimizer=cfg.critic.optimizer,
                                tp=1, pp=1, cp=1, ep=1, etp=1, dp_replicate=1, router_replay="off",
-                               router_replay_live_mismatch=False, moe_aux_loss_coef=0.0)
+                               router_replay_live_mismatch=False, moe_aux_loss_coef=0.0, lora=LoRAConfig())
 
 
 def reference_engine_config(cfg: TandemConfig) -> TrainEngineConfig:
-    """The reference's engine: the actor's layout and options, its own path, live MoE routing."""
+    """The reference's engine: the actor's layout and options, its own path, live MoE routing, no
+    LoRA adapters (under LoRA the reference is the base, which a fresh adapter leaves unchanged)."""
     return dataclasses.replace(cfg.actor, path=cfg.ref.path or cfg.actor.path, router_replay="off",
-                               router_replay_live_mismatch=False, moe_aux_loss_coef=0.0)
+                               router_replay_live_mismatch=False, moe_aux_loss_coef=0.0, lora=LoRAConfig())
 
 
 def start_models(cfg: TandemConfig, scheduler: ProcessScheduler) -> TrainerModels:

@@ -100,6 +100,8 @@ def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
         backend="nccl" if cfg.experiment.device == "cuda" else "gloo",
         master_address=cfg.cluster.host_ip,
         warmup_dir=str(weights),
+        # Tandem's servers merge a LoRA adapter into their base; other engines get merged weights.
+        lora_alpha=cfg.actor.lora.alpha if cfg.actor.lora.enabled and cfg.rollout.server_kind == "tandem" else None,
     )
 
 
@@ -289,7 +291,8 @@ class Run:
         for key, value in times.items():
             self.summary.time_split[key] += value
         stats.update({f"time/{k}": v for k, v in times.items()})
-        stats.update({"sync/seconds": report.seconds, "sync/gb_per_s": report.gb_per_s, "version": float(step + 1)})
+        stats.update({"sync/seconds": report.seconds, "sync/gb_per_s": report.gb_per_s, "sync/mb": report.bytes / 1e6,
+                      "version": float(step + 1)})
         stats.update({f"rollout/{k}": float(v) for k, v in controller.stats().items() if isinstance(v, int | float)})
         stats.update(controller.step_metrics())
         stats.update({"sync/servers": float(len(report.servers)), "sync/attempts": float(report.attempts)})

@@ -54,6 +54,7 @@ from tandem.weights.source import Alloc
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_DIR = "adapter"  # a LoRA engine's PEFT adapter, inside each training-state checkpoint
 # Native names of a value model's head: what a critic made from a causal LM starts at zero.
 VALUE_HEAD_PARAMS = ("output.weight", "output.bias")
 
@@ -173,6 +174,11 @@ class TrainEngine:
 
         # Frozen parameters (LoRA's base) have no optimizer state.
         self.optimizer = build_optimizer(self.trainable_parameters(), config.optimizer, self.device.type)
+        if self.rank == 0:
+            trainable = sum(p.numel() for p in self.trainable_parameters())  # global sizes, this rank's stages
+            logger.info("trainable parameters: %d of %d (%.2f%%); AdamW state %.2f MB (float32 exp_avg and exp_avg_sq)",
+                        trainable, self.num_parameters(), 100 * trainable / max(1, self.num_parameters()),
+                        8 * trainable / 1e6)
         self.lr_schedule = LRSchedule.from_config(self.optimizer, config.optimizer, config.total_train_steps)
         self.step = 0
 
@@ -479,9 +485,13 @@ class TrainEngine:
         return export_nbytes(self.model, dtype or self.param_dtype, adapter_only=self.sync_adapters)
 
     def save_state(self, path: str | Path) -> Path:
-        """Everything needed to continue exactly where this step left off. Collective."""
+        """Everything needed to continue exactly where this step left off (under LoRA: not the frozen
+        base, and the adapter as a PEFT directory beside it, `ADAPTER_DIR`). Collective."""
         extra = {"step": self.step, "lr_schedule": self.lr_schedule.state_dict()}
-        return ckpt.save_train_state(path, self.model, self.optimizer, extra)
+        root = ckpt.save_train_state(path, self.model, self.optimizer, extra)
+        if self.lora is not None:
+            self.save_adapter(root / ADAPTER_DIR, overwrite=True)
+        return root
 
     def load_state(self, path: str | Path) -> None:
         extra: dict[str, Any] = ckpt.load_train_state(path, self.model, self.optimizer)

@@ -158,7 +158,11 @@ class TrainWorker:
         from tandem.weights.updater import WeightUpdater  # ranks only
 
         self.close_weight_update()
-        self.updater = WeightUpdater(self._engine(), fleet, meta, **opts)
+        engine = self._engine()
+        if meta.lora_alpha is not None and engine.lora is None:
+            raise ValueError("the weight update carries LoRA adapters (lora_alpha) but this trainer trains none")
+        engine.sync_adapters = meta.lora_alpha is not None  # else a LoRA trainer exports merged weights
+        self.updater = WeightUpdater(engine, fleet, meta, **opts)
 
     def update_weights(self, version: int) -> UpdateReport:
         """Move the current weights to every server as `version`. Collective."""

@@ -27,6 +27,9 @@ class WeightUpdateMeta:
     version: int = 0
     deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
     warmup_dir: str | None = None  # where joining servers' warm-up copies go (None: joiners cannot be warmed)
+    # LoRA: updates carry the adapter alone (PEFT tensors), which servers merge into their base
+    # weights, with this alpha; None: whole weights (merged ones when the trainer has adapters).
+    lora_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if self.type not in UPDATE_TYPES:

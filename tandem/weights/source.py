@@ -1,4 +1,6 @@
 """`WeightSource`: what a weight update needs from the trainer (a `TrainEngine` implements it).
+Under LoRA it exports either the adapters alone (PEFT names; `WeightUpdateMeta.lora_alpha` set,
+the trainer told so before the first update) or the merged whole weights.
 
 `export_weights` and `save_hf` are collectives: every trainer rank calls them, in the same order.
 """
@@ -42,5 +44,6 @@ class WeightSource(Protocol):
         ...
 
     def save_hf(self, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-        """The current weights as an HF directory (written completely before it appears). Collective."""
+        """The current weights as an HF directory (written completely before it appears), or the
+        LoRA adapter as a PEFT directory when updates carry adapters. Collective."""
         ...

@@ -65,6 +65,10 @@ class WeightUpdater:
                 raise WeightSyncError(f"weight_sync={meta.type!r} needs {lacking}, which these servers do not "
                                       "offer; use servers that do (tandem serve) or another train.weight_sync",
                                       "capabilities")
+            if meta.lora_alpha is not None and meta.type not in fleet.capabilities.adapter_updates:
+                raise WeightSyncError(f"LoRA adapter updates over weight_sync={meta.type!r} need servers that merge "
+                                      "adapters (tandem serve); these take whole weights: send merged weights "
+                                      "(WeightUpdateMeta.lora_alpha=None)", "capabilities")
         self.fleet = fleet
         self.verify = verify and self.rank == 0
         options = TransportOptions(pipeline=pipeline, dtype=dtype, keep_group=keep_group, shm_reuse=shm_reuse)

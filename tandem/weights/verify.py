@@ -12,6 +12,7 @@ import torch
 from tandem.fleet import ops
 from tandem.fleet.interface import Fleet, call
 from tandem.fleet.results import FleetError, ServerChecksums, ServerResult
+from tandem.models.common.lora import PEFT_PREFIX
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.group import dtype_from_name
 
@@ -50,8 +51,10 @@ class UpdateVerifier:
         self.add(list(iter_hf_tensors(path)))
 
     def check(self) -> None:
-        """Compare with every server. Raises `FleetError` naming each server that differs."""
-        served = self._served(None)
+        """Compare with every server. Raises `FleetError` naming each server that differs. A LoRA
+        adapter's tensors are compared by name (the servers hold whole weights besides them)."""
+        sent = {n for sums in self.sums.values() for n in sums}
+        served = self._served(tuple(sorted(sent)) if any(n.startswith(PEFT_PREFIX) for n in sent) else None)
         bad = []
         for address, got in served.items():
             wrong = compare_checksums(self.sums.get(got.dtype, {}), got.checksums)

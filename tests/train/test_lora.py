@@ -123,3 +123,43 @@ def test_start_from_an_adapter_and_refusals(tiny_dir, tmp_path):
         lora_engine(tiny_dir, lora=LoRAConfig(rank=4, path=str(tmp_path)))
     with pytest.raises(CheckpointError, match="exists and is not empty"):
         engine.save_adapter(tmp_path / "trained")
+
+
+def test_export_merged_equals_peft_merge_and_unload(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+
+    import peft
+
+    engine = lora_engine(tiny_dir)
+    engine.train_batch(make_batch(512), weighted_loss)
+    engine.save_adapter(tmp_path / "adapter")
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "export-merged", str(tiny_dir), str(tmp_path / "adapter"),
+                           str(tmp_path / "merged")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ours = load_hf(tmp_path / "merged").state_dict()
+    theirs = peft.PeftModel.from_pretrained(load_hf(tiny_dir), str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(theirs)
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-6
+    assert float((ours["model.layers.0.self_attn.q_proj.weight"] - load_hf(tiny_dir).state_dict()[
+        "model.layers.0.self_attn.q_proj.weight"]).abs().max()) > 1e-4  # the merge changed the weights
+    wrong = subprocess.run([sys.executable, "-m", "tandem.cli", "export-merged", str(tmp_path / "merged"),
+                            str(tmp_path), str(tmp_path / "again")], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "not a PEFT adapter directory" in wrong.stderr
+
+
+def test_dropout_acts_in_training_forwards_only(tiny_dir):
+    batch = make_batch(512)
+    plain = lora_engine(tiny_dir)
+    plain.train_batch(batch, weighted_loss)  # b moves off zero, so the adapter path carries signal
+    plain.save_adapter(plain_dir := plain.config.path + "-lora-dropout-test", overwrite=True)
+    try:
+        dropped = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.5, path=plain_dir))
+        kept = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, path=plain_dir))
+        a, b = dropped.forward_logprobs(batch).logprobs, kept.forward_logprobs(batch).logprobs
+        assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) == 0.0  # no dropout in eval
+        assert dropped.train_batch(batch, weighted_loss)["loss"] != kept.train_batch(batch, weighted_loss)["loss"]
+    finally:
+        import shutil
+
+        shutil.rmtree(plain_dir, ignore_errors=True)

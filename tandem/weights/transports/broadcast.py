@@ -203,9 +203,10 @@ class BroadcastTransport(StreamingTransport):
                 return failure
         flat = ops.FlatLayout(tuple(packed.offsets), packed.nbytes) if self._flat else None
         if self.fleet.capabilities.staged_commit:
-            request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False, flat=flat)
+            request = ops.DistributedBucket(meta.group_name, packed.specs, bucket_index=k, commit=False, flat=flat,
+                                            lora_alpha=meta.lora_alpha)
         else:  # SGLang's semantics: each bucket is applied on arrival (a partial set, no version)
-            request = ops.DistributedBucket(meta.group_name, packed.specs, flat=flat)
+            request = ops.DistributedBucket(meta.group_name, packed.specs, flat=flat, lora_alpha=meta.lora_alpha)
         fleet_future = self.fleet.send(ops.STAGE_DISTRIBUTED, request)
         sends = [packed.flat] if self._flat else packed.tensor_views()
         local = self._pool.submit(broadcast_all, self.group, sends, meta.deadlines.bucket_s)

@@ -32,11 +32,12 @@ class DiskTransport(Transport):
         if self.rank != 0 or failure is not None:
             return failure
         staged = self.fleet.capabilities.staged_commit
-        if self.fleet.capabilities.tied_head_on_disk:
+        adapter = meta.lora_alpha is not None  # a PEFT adapter directory (`WeightSource.save_hf`)
+        if self.fleet.capabilities.tied_head_on_disk and not adapter:
             write_tied_output_head(meta.versioned_path())
         with timed(report, "load"):
             # Staged where the servers can (committed with the rest); else loaded now (SGLang, vLLM).
-            request = ops.DiskLoad(str(meta.versioned_path()), commit=not staged)
+            request = ops.DiskLoad(str(meta.versioned_path()), commit=not staged, adapter=adapter)
             failure = wait_for(self.fleet.send(ops.LOAD_DISK, request), ops.LOAD_DISK.name, clock.left())
         if failure is None and verifier is not None:
             verifier.add_checkpoint(meta.versioned_path())

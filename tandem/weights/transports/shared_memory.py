@@ -116,7 +116,8 @@ class SharedMemoryTransport(StreamingTransport):
                 return failure
         if self._pending:
             window = self._take_window()
-            request = ops.SharedMemoryBucket(window.shm, bucket_index=self._sent, commit=False)
+            request = ops.SharedMemoryBucket(window.shm, bucket_index=self._sent, commit=False,
+                                             lora_alpha=meta.lora_alpha)
             deadline = time.monotonic() + clock.left(meta.deadlines.bucket_s)
             self._in_flight = InFlight(f"stage_shm (bucket {self._sent})", self.fleet.send(ops.STAGE_SHM, request),
                                        None, deadline)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tandem.inference.adapter_merge import AdapterMerger, is_adapter_update
 from tandem.inference.engine import LLMEngine
 from tandem.inference.errors import WeightUpdateError
 from tandem.inference.server.engine_loop import EngineLoop
@@ -27,6 +29,7 @@ from tandem.inference.server.weights.requests import (
 )
 from tandem.inference.server.weights.staging import Staging, byte_window
 from tandem.inference.weight_swap import mark_adoptable, stage_weights, weight_checksums
+from tandem.models.common.lora import ADAPTER_CONFIG, AdapterSpec, read_adapter
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights import WeightGroup, WeightGroupError, init_weight_group
 from tandem.weights.receive import receive, receive_flat
@@ -56,6 +59,7 @@ class WeightReceiver:
         self.staged: Staging | None = None  # buckets of an update not committed yet
         self.staging_buffers: dict[int, torch.Tensor] = {}  # bucket index -> uint8 buffer its bucket lands in
         self.live_buffers: dict[int, torch.Tensor] = {}  # buffers the parameters are views of (ping-pong)
+        self.adapters = AdapterMerger()  # base copies under a merged LoRA adapter
 
     @property
     def engine(self) -> LLMEngine:
@@ -70,20 +74,28 @@ class WeightReceiver:
         check it all and stage it."""
         async with self.lock:
             self.check_weights_present()
+            alpha = None
             try:
-                tensors = await asyncio.to_thread(lambda: list(iter_hf_tensors(update.path)))
+                if (Path(update.path) / ADAPTER_CONFIG).is_file():  # a PEFT adapter directory
+                    alpha = AdapterSpec.read(update.path).alpha
+                    tensors = await asyncio.to_thread(lambda: list(read_adapter(update.path).items()))
+                else:
+                    tensors = await asyncio.to_thread(lambda: list(iter_hf_tensors(update.path)))
             except Exception as exc:  # missing directory, no safetensors, corrupt file
                 raise ControlError(f"cannot read a checkpoint at {update.path!r}: {exc}; the previous weights "
                                    "keep serving") from exc
             if update.stage.commit:
-                await self._load(tensors, update.stage.weight_version, update.stage.abort_all)
+                await self._load(tensors, update.stage.weight_version, update.stage.abort_all, lora_alpha=alpha)
                 return Applied(f"loaded weights from {update.path}", self.engine.weight_version)
             self.discard()
             try:  # a checkpoint is a full set: check it all now, so the commit cannot fail on it
-                await asyncio.to_thread(stage_weights, self.engine.model, tensors, strict_dtype=False)
+                if alpha is None:
+                    await asyncio.to_thread(stage_weights, self.engine.model, tensors, strict_dtype=False)
+                else:
+                    AdapterMerger.check(self.engine.model, tensors)
             except WeightUpdateError as exc:
                 raise ControlError(f"{exc}; the previous weights keep serving") from exc
-            staging = Staging(f"disk:{update.path}")
+            staging = Staging(f"disk:{update.path}", lora_alpha=alpha)
             staging.add(tensors)
             self.staged = staging
         return Applied(f"staged weights from {update.path} ({len(tensors)} tensors)")
@@ -137,7 +149,7 @@ class WeightReceiver:
             staging: Staging | None = None
             try:
                 staging = self._staging_for(f"group {name!r}", stage)
-                self._check_bucket(staging, meta.meta_tensors())
+                self._check_bucket(staging, meta.meta_tensors(), stage)
                 if flat is not None:  # the layout must fit the buffer (checked on a meta tensor)
                     tensor_views(torch.empty(flat.nbytes, dtype=torch.uint8, device="meta"), flat.offsets,
                                  meta.shapes, meta.dtypes)
@@ -201,7 +213,7 @@ class WeightReceiver:
         async with self.lock:
             try:
                 staging = self._staging_for("shared memory", stage)
-                self._check_bucket(staging, meta.meta_tensors())
+                self._check_bucket(staging, meta.meta_tensors(), stage)
                 in_place = bucket.zero_copy and self.engine.device.type == "cpu"
                 reuse = stage.bucket_index if not bucket.cuda_ipc and not in_place else None
                 # Only the window of the segment this bucket's tensors occupy is mapped (a segment
@@ -262,13 +274,20 @@ class WeightReceiver:
             raise ControlError("weights are released; call /resume_memory_occupation first")
 
     async def checksums(self, names: list[str] | None) -> dict[str, str]:
-        """HF name -> sha256 of the served parameters (all of them when `names` is None)."""
+        """HF name -> sha256 of the served parameters (all of them when `names` is None), and
+        PEFT name -> sha256 of the LoRA adapter merged into them, for its names among `names`."""
         async with self.lock:
             self.check_weights_present()
+            adapter = [n for n in names if is_adapter_update([n])] if names is not None else []
+            weights = [n for n in names if n not in adapter] if names is not None else None
             try:
-                return await asyncio.to_thread(weight_checksums, self.engine.model, names)
+                sums = await asyncio.to_thread(weight_checksums, self.engine.model, weights)
             except WeightUpdateError as exc:
                 raise ControlError(str(exc)) from exc
+            served = self.adapters.checksums(adapter)
+            if len(served) != len(adapter):
+                raise ControlError(f"no adapter tensor named {sorted(set(adapter) - served.keys())[:3]} is served")
+            return sums | served
 
     # --------------------------------------------------------------------------- internals
     def _staging_for(self, source: str, stage: Stage) -> Staging:
@@ -291,14 +310,26 @@ class WeightReceiver:
                                "the staged update was discarded")
         return current
 
-    def _check_bucket(self, staging: Staging, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Names/shapes/dtypes of one bucket (meta tensors are fine) against the model and the set."""
+    def _check_bucket(self, staging: Staging, named: list[tuple[str, torch.Tensor]], stage: Stage) -> None:
+        """Names/shapes/dtypes of one bucket (meta tensors are fine) against the model and the set;
+        an adapter's tensors (PEFT names, `stage.lora_alpha` given) as an adapter's."""
         self.check_weights_present()
         twice = sorted({n for n, _ in named} & staging.names)
         if twice or len({n for n, _ in named}) != len(named):
             raise ControlError(f"weight update sends tensor(s) twice: {twice or 'within one bucket'}")
+        adapter = is_adapter_update([n for n, _ in named])
+        if adapter != (stage.lora_alpha is not None):
+            raise ControlError("a LoRA adapter's tensors (PEFT names) travel with 'lora_alpha', and only they do; "
+                               f"got {named[0][0]!r} with lora_alpha={stage.lora_alpha}")
+        if staging.buckets and staging.lora_alpha != stage.lora_alpha:
+            raise ControlError(f"bucket with lora_alpha={stage.lora_alpha} in a set staged with "
+                               f"lora_alpha={staging.lora_alpha}; one update is one adapter or whole weights")
+        staging.lora_alpha = stage.lora_alpha
         try:
-            stage_weights(self.engine.model, named, strict_dtype=False, partial=True)
+            if adapter:
+                AdapterMerger.check(self.engine.model, named, partial=True)
+            else:
+                stage_weights(self.engine.model, named, strict_dtype=False, partial=True)
         except WeightUpdateError as exc:
             raise ControlError(str(exc)) from exc
 
@@ -334,10 +365,11 @@ class WeightReceiver:
         device = self.engine.device
         tensors = [(n, t if t.device == device else t.to(device)) for n, t in staging.tensors]
         staging.tensors = []
-        if staging.adoptable and staging.buckets and not partial:
+        adapter = staging.lora_alpha is not None
+        if staging.adoptable and staging.buckets and not partial and not adapter:
             for _, t in tensors:
                 mark_adoptable(t, shared=staging.shared)
-        if await self._load(tensors, version, abort_all, partial):
+        if await self._load(tensors, version, abort_all, partial, staging.lora_alpha):
             # Ping-pong: the parameters now live in this set's staging buffers (or shared-memory
             # segments); the buffers that held them until now are free (every parameter was
             # rebound) and become the next staging set.
@@ -347,16 +379,29 @@ class WeightReceiver:
         return Applied(f"loaded {what} ({len(tensors)} tensors)", self.engine.weight_version)
 
     async def _load(self, tensors: list[tuple[str, torch.Tensor]], version: int | None, abort_all: bool,
-                    partial: bool = False) -> bool:
+                    partial: bool = False, lora_alpha: float | None = None) -> bool:
         """Validate the full set (`partial`: a subset) with `stage_weights` (names, shapes, finite
         values) on a worker thread, so generation goes on meanwhile and a refused set aborts
         nothing; then abort in-flight requests if asked and swap it in between two engine steps.
-        -> whether the parameters adopted the tensors. Refused: ControlError, nothing changed."""
+        A LoRA adapter (`lora_alpha` given; a full adapter) is merged into the base first
+        (`AdapterMerger`). -> whether the parameters adopted the tensors. Refused: ControlError,
+        nothing changed."""
+        model, merger = self.engine.model, self.adapters
+
+        def stage() -> dict:
+            if lora_alpha is not None:
+                return stage_weights(model, merger.merged(model, tensors, lora_alpha), partial=True)
+            staged = stage_weights(model, tensors, strict_dtype=False, partial=partial)
+            merger.replaced([n for n, _ in tensors], full=not partial)
+            return staged
+
         try:
-            staged = await asyncio.to_thread(stage_weights, self.engine.model, tensors, strict_dtype=False,
-                                             partial=partial)
+            staged = await asyncio.to_thread(stage)
         except WeightUpdateError as exc:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
         if abort_all:
             await self.engine_loop.abort(abort_all=True)
-        return await self.engine_loop.call(lambda e: e.swap_staged(staged, weight_version=version))
+        adopted = await self.engine_loop.call(lambda e: e.swap_staged(staged, weight_version=version))
+        if lora_alpha is not None:
+            merger.served(tensors)
+        return adopted

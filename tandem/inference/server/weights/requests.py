@@ -16,7 +16,7 @@ from tandem.inference.server.weights.paths import check_weights_path
 from tandem.weights import WeightGroupError, dtype_from_name
 
 DEFAULT_GROUP = "weight_update_group"
-STAGE_FIELDS = {"commit", "bucket_index"}
+STAGE_FIELDS = {"commit", "bucket_index", "lora_alpha"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Stage:
     bucket_index: int | None
     weight_version: int | None
     abort_all: bool
+    lora_alpha: float | None = None  # the tensors are a PEFT LoRA adapter with this alpha (merged into the base)
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,12 @@ def parse_stage(body: dict[str, Any]) -> Stage:
     bucket_index = get_field(body, "bucket_index", int)
     if bucket_index is not None and bucket_index < 0:
         raise ApiError("field 'bucket_index' must be >= 0")
+    lora_alpha = get_field(body, "lora_alpha", (int, float))
+    if lora_alpha is not None and not lora_alpha > 0:
+        raise ApiError(f"field 'lora_alpha' must be positive, got {lora_alpha}")
     return Stage(commit, bucket_index, get_version(body, "weight_version"),
-                 get_field(body, "abort_all_requests", bool, False))
+                 get_field(body, "abort_all_requests", bool, False),
+                 float(lora_alpha) if lora_alpha is not None else None)
 
 
 def parse_tensor_meta(body: dict[str, Any]) -> TensorMeta:

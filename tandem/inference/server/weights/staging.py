@@ -25,6 +25,7 @@ class Staging:
     flat: set[int] = field(default_factory=set)  # buckets received into staging buffer k
     adoptable: bool = True  # every bucket so far: the commit may keep the tensors as parameters
     shared: bool = False  # some bucket lives in a zero-copy shared-memory segment
+    lora_alpha: float | None = None  # a LoRA adapter's tensors, with this alpha (`AdapterMerger`)
 
     def add(self, named: list[tuple[str, torch.Tensor]], flat_index: int | None = None,
             in_place: bool = False) -> None:
