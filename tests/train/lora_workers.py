@@ -11,7 +11,7 @@ import torch
 from tandem.config.parallel_sizes import ParallelSizes
 from tandem.models.common.lora import LoRAConfig
 from tandem.parallel import ParallelizeConfig
-from tandem.train import MicroBatchConfig, TrainEngine
+from tandem.train import MicroBatchConfig, SequenceBatch, TrainEngine
 from tandem.train.config import OptimizerConfig
 from tandem.train.losses import sft_loss
 from tests.train.dist_workers import split
@@ -28,13 +28,17 @@ SCHEDULE = dict(
 MB = MicroBatchConfig(n_mbs=4)  # per rank; the pipeline schedules at pp=2 run them as d1 plans them
 STEPS = 3
 EXPORT_BYTES = 40_000  # several buckets of adapters, and of merged weights
-# name -> the engine's sizes (the rest of the world is data parallel; pp with its schedule)
-LAYOUTS = {"d2": {}, "t2": {"tp": 2}, "p2": {"pp": 2, "parallelize": {"pp_schedule": "1F1B"}},
+# name -> (world size, the engine's sizes: the rest of the world is data parallel; pp with its schedule)
+LAYOUTS = {"d2": (2, {}), "t2": (2, {"tp": 2}), "p2": (2, {"pp": 2, "parallelize": {"pp_schedule": "1F1B"}}),
            # zero-bubble: the weights' gradients computed apart from the inputs', layers 0 and 3 on rank 0
-           "p2-zbv": {"pp": 2, "parallelize": {"pp_schedule": "ZBVZeroBubble"}},
-           "c2": {"cp": 2}}
+           "p2-zbv": (2, {"pp": 2, "parallelize": {"pp_schedule": "ZBVZeroBubble"}}),
+           "c2": (2, {"cp": 2}),
+           "d2t2": (4, {"tp": 2}),  # FSDP x TP on one mesh
+           "p2d2": (4, {"pp": 2, "parallelize": {"pp_schedule": "1F1B"}})}  # each stage FSDP over 2 ranks
 MOE_STEPS = 2
-MOE_LAYOUT = {"ep": 2}  # archon:d2e2 at world 2: FSDP over both ranks, 4 of the 8 experts on each
+# archon:d2e2 (world 2: 4 of the 8 experts on each rank, FSDP over both) and archon:d4e2 (world 4:
+# dp 4, experts split over ep pairs, each half FSDP-sharded over 2 ranks: edp 2)
+MOE_LAYOUTS = {"d2e2": (2, {"ep": 2}), "d4e2": (4, {"ep": 2})}
 
 
 def lora_engine(path: str, lora: LoRAConfig = LORA, **sizes) -> TrainEngine:
@@ -48,13 +52,14 @@ def buckets_to_rank0(engine: TrainEngine, adapter_only: bool) -> list[list[tuple
             for b in engine.export_weights(EXPORT_BYTES, torch.float32, dst=0, adapter_only=adapter_only)]
 
 
-def share(world_size: int, rank: int, sizes: dict):
-    """(this rank's data-parallel index, its share of the global batch: the controller's split)."""
+def share(world_size: int, rank: int, sizes: dict) -> tuple[list[int], SequenceBatch]:
+    """(the global batch's indices this rank trains on, their batch): its data-parallel rank's
+    share (the controller's split)."""
     dims = ParallelSizes(dp=world_size // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)),
                          tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1))
     batch = make_batch(512)
-    dp_rank = dims.dp_rank(rank)
-    return dp_rank, batch.select(split(dims.dp)[dp_rank]) if dims.dp > 1 else batch
+    indices = split(dims.dp)[dims.dp_rank(rank)] if dims.dp > 1 else list(range(len(batch)))
+    return indices, batch.select(indices)
 
 
 def layout_checks(rank: int, world_size: int, path: str, out_dir: str, sizes: dict) -> dict:
@@ -63,8 +68,8 @@ def layout_checks(rank: int, world_size: int, path: str, out_dir: str, sizes: di
     PEFT adapter; then a fresh engine resumed from the state runs step 3 again, and one started
     from the saved adapter (`lora.path`) gives its log-probs."""
     out = Path(out_dir)
-    dp_rank, local = share(world_size, rank, sizes)
-    res: dict = {"dp_rank": dp_rank}
+    indices, local = share(world_size, rank, sizes)
+    res: dict = {"indices": indices}
     engine = lora_engine(path, **sizes)
     res["trainable"] = {n: (str(getattr(p, "placements", None)), p.dtype)
                         for n, p in engine.model.named_parameters() if p.requires_grad}
@@ -103,25 +108,28 @@ def bf16_checks(path: str, local) -> dict:
     return res
 
 
-def moe_sft(path: str, batch, steps: int = MOE_STEPS, **sizes) -> dict:
-    """`steps` SFT steps (`sft_loss`) of a LoRA engine on `batch`: per-step stats and the adapters
-    (to rank 0) after each."""
+def moe_sft(rank: int, world_size: int, path: str, sizes: dict, steps: int = MOE_STEPS) -> dict:
+    """`steps` SFT steps (`sft_loss`) of a LoRA engine on this rank's share: per-step stats and
+    the adapters (to rank 0) after each, then the share's log-probs."""
+    indices, local = share(world_size, rank, sizes)
     engine = lora_engine(path, **sizes)
-    res: dict = {"stats": [], "adapters": []}
+    res: dict = {"indices": indices, "stats": [], "adapters": []}
     for _ in range(steps):
-        res["stats"].append(engine.train_batch(batch, sft_loss))
+        res["stats"].append(engine.train_batch(local, sft_loss))
         res["adapters"].append(buckets_to_rank0(engine, adapter_only=True))
-    res["logprobs"] = engine.forward_logprobs(batch).logprobs
+    res["logprobs"] = engine.forward_logprobs(local).logprobs
     engine.close()
     return res
 
 
 def all_layouts(rank: int, world_size: int, dense: str, moe: str, out_dir: str) -> dict:
-    """Every world-2 layout of `LAYOUTS` on the dense model, d2 in bfloat16, and SFT of the MoE
-    model at d2e2: one spawned group for all."""
+    """Every layout of `LAYOUTS` and `MOE_LAYOUTS` at this world size, and (world 2) d2 in
+    bfloat16: one spawned group for all."""
     out = Path(out_dir)
     res: dict = {name: layout_checks(rank, world_size, dense, str(out / name), sizes)
-                 for name, sizes in LAYOUTS.items()}
-    res["bf16"] = bf16_checks(dense, share(world_size, rank, {})[1])
-    res["moe"] = moe_sft(moe, share(world_size, rank, {})[1], **MOE_LAYOUT)
+                 for name, (world, sizes) in LAYOUTS.items() if world == world_size}
+    res |= {name: moe_sft(rank, world_size, moe, sizes) for name, (world, sizes) in MOE_LAYOUTS.items()
+            if world == world_size}
+    if world_size == 2:
+        res["bf16"] = bf16_checks(dense, share(world_size, rank, {})[1])
     return res
