@@ -35,6 +35,7 @@ LAYOUTS = {"d2": (2, {}), "t2": (2, {"tp": 2}), "p2": (2, {"pp": 2, "parallelize
            "c2": (2, {"cp": 2}),
            "d2t2": (4, {"tp": 2}),  # FSDP x TP on one mesh
            "p2d2": (4, {"pp": 2, "parallelize": {"pp_schedule": "1F1B"}})}  # each stage FSDP over 2 ranks
+BF16_LAYOUTS = ("d2", "t2", "p2")
 MOE_STEPS = 2
 # archon:d2e2 (world 2: 4 of the 8 experts on each rank, FSDP over both) and archon:d4e2 (world 4:
 # dp 4, experts split over ep pairs, each half FSDP-sharded over 2 ranks: edp 2)
@@ -95,14 +96,14 @@ def layout_checks(rank: int, world_size: int, path: str, out_dir: str, sizes: di
     return res
 
 
-def bf16_checks(path: str, local) -> dict:
-    """d2 in bfloat16: FSDP casts for compute, the frozen base is held in bfloat16, the adapters in
-    float32; two steps."""
-    engine = TrainEngine(engine_config(path, mb=MB, lora=LORA, dtype="bfloat16", **SCHEDULE))
+def bf16_checks(rank: int, world_size: int, path: str, sizes: dict) -> dict:
+    """A layout in bfloat16: FSDP casts for compute, the frozen base is held in bfloat16, the
+    adapters in float32; two steps on this rank's share."""
+    engine = lora_engine(path, dtype="bfloat16", **sizes)
     params = dict(engine.model.named_parameters())
     res = {"dtypes": {n: (p.dtype, p.requires_grad) for n, p in params.items()},
            "before": buckets_to_rank0(engine, adapter_only=True)}
-    res["stats"] = train_steps(engine, local, 2)
+    res["stats"] = train_steps(engine, share(world_size, rank, sizes)[1], 2)
     res["after"] = buckets_to_rank0(engine, adapter_only=True)
     engine.close()
     return res
@@ -123,13 +124,13 @@ def moe_sft(rank: int, world_size: int, path: str, sizes: dict, steps: int = MOE
 
 
 def all_layouts(rank: int, world_size: int, dense: str, moe: str, out_dir: str) -> dict:
-    """Every layout of `LAYOUTS` and `MOE_LAYOUTS` at this world size, and (world 2) d2 in
-    bfloat16: one spawned group for all."""
+    """Every layout of `LAYOUTS` and `MOE_LAYOUTS` at this world size, and those of `BF16_LAYOUTS`
+    in bfloat16: one spawned group for all."""
     out = Path(out_dir)
     res: dict = {name: layout_checks(rank, world_size, dense, str(out / name), sizes)
                  for name, (world, sizes) in LAYOUTS.items() if world == world_size}
     res |= {name: moe_sft(rank, world_size, moe, sizes) for name, (world, sizes) in MOE_LAYOUTS.items()
             if world == world_size}
-    if world_size == 2:
-        res["bf16"] = bf16_checks(dense, share(world_size, rank, {})[1])
+    res |= {f"bf16 {name}": bf16_checks(rank, world_size, dense, sizes) for name, (world, sizes) in LAYOUTS.items()
+            if name in BF16_LAYOUTS and world == world_size}
     return res

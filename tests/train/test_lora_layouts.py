@@ -3,10 +3,10 @@ untied 4-layer tiny model: d2 (FSDP), t2, p2 (1F1B and ZBV), c2 at world 2, d2t2
 4, each rank on its share of the batch: per-step loss and grad norm (clipped), the trained adapters
 (exported to rank 0 under PEFT names, and saved as a PEFT directory), log-probs, a DCP resume (at
 the layout and at d1), a start from the saved adapter, and the merged export (refused under pp).
-Then d2 in bfloat16 (base frozen in bf16, adapters float32), and SFT of a tiny Qwen3-MoE with
-adapters on its attention and dense MLP at archon:d2e2 and d4e2 (experts split over ep pairs)
-against d1. One spawned group per world size runs every layout of that size. Tolerances: the
-layouts' own tests (test_engine_distributed, test_engine_tp, test_engine_pipeline,
+Then d2, t2 and p2 in bfloat16 (base frozen in bf16, adapters float32), and SFT of a tiny
+Qwen3-MoE with adapters on its attention and dense MLP at archon:d2e2 and d4e2 (experts split over
+ep pairs) against d1. One spawned group per world size runs every layout of that size.
+Tolerances: the layouts' own tests (test_engine_distributed, test_engine_tp, test_engine_pipeline,
 test_engine_context_parallel)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tandem.models.tiny import init_model
 from tests.distributed import run_distributed
 from tests.train.helpers import make_batch, max_param_diff, rel_diff, train_steps
 from tests.train.lora_workers import (
+    BF16_LAYOUTS,
     LAYOUTS,
     LORA,
     MOE_LAYOUTS,
@@ -173,16 +174,18 @@ def test_layout_state_resumes_at_d1(spawned, d1, untied4_dir, name):
     assert rel_diff(stats["grad_norm"], ranks[0][name]["stats"][2]["grad_norm"]) <= TOLS[name][1]
 
 
-def test_bfloat16_at_d2(spawned, d1):
+@pytest.mark.parametrize("name", BF16_LAYOUTS)
+def test_bfloat16(spawned, d1, name):
     """FSDP mixed precision: the frozen base held in bfloat16, the adapters float32; they train."""
-    ranks, _ = spawned(2)
+    ranks, _ = spawned(LAYOUTS[name][0])
     for r in ranks:
-        res = r["bf16"]
+        res = r[f"bf16 {name}"]
         assert all((dtype, trains) == ((torch.float32, True) if ".lora." in n else (torch.bfloat16, False))
                    for n, (dtype, trains) in res["dtypes"].items())
         assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in res["stats"])
         assert rel_diff(res["stats"][0]["loss"], d1["stats"][0]["loss"]) < 1e-2  # bf16 rounding only
-    before, after = gathered(ranks[0]["bf16"]["before"]), gathered(ranks[0]["bf16"]["after"])
+    before, after = gathered(ranks[0][f"bf16 {name}"]["before"]), gathered(ranks[0][f"bf16 {name}"]["after"])
+    assert before.keys() == after.keys() and len(before) == 7 * 4 * 2
     assert all(float((after[n] - before[n]).abs().max()) > 0 for n in before)
 
 
