@@ -107,6 +107,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
         "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
     }
     # A pipeline rank's part of the model lacks the modules other stages hold (None).
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base weights
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_own_storage)
@@ -117,8 +118,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
             if getattr(block.attention, norm) is not None:
                 partial.append(f"layers.{key}.attention.{norm}.weight")
     # parallelize_module gives each module its own new parameter: tie the (identically sharded)
-    # embedding and output head again.
+    # embedding and output head again. torch's SequenceParallel makes a norm's new parameter
+    # trainable whatever the old one was (torch 2.13): a frozen weight stays frozen.
     model.tie_weights()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     model.token_multiple = tp
     info = TensorParallelInfo(tp_mesh, args.vocab_size, tuple(partial))
     model.tensor_parallel = info
