@@ -2,7 +2,8 @@
 
 Loss on the assistant turns of each reference conversation only (for a single-turn task: the
 completion); the batch is split across the trainer ranks like RL batches; the result is an HF
-directory, evaluated greedily by one inference server at the end (a tool-using task such as
+directory (with `actor.lora`: the PEFT adapter, which `tandem train actor.lora.path=...` continues),
+evaluated greedily by one inference server at the end (a tool-using task such as
 `calculator` by its own agent through the agent proxy: `tandem.rl.evaluate_agent`).
 """
 
@@ -16,6 +17,7 @@ from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
 from tandem.launch.factory import make_scheduler
 from tandem.launch.process_scheduler import ProcessScheduler
+from tandem.models.lora_export import export_merged
 from tandem.rl.cluster import run_processes, start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
@@ -72,7 +74,9 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
 def _evaluate_saved(cfg: SFTRunConfig, scheduler: ProcessScheduler, out: Path, data: TaskData, tokenizer: Any,
                     runner: RewardRunner) -> dict[str, float]:
     """Greedy eval of the saved model `out` on one inference server started for it (a tool task:
-    by the task's agent)."""
+    by the task's agent). A LoRA adapter is served merged into its base (`sft-merged` beside it)."""
+    if cfg.actor.lora.enabled:
+        out = export_merged(cfg.actor.path, out, out.parent / f"{out.name}-merged", overwrite=True)
     server = scheduler.start_servers(1, out, server_args=cfg.rollout.server_args, name="sft-eval")[0]
     agent = task_agent(data.task, tokenizer, cfg.gen.max_new_tokens)
     if agent is not None:
