@@ -13,7 +13,7 @@ from tandem.fleet.ops import Deadlines
 from tandem.models import load_model, save_model
 from tandem.models.hf_checkpoint import iter_hf_tensors
 from tandem.weights.verify import tensor_checksum
-from tests.inference.server_utils import ServerProcess, wait_for
+from tests.inference.server_utils import ServerProcess, request, wait_for
 
 PROMPTS = [[11, 57, 200, 31, 9], [300, 14, 15, 92, 65, 35, 89]]
 NEW = 10
@@ -191,3 +191,33 @@ def verified_update(engine: Any, fleet: Any, meta: Any, version: int, label: str
     assert report.verified, label
     assert version_of(server) == str(version), label
     return report
+
+
+def post_ok(url: str, path: str, body: dict) -> dict:
+    """POST `body` to `url + path`; the JSON answer, asserting HTTP 200."""
+    status, data = request(url, "POST", path, body)
+    assert status == 200, (url, path, status, data)
+    return data
+
+
+def sample_everywhere(urls: list[str] | None, rank: int, world: int, **sampling: Any,
+                      ) -> list[tuple[str, list[int], list[int], list[float], str]]:
+    """Rank 0 asks every server to continue every prompt of `PROMPTS` by `NEW` tokens with
+    `sampling` (SGLang's sampling params); every rank gets (url, prompt, output ids, their
+    logprobs, the weight version that served them) per call. Collective when `world` > 1."""
+    import torch.distributed as dist
+
+    gens = None
+    if rank == 0:
+        gens = []
+        for url in urls or []:
+            for prompt in PROMPTS:
+                body = post_ok(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": NEW, "ignore_eos": True, **sampling}})
+                info = body["meta_info"]
+                gens.append((url, prompt, body["output_ids"], [p[0] for p in info["output_token_logprobs"]],
+                             info["weight_version"]))
+    box = [gens]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

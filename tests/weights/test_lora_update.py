@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tandem.fleet.http import HttpFleet
 from tandem.fleet.ops import Deadlines
@@ -20,20 +19,13 @@ from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.updater import WeightUpdater
 from tests.distributed import run_distributed
 from tests.inference.conftest import make_model_dir
-from tests.inference.server_utils import request
 from tests.train.helpers import engine_config, make_batch, weighted_loss
-from tests.weights.common import NEW, PROMPTS, expected_checksums, start_server
+from tests.weights.common import NEW, expected_checksums, post_ok, sample_everywhere, start_server
 
 pytestmark = pytest.mark.slow
 STEPS = (("disk", True), ("distributed", True), ("distributed", False), ("shm", True))
 DEADLINES = Deadlines(init_group_s=30, bucket_s=30, update_s=120, http_s=30)
 LORA = LoRAConfig(rank=4, alpha=8.0)
-
-
-def _post(url: str, path: str, body: dict) -> dict:
-    status, data = request(url, "POST", path, body)
-    assert status == 200, (url, path, status, data)
-    return data
 
 
 def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int) -> list[dict]:
@@ -51,21 +43,8 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
             report = updater.update(version)
         merged = {n: t.clone() for b in engine.export_weights(1 << 30, torch.float32, adapter_only=False)
                   for n, t in b}  # collective
-        gens = None
-        if rank == 0:
-            gens = []
-            for url in urls:
-                for prompt in PROMPTS:
-                    body = _post(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
-                        "max_new_tokens": NEW, "temperature": 1.0, "ignore_eos": True, "seed": 7}})
-                    info = body["meta_info"]
-                    gens.append((prompt, body["output_ids"], [p[0] for p in info["output_token_logprobs"]],
-                                 info["weight_version"]))
-        box = [gens]
-        if world > 1:
-            dist.broadcast_object_list(box, src=0)
-        gens = box[0]
-        trainer_lps = engine.forward_logprobs(SequenceBatch.from_token_lists([p + out for p, out, _, _ in gens]),
+        gens = sample_everywhere(urls, rank, world, temperature=1.0, seed=7)
+        trainer_lps = engine.forward_logprobs(SequenceBatch.from_token_lists([p + out for _, p, out, _, _ in gens]),
                                               temperature=1.0).logprobs  # collective
         if rank != 0:
             continue
@@ -74,8 +53,8 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
                "lp_vs_trainer": 0.0}
         want = expected_checksums(merged)
         for url in urls:
-            row["weights_equal"].append(_post(url, "/get_weights_checksum", {})["checksums"] == want)
-        for (prompt, _, lps, served), lp in zip(gens, trainer_lps, strict=True):
+            row["weights_equal"].append(post_ok(url, "/get_weights_checksum", {})["checksums"] == want)
+        for (_, prompt, _, lps, served), lp in zip(gens, trainer_lps, strict=True):
             row["versions"].append(served)
             mine = lp[len(prompt) - 1: len(prompt) - 1 + NEW].tolist()
             row["lp_vs_trainer"] = max(row["lp_vs_trainer"], max(abs(a - b) for a, b in zip(lps, mine, strict=True)))

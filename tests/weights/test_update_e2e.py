@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tandem.fleet.http import HttpFleet
 from tandem.fleet.ops import Deadlines
@@ -22,15 +21,15 @@ from tandem.weights.meta import WeightUpdateMeta
 from tandem.weights.updater import WeightUpdater
 from tests.distributed import run_distributed
 from tests.inference.conftest import make_model_dir
-from tests.inference.server_utils import request
 from tests.train.helpers import engine_config, full_params, make_batch, weighted_loss
 from tests.weights.common import (
     NEW,
-    PROMPTS,
     expected_checksums,
     greedy_reference,
     load_into,
     mapped_segments,
+    post_ok,
+    sample_everywhere,
     start_server,
 )
 
@@ -38,12 +37,6 @@ pytestmark = pytest.mark.slow
 Q = {"qwen3": "model.layers.0.mlp.down_proj.weight", "qwen3_moe": "model.layers.1.mlp.experts.5.down_proj.weight"}
 STEPS = (("disk", True), ("distributed", True), ("distributed", False), ("shm", True))
 DEADLINES = Deadlines(init_group_s=30, bucket_s=30, update_s=120, http_s=30)
-
-
-def _post(url: str, path: str, body: dict) -> dict:
-    status, data = request(url, "POST", path, body)
-    assert status == 200, (url, path, status, data)
-    return data
 
 
 def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, first_version: int,
@@ -59,20 +52,7 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
         with WeightUpdater(engine, fleet, meta, pipeline=pipeline, verify=True) as updater:
             report = updater.update(version)
         tensors = full_params(engine)  # collective
-        gens = None
-        if rank == 0:
-            gens = []
-            for url in urls:
-                for prompt in PROMPTS:
-                    body = _post(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
-                        "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
-                    meta_info = body["meta_info"]
-                    gens.append((url, prompt, body["output_ids"], [p[0] for p in meta_info["output_token_logprobs"]],
-                                 meta_info["weight_version"]))
-        box = [gens]
-        if world > 1:
-            dist.broadcast_object_list(box, src=0)
-        gens = box[0]
+        gens = sample_everywhere(urls, rank, world, temperature=0)
         trainer_lps = engine.forward_logprobs(SequenceBatch.from_token_lists([p + out for _, p, out, _, _ in gens]),
                                               temperature=1.0).logprobs  # collective
         if rank != 0:
@@ -83,8 +63,8 @@ def _worker(rank: int, world: int, model_dir: str, urls: list[str], root: str, f
                "buckets": report.buckets, "in_place": report.in_place, "checksums_equal": [], "full_tensor_equal": [], "greedy_equal": [],
                "versions": [], "lp_vs_reference": 0.0, "lp_vs_trainer": 0.0}
         for url in urls:
-            row["checksums_equal"].append(_post(url, "/get_weights_checksum", {})["checksums"] == want)
-            full = _post(url, "/get_weights_by_name", {"name": q, "truncate_size": tensors[q].numel()})
+            row["checksums_equal"].append(post_ok(url, "/get_weights_checksum", {})["checksums"] == want)
+            full = post_ok(url, "/get_weights_by_name", {"name": q, "truncate_size": tensors[q].numel()})
             row["full_tensor_equal"].append(torch.equal(torch.tensor(full, dtype=torch.float32).view(-1),
                                                         tensors[q].view(-1)))
         for (_, prompt, out, lps, served_version), lp_trainer in zip(gens, trainer_lps, strict=True):
