@@ -7,6 +7,7 @@ with rollout routing replay (r3), where the attention takes adapters and the exp
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -60,3 +61,36 @@ def test_lora_rl_loop(tmp_path, arch):
         assert {n: served["checksums"][n] for n in want} == want
     finally:
         server.stop()
+
+
+def test_lora_sft_then_train_from_its_adapter(tmp_path):
+    """`tandem sft` with LoRA saves the PEFT adapter and evaluates it merged; `tandem train` starts
+    from that adapter (`actor.lora.path`): the servers serve it from the first episode on, and the
+    run's first eval equals the SFT's."""
+    model = init_model(tmp_path / "model", arch="qwen3", preset="tiny", seed=0)
+    lora = {**LORA, "rank": 4}
+    cfg = write_config(tmp_path, model, actor={"backend": "archon:d1", "lora": lora, "optimizer": {"lr": 1e-2}},
+                       rollout={"backend": "tandem:d1"}, sft={"steps": 3, "batch_size": 8, "output": str(tmp_path / "sft")},
+                       task={"eval_size": 8})
+    proc = subprocess.run([TANDEM, "sft", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "sft" / ADAPTER_CONFIG).is_file() and (tmp_path / "sft-merged" / "config.json").is_file()
+    lines = (run_dir(tmp_path) / "sft-metrics.jsonl").read_text().splitlines()
+    sft_rows = [r for r in map(json.loads, lines) if "eval/accuracy" in r]
+    assert sft_rows, "the SFT evaluated its adapter"
+    cfg = write_config(tmp_path, model, actor={"backend": "archon:d1", "optimizer": {"lr": 1e-2},
+                                               "lora": {**lora, "path": str(tmp_path / "sft")}},
+                       rollout={"backend": "tandem:d1", "max_head_offpolicyness": 0}, task={"eval_size": 8},
+                       train={"total_steps": 1, "eval_every": 1, "overwrite": True})
+    proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = map(json.loads, (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines())
+    evals = [r for r in rows if r["phase"] == "rl" and "eval/accuracy" in r]
+    # The servers start from the base: the run's first update (version 0) gives them the adapter, so
+    # the first step's episodes are the adapter's (staleness 0, fp32: the trainer's logprobs agree).
+    step1 = rl_rows(tmp_path)[0]
+    assert step1["mismatch/max"] <= 1e-5 and step1["mismatch/n_tokens"] > 0, step1
+    first, sft_eval = evals[0], sft_rows[-1]
+    assert first["step"] == 0, evals  # before any RL step: the base with the SFT's adapter
+    assert (first["eval/accuracy"], first["eval/response_len"]) == (sft_eval["eval/accuracy"],
+                                                                    sft_eval["eval/response_len"]), (first, sft_eval)
