@@ -66,9 +66,9 @@ class WeightUpdater:
                                       "offer; use servers that do (tandem serve) or another train.weight_sync",
                                       "capabilities")
             if meta.lora_alpha is not None and meta.type not in fleet.capabilities.adapter_updates:
-                raise WeightSyncError(f"LoRA adapter updates over weight_sync={meta.type!r} need servers that merge "
-                                      "adapters (tandem serve); these take whole weights: send merged weights "
-                                      "(WeightUpdateMeta.lora_alpha=None)", "capabilities")
+                raise WeightSyncError(f"LoRA adapter updates over weight_sync={meta.type!r} need servers that take "
+                                      "adapters over it (tandem serve; vLLM in LoRA mode from disk); these take whole "
+                                      "weights: send merged weights (WeightUpdateMeta.lora_alpha=None)", "capabilities")
         self.fleet = fleet
         self.verify = verify and self.rank == 0
         options = TransportOptions(pipeline=pipeline, dtype=dtype, keep_group=keep_group, shm_reuse=shm_reuse)
