@@ -241,3 +241,52 @@ def test_an_adapter_update_to_vllm_in_lora_mode_pauses_loads_sets_the_version_an
                 ("/update_weight_version", {"new_version": str(version)}),
                 ("/resume", {})]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000001"]
+
+
+def test_a_vllm_server_joining_a_lora_run_is_warmed_with_the_adapter(tmp_path):
+    """Warm-up for servers without staging, checksums or a version set by the load (vLLM in LoRA
+    mode): the joiner loads the warm-up copy of the adapter (a directory of this version's own),
+    then takes this update with the members (pause, this version's adapter, set_version, resume)
+    and is admitted; nothing it cannot serve (discard, leave_group, checksums) is sent."""
+    import time
+
+    from tandem.rollout.config import VLLMLaunchConfig
+    from tandem.rollout.health import HealthConfig
+    from tandem.weights.meta import WeightUpdateMeta
+    from tandem.weights.updater import WeightUpdater
+
+    servers, handlers = [], []
+    for name in ("Member", "Joiner"):
+        handler = type(name, (_Recorder,), {"calls": []})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        handlers.append(handler)
+    member, joiner = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    config = RolloutConfig(backend="vllm:d1", servers=[member], vllm=VLLMLaunchConfig(lora_rank=8),
+                           health=HealthConfig(interval_s=0.1, timeout_s=30.0), topology_cooldown_s=0.0)
+    ctl = RolloutController(config)
+    weights = tmp_path / "weights"
+    meta = WeightUpdateMeta("disk", path=str(weights), warmup_dir=str(weights), lora_alpha=16.0)
+    try:
+        ctl.fleet.join(joiner, None)
+        deadline = time.monotonic() + 30
+        while joiner not in ctl.topology().warming and time.monotonic() < deadline:
+            time.sleep(0.05)  # the health monitor's probe moves it to warming
+        assert ctl.topology().warming == (joiner,)
+        with WeightUpdater(_AdapterSource(), ctl, meta) as updater:
+            report = updater.update(5)
+        assert report.warmed == (joiner,) and set(ctl.topology().members) == {member, joiner}
+        load = {"lora_name": "policy", "load_inplace": True}
+        update = [("/pause?mode=abort", {}), ("/v1/load_lora_adapter", {**load, "lora_path": str(weights / "v00000005")}),
+                  ("/update_weight_version", {"new_version": "5"}), ("/resume", {})]
+        calls = [[c for c in h.calls if c[0] != "/health"] for h in handlers]
+        assert calls[0] == update
+        assert calls[1] == [("/v1/load_lora_adapter", {**load, "lora_path": str(weights / "warmup-v00000005")}),
+                            *update]
+        assert not (weights / "warmup-v00000005").exists()  # deleted once loaded
+    finally:
+        ctl.shutdown()
+        for s in servers:
+            s.shutdown()
+            s.server_close()
