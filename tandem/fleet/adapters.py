@@ -311,6 +311,17 @@ VLLM_ROUTES: dict[str, Encoder] = {
 }
 
 
+# The model name generation uses for the adapter of a vLLM server in LoRA mode when the run names
+# none (`rollout.model`); the base is then served as `<name>-base` (`vllm_base_name`).
+VLLM_LORA_NAME = "policy"
+
+
+def vllm_base_name(adapter_name: str) -> str:
+    """The served name of the base model under a LoRA server whose adapter is `adapter_name`:
+    vLLM refuses an adapter named like a served model."""
+    return f"{adapter_name}-base"
+
+
 def vllm_load_adapter(name: str, path: str) -> HttpCall:
     """The call that makes a vLLM server started with LoRA (`VLLMServerSpec.lora_rank`) serve the
     PEFT adapter directory `path` under the model name `name`, replacing what that name served
@@ -359,7 +370,15 @@ class VLLMAdapter(ServerAdapter):
     (`extension=True`: the server was started with `--worker-extension-cls
     tandem.weights.vllm_worker.TandemWorkerExtension`, as `tandem train` starts them), updates
     over a transfer group (flat buckets) and disk updates are staged in the worker and loaded at
-    the commit; `set_version` follows the commit."""
+    the commit; `set_version` follows the commit.
+
+    LoRA mode (`lora=True`: the server was started with LoRA, `VLLMServerSpec.lora_rank`, and
+    serves the policy as a PEFT adapter over its base): generation requests name the adapter
+    (`model`, default `VLLM_LORA_NAME`; the base must be served under another name, vLLM refuses an
+    adapter named like a served model), and each update is a disk load of the adapter alone
+    (`DiskLoad(adapter=True)`), loaded in place under that name through `/v1/load_lora_adapter` and
+    applied on arrival: no staging, the version set after it. Whole-weight updates are refused (the
+    adapter would apply on top of merged weights). The worker extension is not used."""
 
     kind = "vllm"
     capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
@@ -368,16 +387,27 @@ class VLLMAdapter(ServerAdapter):
     routes: ClassVar[dict[str, Encoder]] = VLLM_ROUTES
     generate_path = "/inference/v1/generate"
 
-    def __init__(self, model: str | None = None, extension: bool = False):
+    def __init__(self, model: str | None = None, extension: bool = False, lora: bool = False):
         self.model = model  # vLLM checks it against the served model name when given
         self.extension = extension
-        if extension:
+        self.lora = lora
+        if lora:
+            name = self.model = model or VLLM_LORA_NAME
+            self.extension = False
+            self.capabilities = Capabilities(staged_commit=False, distributed_update=False, flat_buckets=False,
+                                             shared_memory=False, checksums=False, commit_sets_version=False,
+                                             adapter_updates=("disk",))
+            self.routes = {**VLLM_ROUTES, "load_disk": lambda req, i: vllm_load_adapter(name, req.path)}
+        elif extension:
             self.capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True,
                                              shared_memory=False, checksums=False, tied_head_on_disk=True,
                                              commit_sets_version=False)
             self.routes = VLLM_EXTENSION_ROUTES
 
     def check(self, op: ops.FleetOp, request: Any) -> None:
+        if self.lora:
+            self._check_lora(op, request)
+            return
         if getattr(request, "lora_alpha", None) is not None or getattr(request, "adapter", False):
             raise UnsupportedOperation("vllm servers take LoRA adapters through their own routes "
                                        "(tandem.weights.vllm_lora), not these weight-update ops; send merged weights")
@@ -390,6 +420,15 @@ class VLLMAdapter(ServerAdapter):
         if isinstance(request, ops.DiskLoad) and request.version is not None:
             raise UnsupportedOperation(f"vllm servers do not set a weight version with {op.name!r}; send "
                                        "set_version after it (DiskLoad.version=None)")
+
+    def _check_lora(self, op: ops.FleetOp, request: Any) -> None:
+        if isinstance(request, ops.DiskLoad) and not request.adapter:
+            raise UnsupportedOperation(f"vllm servers in LoRA mode serve the policy as an adapter over their base: "
+                                       f"{op.name!r} takes a PEFT adapter directory (DiskLoad.adapter=True), not whole "
+                                       "weights, which the adapter would apply on top of")
+        if isinstance(request, ops.DiskLoad) and (not request.commit or request.version is not None):
+            raise UnsupportedOperation(f"vllm servers load an adapter on arrival: {op.name!r} is neither staged "
+                                       "(commit=false) nor sets a version (send set_version after it)")
 
     def answer(self, op: ops.FleetOp, status: int, data: Any, text: str) -> Answer:
         if status != 200 and isinstance(data, dict):  # vLLM's errors: {"error": ...} or {"detail": ...}
@@ -470,13 +509,15 @@ def _token_versions(spans: list[dict[str, Any]] | None, count: int) -> list[int 
 SERVER_KINDS = ("tandem", "sglang", "vllm")
 
 
-def adapter_for(kind: str, model: str | None = None, vllm_extension: bool = False) -> ServerAdapter:
+def adapter_for(kind: str, model: str | None = None, vllm_extension: bool = False,
+                vllm_lora: bool = False) -> ServerAdapter:
     """The adapter of a server kind (`model`: the served model name a vLLM server checks;
-    `vllm_extension`: vLLM servers run Tandem's worker extension)."""
+    `vllm_extension`: vLLM servers run Tandem's worker extension; `vllm_lora`: they serve the
+    policy as a LoRA adapter named `model`, `VLLMAdapter(lora=True)`)."""
     if kind == "tandem":
         return TandemAdapter()
     if kind == "sglang":
         return SGLangAdapter()
     if kind == "vllm":
-        return VLLMAdapter(model, extension=vllm_extension)
+        return VLLMAdapter(model, extension=vllm_extension, lora=vllm_lora)
     raise ValueError(f"unknown server kind {kind!r}; use one of {', '.join(SERVER_KINDS)}")

@@ -31,6 +31,7 @@ class _Process(Protocol):
     def poll(self) -> int | None: ...
 
 DEFAULT_VENV = ".venv-vllm"  # what `make vllm-venv` creates
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM 0.32's --max-lora-rank takes
 WORKER_EXTENSION = "tandem.weights.vllm_worker.TandemWorkerExtension"
 
 
@@ -72,8 +73,9 @@ class VLLMServerSpec:
     worker_extension: bool = True  # load Tandem's worker extension (updates over a group, staged commit)
     tensor_parallel_size: int = 1  # --tensor-parallel-size: one worker per device
     enforce_eager: bool = False  # True: --enforce-eager (starts faster, decodes slower); False: vLLM's default, compiled
-    # LoRA adapters of rank <= lora_rank (one of vLLM's sizes: 1, 8, 16, 32, ...), up to max_loras in one
-    # batch, loaded at run time (`tandem.weights.vllm_lora`); None: no LoRA (the CPU build then runs uncompiled).
+    # LoRA adapters of rank <= lora_rank (--max-lora-rank: the smallest of `LORA_RANKS` that holds it), up to
+    # max_loras in one batch, loaded at run time (`tandem.weights.vllm_lora`); None: no LoRA (with it the CPU
+    # build runs uncompiled).
     lora_rank: int | None = None
     max_loras: int = 1
     extra_args: list[str] = field(default_factory=list)
@@ -92,7 +94,8 @@ class VLLMServerSpec:
         if self.worker_extension:
             cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         if self.lora_rank is not None:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", str(self.max_loras)]
+            cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(self.lora_rank)),
+                    "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -114,6 +117,15 @@ class VLLMServerSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def max_lora_rank(rank: int) -> int:
+    """The --max-lora-rank that serves adapters of `rank`: the smallest of `LORA_RANKS` at least
+    `rank` (ValueError above the largest)."""
+    for size in LORA_RANKS:
+        if size >= rank:
+            return size
+    raise ValueError(f"vLLM serves LoRA adapters of rank {LORA_RANKS[-1]} at most, not {rank}")
 
 
 def wait_healthy(url: str, proc: _Process | None, timeout_s: float, log: Path | None = None) -> None:

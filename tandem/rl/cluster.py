@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config.alloc import Component, parse_allocation_of_kind
+from tandem.fleet.adapters import VLLM_LORA_NAME, vllm_base_name
 from tandem.launch import vllm
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
@@ -101,11 +102,15 @@ def _start_vllm(cfg: TandemConfig, scheduler: ProcessScheduler, model_path: str,
                 api_key: str) -> InferenceServers:
     """`count` vLLM servers (`rollout.vllm`) of `tp` tensor-parallel workers each, each requiring
     `api_key` on its OpenAI routes (VLLM_API_KEY, in the environment); the model's dtype is the
-    trainer's."""
+    trainer's. With `rollout.vllm.lora_rank` they start with LoRA and serve the base under a name of
+    its own (`vllm_base_name`), the adapter's name being what generation asks for."""
     v = cfg.rollout.vllm
     env = {"VLLM_API_KEY": api_key, **({ENV_CPUS: cfg.rollout.cpus} if cfg.rollout.cpus else {})}
-    specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype,
-                           served_model_name=cfg.rollout.model, max_model_len=v.max_model_len,
+    served = cfg.rollout.model
+    if v.lora_rank:
+        served = vllm_base_name(cfg.rollout.model or VLLM_LORA_NAME)
+    specs = vllm.specs_for(count, v.interpreter(), model_path, dtype=cfg.actor.dtype, lora_rank=v.lora_rank or None,
+                           served_model_name=served, max_model_len=v.max_model_len,
                            kv_cache_gib=v.kv_cache_gib, threads=v.threads or None, worker_extension=v.worker_extension,
                            enforce_eager=v.enforce_eager, tensor_parallel_size=tp, extra_args=list(v.args))
     began = time.monotonic()

@@ -25,7 +25,7 @@ from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
 from tandem.data.tasks import TaskError, available_tasks, get_task
 from tandem.errors import ConfigError
-from tandem.fleet.adapters import adapter_for
+from tandem.launch import vllm
 from tandem.launch.affinity import parse_cpus
 from tandem.launch.config import SchedulerConfig
 from tandem.parallel.cp_heads import check_heads
@@ -243,6 +243,7 @@ class TandemConfig:
                                    "(tandem sft)",
         "algo.ppo.max_head_offpolicyness": "rollout.max_head_offpolicyness",
         "algo.reward.max_new_tokens": "gen.max_new_tokens",
+        "rollout.vllm.lora_rank": "actor.lora.rank (with rollout.backend=vllm and train.weight_sync=disk)",
     }
     # Keys that no longer exist -> what replaced them (the loader names it).
     MOVED: ClassVar[dict[str, str]] = {
@@ -284,6 +285,11 @@ class TandemConfig:
             self.actor.total_train_steps = self.train.total_steps * self.train.n_minibatches
         self.algo.ppo.max_head_offpolicyness = self.rollout.max_head_offpolicyness
         self.algo.reward.max_new_tokens = self.gen.max_new_tokens
+        # vLLM takes the LoRA adapter alone through its own LoRA support, from disk; over a transfer
+        # group it gets merged whole weights (docs/lora.md, "Other engines").
+        to_vllm = self.command == "train" and self.rollout.server_kind == "vllm"
+        lora = self.actor.lora.enabled and to_vllm and self.train.weight_sync == "disk"
+        self.rollout.vllm.lora_rank = self.actor.lora.rank if lora else 0
 
     def check(self, prefix: str = "") -> None:
         # Derived first: the algorithm validates against the rollout's bound and budget.
@@ -308,6 +314,10 @@ class TandemConfig:
         if self.command == "train":
             check_replay_source(self.actor.router_replay, self.rollout.server_kind, prefix)
             check_weight_sync(self.train.weight_sync, self.rollout, prefix, verify=self.train.verify_weights)
+            if self.rollout.vllm.lora_rank > vllm.LORA_RANKS[-1]:
+                raise ConfigError(f"{prefix}actor.lora.rank={self.actor.lora.rank} is above {vllm.LORA_RANKS[-1]}, the "
+                                  f"largest adapter rank vLLM serves; lower it, or set {prefix}train.weight_sync="
+                                  "distributed (vLLM then gets merged weights)")
         elif self.actor.router_replay != "off":
             raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
                               f"updates (tandem train); `tandem sft` has none to replay: set "
@@ -414,7 +424,7 @@ def check_cpus(spec: str, key: str) -> None:
 def check_weight_sync(update_type: str, rollout: RolloutConfig, prefix: str, verify: bool = False) -> None:
     """The servers' kind can take weight updates of `update_type` (see docs/fleet.md), and report
     checksums when `verify` (train.verify_weights) asks for them."""
-    capabilities = adapter_for(rollout.server_kind, vllm_extension=rollout.vllm.worker_extension).capabilities
+    capabilities = rollout.capabilities()
     if verify and not capabilities.checksums:
         raise ConfigError(f"{prefix}train.verify_weights=true compares per-tensor checksums, which "
                           f"{rollout.server_kind} servers ({prefix}rollout.backend={rollout.backend!r}) do not report; "

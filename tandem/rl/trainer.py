@@ -100,8 +100,10 @@ def weight_update_meta(cfg: TandemConfig, run_dir: Path) -> WeightUpdateMeta:
         backend="nccl" if cfg.experiment.device == "cuda" else "gloo",
         master_address=cfg.cluster.host_ip,
         warmup_dir=str(weights),
-        # Tandem's servers merge a LoRA adapter into their base; other engines get merged weights.
-        lora_alpha=cfg.actor.lora.alpha if cfg.actor.lora.enabled and cfg.rollout.server_kind == "tandem" else None,
+        # LoRA: the adapter alone where the servers take adapters over this transport (tandem serve
+        # merges it into its base, vLLM over disk serves it through its LoRA support); else merged weights.
+        lora_alpha=cfg.actor.lora.alpha if cfg.actor.lora.enabled and cfg.train.weight_sync in
+        cfg.rollout.capabilities().adapter_updates else None,
     )
 
 
@@ -236,6 +238,10 @@ class Run:
         self.trainer.init_weight_update(meta, self.controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
             self._resume(plan.resume_from, plan.start_step)
+        elif meta.lora_alpha is not None or cfg.actor.lora.path:
+            # The servers start from actor.path: a vLLM server in LoRA mode serves no adapter until one
+            # is loaded, and an adapter the trainer starts from (actor.lora.path) is not in actor.path.
+            self.trainer.update_weights(0)
         else:
             call(self.controller, ops.SET_VERSION, ops.SetVersion(0))
 

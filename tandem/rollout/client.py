@@ -50,6 +50,7 @@ class ClientConfig:
     server_kind: str = "tandem"  # tandem | sglang | vllm (see tandem.fleet.adapters)
     model: str | None = None  # vLLM served model name, when the server checks it
     vllm_extension: bool = False  # vLLM servers run Tandem's worker extension (tandem.weights.vllm_worker)
+    vllm_lora: bool = False  # vLLM servers serve the policy as a LoRA adapter named `model` (VLLMAdapter(lora=True))
     deadline_s: float = 600.0  # default per-request deadline (all calls, retries and waits)
     call_timeout_s: float | None = None  # one HTTP call; None = bounded by the deadline only
     backoff_initial_s: float = 0.05
@@ -80,7 +81,8 @@ class InferenceClient:
                  version: WeightVersion | None = None):
         self.pool = pool if isinstance(pool, ServerPool) else ServerPool(pool)
         self.config = config or ClientConfig()
-        self.adapter = adapter_for(self.config.server_kind, self.config.model, self.config.vllm_extension)
+        self.adapter = adapter_for(self.config.server_kind, self.config.model, self.config.vllm_extension,
+                                   self.config.vllm_lora)
         # The version the controller announced last; stands in when a server does not report one.
         self.version = version or WeightVersion()
         # aiohttp sessions are bound to their event loop: one per loop, created on first use.

@@ -15,6 +15,7 @@ from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
 from tandem.config.fields import check_field_metadata
 from tandem.config.fields import config_field as _f
 from tandem.errors import ConfigError
+from tandem.fleet.adapters import Capabilities, adapter_for
 from tandem.fleet.routed_experts import RoutedExpertLayout
 from tandem.launch.affinity import parse_cpus
 from tandem.launch.vllm import default_vllm_python
@@ -57,6 +58,10 @@ class VLLMLaunchConfig:
         True, "The vLLM servers load Tandem's worker extension (--worker-extension-cls "
         "tandem.weights.vllm_worker.TandemWorkerExtension; passed to servers Tandem starts): weight sync over a "
         "group and staged commit. false: disk updates only, each applied on arrival.")
+    lora_rank: int = _f(
+        0, "The rank of the LoRA adapter the vLLM servers serve the policy as (--enable-lora; each update loads "
+        "the adapter alone, named rollout.model or 'policy'): actor.lora.rank when tandem train trains LoRA with "
+        "train.weight_sync=disk; 0: whole weights.", min=0)
 
     def interpreter(self) -> str:
         """`python`, else `.venv-vllm/bin/python` in the working directory; ConfigError naming
@@ -183,11 +188,16 @@ class RolloutConfig:
                 f"addresses in {prefix}servers, or use {prefix}backend=tandem:dN or vllm:dN"
             )
 
+    def capabilities(self) -> Capabilities:
+        """What the servers can do (their kind's adapter, `tandem.fleet.adapters`)."""
+        return adapter_for(self.server_kind, self.model, self.vllm.worker_extension, self.vllm.lora_rank > 0).capabilities
+
     def client_config(self, routed_expert_layout: RoutedExpertLayout | None = None) -> ClientConfig:
         """The inference client's config; `routed_expert_layout` (a MoE model's, routing replay r3) makes
         every generation ask for the routed experts."""
         return ClientConfig(
             server_kind=self.server_kind, model=self.model, vllm_extension=self.vllm.worker_extension,
+            vllm_lora=self.vllm.lora_rank > 0,
             deadline_s=self.request_deadline_s,
             call_timeout_s=self.call_timeout_s, api_key=self.api_key, routed_expert_layout=routed_expert_layout,
         )

@@ -66,9 +66,9 @@ class WeightUpdater:
                                       "offer; use servers that do (tandem serve) or another train.weight_sync",
                                       "capabilities")
             if meta.lora_alpha is not None and meta.type not in fleet.capabilities.adapter_updates:
-                raise WeightSyncError(f"LoRA adapter updates over weight_sync={meta.type!r} need servers that merge "
-                                      "adapters (tandem serve); these take whole weights: send merged weights "
-                                      "(WeightUpdateMeta.lora_alpha=None)", "capabilities")
+                raise WeightSyncError(f"LoRA adapter updates over weight_sync={meta.type!r} need servers that take "
+                                      "adapters over it (tandem serve; vLLM in LoRA mode from disk); these take whole "
+                                      "weights: send merged weights (WeightUpdateMeta.lora_alpha=None)", "capabilities")
         self.fleet = fleet
         self.verify = verify and self.rank == 0
         options = TransportOptions(pipeline=pipeline, dtype=dtype, keep_group=keep_group, shm_reuse=shm_reuse)
@@ -200,20 +200,30 @@ class WeightUpdater:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _load_into_joiners(self, meta: WeightUpdateMeta, path: Path) -> tuple[str, ...]:
+        """Load `path` (whole weights, or the adapter where updates carry adapters) into the
+        joiners, as far as their capabilities go: staged state discarded, the version set with the
+        load, checksums compared. Servers without them (vLLM) get the version from this update's
+        `set_version`, which reaches the warmed joiners with the members."""
         view = FleetView(self.fleet, self._warming)
-        with contextlib.suppress(FleetError):  # a revived server may still hold a stale group
-            call(view, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name))
+        capabilities = self.fleet.capabilities
+        if capabilities.distributed_update:
+            with contextlib.suppress(FleetError):  # a revived server may still hold a stale group
+                call(view, ops.LEAVE_GROUP, ops.LeaveGroup(meta.group_name))
         try:
-            call(view, ops.DISCARD, ops.DiscardStaged())
-            call(view, ops.LOAD_DISK, ops.DiskLoad(str(path), commit=True, version=meta.version))
-            verifier = UpdateVerifier(view)
-            verifier.prepare()
-            verifier.add_checkpoint(path)
-            try:
-                verifier.check()
-            except FleetError as exc:  # drop the ones that differ; the others are warm
-                for failure in exc.failures:
-                    view.drop(failure.address, f"warm-up: {failure.message}")
+            if capabilities.staged_commit:
+                call(view, ops.DISCARD, ops.DiscardStaged())
+            version = meta.version if capabilities.commit_sets_version else None
+            call(view, ops.LOAD_DISK, ops.DiskLoad(str(path), commit=True, version=version,
+                                                   adapter=meta.lora_alpha is not None))
+            if capabilities.checksums:
+                verifier = UpdateVerifier(view)
+                verifier.prepare()
+                verifier.add_checkpoint(path)
+                try:
+                    verifier.check()
+                except FleetError as exc:  # drop the ones that differ; the others are warm
+                    for failure in exc.failures:
+                        view.drop(failure.address, f"warm-up: {failure.message}")
         except FleetError as exc:
             logger.warning("warming %s failed: %s", ", ".join(self._warming), exc)
             return ()

@@ -176,3 +176,117 @@ def test_an_updater_refuses_servers_that_lack_what_its_transport_needs(kind, upd
         meta = WeightUpdateMeta(update_type, path="/w" if update_type == "disk" else None)
         with pytest.raises(WeightSyncError, match=f"weight_sync='{update_type}' needs {missing}"):
             WeightUpdater(object(), fleet, meta)  # refused before any server is called
+
+
+def test_vllm_in_lora_mode_loads_adapters_and_generates_under_their_name():
+    """`VLLMAdapter(lora=True)`: an adapter disk load is vLLM's `/v1/load_lora_adapter` under the
+    adapter's name, in place, applied on arrival (no staging, the version set after it); whole
+    weights, staged loads, versioned loads and transfer-group ops are refused; generation names the
+    adapter. The name is `rollout.model`, or `policy` when none is given."""
+    adapter = adapter_for("vllm", "pol", vllm_extension=True, vllm_lora=True)
+    load = adapter.request(ops.LOAD_DISK, ops.DiskLoad("/w/v00000003", adapter=True), 0)
+    assert load == HttpCall("/v1/load_lora_adapter", {"lora_name": "pol", "lora_path": "/w/v00000003",
+                                                      "load_inplace": True})
+    assert adapter_for("vllm", vllm_lora=True).request(ops.LOAD_DISK, ops.DiskLoad("/w", adapter=True), 0).body[
+        "lora_name"] == "policy"
+    caps = adapter.capabilities
+    assert caps.adapter_updates == ("disk",) and not caps.staged_commit and not caps.commit_sets_version
+    assert caps.missing_for("disk") is None and caps.missing_for("distributed") and caps.missing_for("shm")
+    assert adapter.request(ops.SET_VERSION, ops.SetVersion(3), 0).path == "/update_weight_version"
+    assert adapter.request(ops.PAUSE, ops.PauseGeneration(), 0).path == "/pause?mode=abort"
+    refused = {"whole weights": ops.DiskLoad("/w"), "staged": ops.DiskLoad("/w", commit=False, adapter=True),
+               "set_version after it": ops.DiskLoad("/w", version=3, adapter=True)}
+    for why, request in refused.items():
+        with pytest.raises(UnsupportedOperation, match=why.split()[0]):
+            adapter.request(ops.LOAD_DISK, request, 0)
+    for name in ("join_group", "stage_distributed", "commit", "discard", "checksums"):
+        with pytest.raises(UnsupportedOperation, match=f"vllm servers have no '{name}'"):
+            adapter.request(ops.OPS[name], EXAMPLES[name], 0)
+    from tandem.fleet.generation import GenerationParams
+
+    assert adapter.generate_body("r", [1, 2], GenerationParams(), 4)["model"] == "pol"
+    # Without LoRA mode, vLLM refuses adapter loads (merged weights are sent instead).
+    with pytest.raises(UnsupportedOperation, match="LoRA adapters"):
+        adapter_for("vllm", vllm_extension=True).request(ops.LOAD_DISK, ops.DiskLoad("/w", adapter=True), 0)
+
+
+class _AdapterSource:
+    """A trainer whose disk export is a PEFT adapter directory (what `save_hf` writes while the
+    engine syncs adapters)."""
+
+    def save_hf(self, path, overwrite=False):
+        path.mkdir(parents=True, exist_ok=overwrite)
+        (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "peft_type": "LORA"}))
+        (path / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+        return path
+
+
+def test_an_adapter_update_to_vllm_in_lora_mode_pauses_loads_sets_the_version_and_resumes(recorder, tmp_path):
+    """The whole update, over HTTP, as `tandem train` sends it to a vLLM server in LoRA mode: the
+    adapter directory of each version is new, loaded under the adapter's name while generation is
+    paused, then the version is set; older versions' directories are deleted once the next loaded."""
+    from tandem.weights.meta import WeightUpdateMeta
+    from tandem.weights.updater import WeightUpdater
+
+    meta = WeightUpdateMeta("disk", path=str(tmp_path / "weights"), lora_alpha=16.0)
+    with HttpFleet([recorder], adapter=adapter_for("vllm", "pol", vllm_lora=True)) as fleet, \
+            WeightUpdater(_AdapterSource(), fleet, meta) as updater:
+        for version in (0, 1):
+            _Recorder.calls.clear()
+            updater.update(version)
+            path = str(tmp_path / "weights" / f"v{version:08d}")
+            assert _Recorder.calls == [
+                ("/pause?mode=abort", {}),
+                ("/v1/load_lora_adapter", {"lora_name": "pol", "lora_path": path, "load_inplace": True}),
+                ("/update_weight_version", {"new_version": str(version)}),
+                ("/resume", {})]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000001"]
+
+
+def test_a_vllm_server_joining_a_lora_run_is_warmed_with_the_adapter(tmp_path):
+    """Warm-up for servers without staging, checksums or a version set by the load (vLLM in LoRA
+    mode): the joiner loads the warm-up copy of the adapter (a directory of this version's own),
+    then takes this update with the members (pause, this version's adapter, set_version, resume)
+    and is admitted; nothing it cannot serve (discard, leave_group, checksums) is sent."""
+    import time
+
+    from tandem.rollout.config import VLLMLaunchConfig
+    from tandem.rollout.health import HealthConfig
+    from tandem.weights.meta import WeightUpdateMeta
+    from tandem.weights.updater import WeightUpdater
+
+    servers, handlers = [], []
+    for name in ("Member", "Joiner"):
+        handler = type(name, (_Recorder,), {"calls": []})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        handlers.append(handler)
+    member, joiner = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    config = RolloutConfig(backend="vllm:d1", servers=[member], vllm=VLLMLaunchConfig(lora_rank=8),
+                           health=HealthConfig(interval_s=0.1, timeout_s=30.0), topology_cooldown_s=0.0)
+    ctl = RolloutController(config)
+    weights = tmp_path / "weights"
+    meta = WeightUpdateMeta("disk", path=str(weights), warmup_dir=str(weights), lora_alpha=16.0)
+    try:
+        ctl.fleet.join(joiner, None)
+        deadline = time.monotonic() + 30
+        while joiner not in ctl.topology().warming and time.monotonic() < deadline:
+            time.sleep(0.05)  # the health monitor's probe moves it to warming
+        assert ctl.topology().warming == (joiner,)
+        with WeightUpdater(_AdapterSource(), ctl, meta) as updater:
+            report = updater.update(5)
+        assert report.warmed == (joiner,) and set(ctl.topology().members) == {member, joiner}
+        load = {"lora_name": "policy", "load_inplace": True}
+        update = [("/pause?mode=abort", {}), ("/v1/load_lora_adapter", {**load, "lora_path": str(weights / "v00000005")}),
+                  ("/update_weight_version", {"new_version": "5"}), ("/resume", {})]
+        calls = [[c for c in h.calls if c[0] != "/health"] for h in handlers]
+        assert calls[0] == update
+        assert calls[1] == [("/v1/load_lora_adapter", {**load, "lora_path": str(weights / "warmup-v00000005")}),
+                            *update]
+        assert not (weights / "warmup-v00000005").exists()  # deleted once loaded
+    finally:
+        ctl.shutdown()
+        for s in servers:
+            s.shutdown()
+            s.server_close()

@@ -138,6 +138,14 @@ def test_launched_vllm_servers_take_the_vllm_keys(tmp_path, model_dir, monkeypat
     assert "--enforce-eager" not in default["args"] and "--enforce-eager" in configured["args"]  # compiled by default
     assert (default["env"]["VLLM_CPU_KVCACHE_SPACE"], configured["env"]["VLLM_CPU_KVCACHE_SPACE"]) == ("1", "3")
     assert configured["env"]["OMP_NUM_THREADS"] == "2" and default["env"]["OMP_NUM_THREADS"] != "2"
+    # A LoRA run with disk sync: vLLM's LoRA support at the smallest --max-lora-rank that holds
+    # actor.lora.rank, the base served under a name of its own (the adapter takes rollout.model)
+    lora, named = launch("actor.lora.rank=4"), launch("actor.lora.rank=16", "rollout.model=pol")
+    assert "--enable-lora" not in default["args"] and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in default["env"]
+    assert [option(r, "--max-lora-rank") for r in (lora, named)] == ["8", "16"] and option(lora, "--max-loras") == "1"
+    assert [option(r, "--served-model-name") for r in (lora, named)] == ["policy-base", "pol-base"]
+    assert lora["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in launch("actor.lora.rank=4", "train.weight_sync=distributed")["args"]  # merged weights
 
     monkeypatch.setenv("TANDEM_FAKE_VLLM_SILENT", "1")
     with pytest.raises(RuntimeError, match=r"not healthy within 1s"):

@@ -3,14 +3,19 @@ logprobs equal the trainer's after every adapter update (`mismatch/max` <= 1e-5)
 verified (`train.verify_weights`: the adapter's checksums), each moves the adapter alone (`sync/mb`
 a small fraction of the whole model), and the checkpoint holds the PEFT adapter; a merged export of
 it (`tandem export-merged`) equals what the server holds. On a tiny Qwen3-MoE at `archon:d2e2`
-with rollout routing replay (r3), where the attention takes adapters and the experts do not."""
+with rollout routing replay (r3), where the attention takes adapters and the experts do not. A run
+that starts from an adapter (PEFT's own, or `tandem sft`'s) serves it from version 0: the servers
+start from `actor.path`, the base, so the run sends its adapter before the first rollout."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 
+import peft
 import pytest
+import torch
+import transformers
 
 from tandem.models.common.lora import ADAPTER_CONFIG
 from tandem.models.hf_checkpoint import iter_hf_tensors
@@ -94,3 +99,24 @@ def test_lora_sft_then_train_from_its_adapter(tmp_path):
     assert first["step"] == 0, evals  # before any RL step: the base with the SFT's adapter
     assert (first["eval/accuracy"], first["eval/response_len"]) == (sft_eval["eval/accuracy"],
                                                                     sft_eval["eval/response_len"]), (first, sft_eval)
+
+
+def test_a_run_that_starts_from_an_adapter_serves_it_from_version_0(tmp_path, model_dir):
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # a trained adapter: B away from PEFT's zero start
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    cfg = write_config(tmp_path, model_dir, actor={"backend": "archon:d1", "lora": {
+                           "rank": 8, "alpha": 16, "path": str(tmp_path / "adapter")}},
+                       rollout={"backend": "tandem:d1", "max_head_offpolicyness": 0},
+                       train={"total_steps": 1, "weight_sync": "disk"})
+    proc = subprocess.run([TANDEM, "train", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = rl_rows(tmp_path)
+    # step 1 trains on version 0's samples: the servers' logprobs are the trainer's (base + adapter)
+    assert row["mismatch/n_tokens"] > 0 and row["mismatch/max"] <= 1e-5, row["mismatch/max"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.errors import ConfigError
 from tandem.models.tiny import build_tokenizer
 from tandem.rl.config import load_run_config
 from tandem.rl.data import load_task_data
@@ -61,6 +62,35 @@ def test_weight_update_keys_make_the_runs_update(tmp_path):
     remote = weight_update_meta(load_run_config(None, ["cluster.host_ip=10.1.2.3", "experiment.device=cuda"]),
                                 tmp_path)
     assert (remote.master_address, remote.backend) == ("10.1.2.3", "nccl")
+
+
+@pytest.mark.parametrize(("backend", "sync", "adapters"), [
+    ("tandem:d1", "distributed", True), ("tandem:d1", "shm", True), ("vllm:d1", "disk", True),
+    ("vllm:d1", "distributed", False)])
+def test_lora_runs_send_the_adapter_where_the_servers_take_it(tmp_path, backend, sync, adapters):
+    """Catches `actor.lora.rank` not choosing what a run's updates carry: the adapter alone
+    (`lora_alpha` = actor.lora.alpha) to tandem servers over every transport and to vLLM over disk,
+    which then runs in LoRA mode (`rollout.vllm.lora_rank`, derived, and the client's adapter);
+    merged whole weights to vLLM over a transfer group."""
+    cfg = load_run_config(None, ["actor.lora.rank=8", "actor.lora.alpha=32", f"rollout.backend={backend}",
+                                 f"train.weight_sync={sync}"])
+    assert weight_update_meta(cfg, tmp_path).lora_alpha == (32.0 if adapters else None)
+    vllm_lora = adapters and backend.startswith("vllm")
+    assert cfg.rollout.vllm.lora_rank == (8 if vllm_lora else 0)
+    assert cfg.rollout.client_config().vllm_lora == vllm_lora
+    assert weight_update_meta(load_run_config(None, [f"rollout.backend={backend}", f"train.weight_sync={sync}"]),
+                              tmp_path).lora_alpha is None  # no LoRA: whole weights
+    assert load_run_config(None, [f"rollout.backend={backend}", "train.weight_sync=disk"]).rollout.vllm.lora_rank == 0
+
+
+def test_vllm_lora_keys_are_refused_where_vllm_cannot_serve_them():
+    with pytest.raises(ConfigError, match=r"rollout.vllm.lora_rank is derived, not set: set actor.lora.rank"):
+        load_run_config(None, ["rollout.backend=vllm:d1", "rollout.vllm.lora_rank=8"])
+    with pytest.raises(ConfigError, match=r"actor.lora.rank=600 is above 512, the largest adapter rank vLLM serves"):
+        load_run_config(None, ["actor.lora.rank=600", "rollout.backend=vllm:d1", "train.weight_sync=disk"])
+    with pytest.raises(ConfigError, match=r"train.verify_weights=true compares per-tensor checksums"):
+        load_run_config(None, ["actor.lora.rank=8", "rollout.backend=vllm:d1", "train.weight_sync=disk",
+                               "train.verify_weights=true"])
 
 
 def test_generation_keys_are_the_workflows_sampling(tokenizer):
