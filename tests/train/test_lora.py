@@ -48,6 +48,7 @@ def test_saved_adapter_loads_in_peft_with_the_engines_logits(tiny_dir, tmp_path)
             moved = max(moved, float((theirs - base(ids[None]).logits[0]).abs().max()))
             token = torch.log_softmax(theirs, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
             worst = max(worst, float((ours_lp[:-1] - token).abs().max()))
+    print(f"\n[LoRA vs peft] max |logit or logprob diff| {worst:.2e}; the adapter moves the logits by {moved:.2e}")
     assert worst < LOGIT_TOL, worst
     assert moved > 1e-3, "the adapter should change the logits (else the comparison shows nothing)"
 
@@ -69,6 +70,8 @@ def test_two_steps_equal_peft_and_adamw(tiny_dir, tmp_path):
         engine.save_adapter(tmp_path / f"step{step}")
         got, want = read_adapter(tmp_path / f"step{step}"), oracle.adapter_params()
         assert sorted(got) == sorted(want)
+        print(f"\n[LoRA vs peft + AdamW] step {step + 1}: max |adapter diff| {max_param_diff(got, want):.2e}, "
+              f"loss rel diff {rel_diff(ours['loss'], theirs['loss']):.2e}")
         assert max_param_diff(got, want) < PARAM_TOL, step
         assert max_param_diff(got, start) > 1e-4  # the adapters did move
 
