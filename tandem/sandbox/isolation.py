@@ -1,0 +1,132 @@
+"""The command line that starts one program isolated: cgroups entered, rlimits set, privileges
+dropped to the slot's uid, then bubblewrap with every namespace unshared and a read-only /usr.
+
+    sh -c 'enter cgroups && exec "$@"'   (root with cgroup v1 only)
+      prlimit --cpu --as --nproc --fsize --nofile --core --
+        setpriv --reuid U --regid U --clear-groups --inh-caps=-all --bounding-set=-all  (root only)
+          bwrap --unshare-all ... /usr/bin/python3 -I -S /tmp/main.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.errors import SandboxUnavailable
+from tandem.sandbox.config import SandboxConfig
+
+PYTHON = "/usr/bin/python3"  # the system's interpreter: its files are all under /usr
+WORKDIR = "/tmp"  # inside the sandbox: a private tmpfs, the program's cwd and HOME
+MAIN = f"{WORKDIR}/main.py"
+SANDBOX_PATH = "/usr/bin:/bin"
+HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # where the tools are looked up; the run's PATH is not used
+OPEN_FILES = 64
+# Processes of the sandbox that are not the program: the outer bwrap and the namespace's init.
+OVERHEAD_PROCESSES = 2
+MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """Absolute paths of the programs the command line runs."""
+
+    bwrap: str
+    prlimit: str
+    setpriv: str | None  # None when not root: bwrap then starts as the current (unprivileged) user
+
+
+def find_tools(config: SandboxConfig) -> Tools:
+    """The tools' paths; SandboxUnavailable naming what is missing and how to get it."""
+    bwrap = shutil.which(config.bwrap, path=HOST_PATH) or (config.bwrap if os.access(config.bwrap, os.X_OK) else None)
+    if bwrap is None:
+        raise SandboxUnavailable(
+            f"rollout.sandbox.bwrap: bubblewrap {config.bwrap!r} was not found; install it (`apt-get install "
+            f"bubblewrap`, or `make test-deps`) or set rollout.sandbox.bwrap to its path")
+    prlimit = shutil.which("prlimit", path=HOST_PATH)
+    setpriv = shutil.which("setpriv", path=HOST_PATH)
+    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
+        raise SandboxUnavailable("prlimit and setpriv (Debian's util-linux) are needed to set the sandbox's "
+                                 "limits and drop root; install util-linux")
+    if not os.access(PYTHON, os.X_OK):
+        raise SandboxUnavailable(f"{PYTHON} is missing: the sandbox runs programs with the system's Python "
+                                 f"(`apt-get install python3`)")
+    return Tools(bwrap, prlimit, setpriv if os.geteuid() == 0 else None)
+
+
+def slot_uid(config: SandboxConfig, slot: int) -> int:
+    """The uid (and gid) slot `slot` runs as when Tandem is root; the current uid otherwise."""
+    return config.uid_base + slot if os.geteuid() == 0 else os.getuid()
+
+
+def rlimits(config: SandboxConfig, uid: int, cgroup_pids: bool) -> list[str]:
+    """prlimit's options. RLIMIT_CPU is whole seconds: the soft limit (SIGXCPU) is cpu_s rounded up,
+    the hard one (SIGKILL) a second later. RLIMIT_NPROC counts every process of the uid; with a pids
+    cgroup it is set well above the cgroup's limit, so that the cgroup (which reports it) binds
+    first, also while exited processes are not yet released (both count those)."""
+    cpu = max(1, math.ceil(config.cpu_s))
+    nproc = config.processes + OVERHEAD_PROCESSES
+    if cgroup_pids:
+        nproc = 2 * nproc + 16
+    if os.geteuid() != 0:  # the user's other processes count against the limit too
+        nproc += len(uid_processes(uid))
+    memory = config.memory_mb * 2**20
+    return [f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--nproc={nproc}", f"--fsize={config.file_bytes}",
+            f"--nofile={OPEN_FILES}", "--core=0"]
+
+
+def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
+    """bubblewrap's options and the program: all namespaces new, /usr read-only, nothing else of
+    the host (no /etc, /home, /root, /work, host /tmp), a private tmpfs as cwd holding the
+    program, a cleared environment, the rest of the tree read-only."""
+    links: list[str] = []
+    for name in MERGED_USR:
+        host = Path("/") / name
+        if host.is_symlink():
+            links += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            links += ["--ro-bind", str(host), f"/{name}"]
+    return [
+        "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+        "--hostname", "sandbox",
+        "--ro-bind", "/usr", "/usr", *links,
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(config.memory_mb * 2**20), "--tmpfs", WORKDIR,
+        "--file", str(program_fd), MAIN, "--chdir", WORKDIR,
+        "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8",
+        "--remount-ro", "/",
+        "--", PYTHON, "-I", "-S", MAIN,
+    ]
+
+
+def command(config: SandboxConfig, tools: Tools, slot: int, program_fd: int, enter_cgroups: str | None) -> list[str]:
+    """The whole command line of one execution (see the module's docstring)."""
+    uid = slot_uid(config, slot)
+    argv = [tools.prlimit, *rlimits(config, uid, enter_cgroups is not None), "--"]
+    if tools.setpriv is not None:
+        argv += [tools.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                 "--inh-caps=-all", "--bounding-set=-all"]
+    argv += [tools.bwrap, *bwrap_arguments(config, program_fd)]
+    if enter_cgroups is not None:
+        argv = ["/bin/sh", "-c", f'{enter_cgroups} && exec "$@"', "sh", *argv]
+    return argv
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Pids of the host's processes whose real uid is `uid` (from /proc)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            found.append(int(entry.name))
+                        break
+        except OSError:
+            continue
+    return found
