@@ -1,5 +1,5 @@
 """Whether this host can isolate untrusted code: the tools are there and a tiny program, run
-through the real sandbox, sees a new PID namespace, no network but loopback and a cleared
+through the real sandbox, is pid 1 of a new PID namespace, sees no network but loopback and a cleared
 environment. Checked once per bwrap binary and user; the answer (or the reason) is cached."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tandem.sandbox.isolation import Tools, find_tools
 
 PROBE = ("import os, socket\n"
          "print(os.getpid(), ','.join(sorted(n for _, n in socket.if_nameindex())), set(os.environ) <= {'PATH', 'HOME', 'LANG', 'PWD'})\n")
-EXPECTED = "2 lo True"
+EXPECTED = "1 lo True"
 
 _lock = threading.Lock()
 _answers: dict[tuple[str, int], Tools | str] = {}

@@ -83,18 +83,21 @@ class ExecutionGroup:
     def tasks(self) -> list[int]:
         return [int(p) for p in _read(self.pids / "cgroup.procs").split()]
 
-    def kill_all(self, timeout_s: float = 5.0) -> list[int]:
-        """SIGKILL every process in the group until it is empty; the pids that were still there
-        (none after a clean exit: the namespace's init takes its tree with it)."""
-        seen: list[int] = []
+    def count(self) -> int:
+        """Processes charged to the group: living ones, and exited ones until they are reaped
+        (cgroup.procs lists the living only)."""
+        text = _read(self.pids / "pids.current").strip()
+        return int(text) if text else 0
+
+    def kill_all(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process in the group until none is charged to it (the namespace's init
+        takes its tree with it; this catches anything it did not)."""
         deadline = time.monotonic() + timeout_s
-        while (tasks := self.tasks()) and time.monotonic() < deadline:
-            seen.extend(t for t in tasks if t not in seen)
-            for pid in tasks:
+        while self.count() and time.monotonic() < deadline:
+            for pid in self.tasks():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
-        return seen
+            time.sleep(0.002)
 
     def remove(self) -> None:
         for d in self.dirs:

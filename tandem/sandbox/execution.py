@@ -172,7 +172,7 @@ def _classify(limits: SandboxConfig, stopped: str | None, code: int | None, stde
         return "ok", f"{memory} (a process was killed)" if oom else None
     if oom or stderr.decode("utf-8", "replace").strip().rsplit("\n", 1)[-1].startswith("MemoryError"):
         return "memory", memory
-    if code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):  # RLIMIT_CPU's soft and hard signals
+    if code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):  # RLIMIT_CPU's signals (not the OOM killer: above)
         return "timeout", f"CPU time limit rollout.sandbox.cpu_s={limits.cpu_s} s reached"
     if group is not None and group.pids_hit():
         return "processes", f"process limit rollout.sandbox.processes={limits.processes} reached"

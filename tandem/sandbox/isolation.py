@@ -62,8 +62,9 @@ def slot_uid(config: SandboxConfig, slot: int) -> int:
 
 
 def rlimits(config: SandboxConfig, uid: int, cgroup_pids: bool) -> list[str]:
-    """prlimit's options. RLIMIT_CPU is whole seconds: the soft limit (SIGXCPU) is cpu_s rounded up,
-    the hard one (SIGKILL) a second later. RLIMIT_NPROC counts every process of the uid; with a pids
+    """prlimit's options. RLIMIT_CPU is whole seconds (cpu_s rounded up), soft and hard alike: the
+    program is its namespace's init, which ignores SIGXCPU, so the hard limit's SIGKILL stops it.
+    RLIMIT_NPROC counts every process of the uid; with a pids
     cgroup it is set well above the cgroup's limit, so that the cgroup (which reports it) binds
     first, also while exited processes are not yet released (both count those)."""
     cpu = max(1, math.ceil(config.cpu_s))
@@ -73,14 +74,19 @@ def rlimits(config: SandboxConfig, uid: int, cgroup_pids: bool) -> list[str]:
     if os.geteuid() != 0:  # the user's other processes count against the limit too
         nproc += len(uid_processes(uid))
     memory = config.memory_mb * 2**20
-    return [f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--nproc={nproc}", f"--fsize={config.file_bytes}",
+    return [f"--cpu={cpu}", f"--as={memory}", f"--nproc={nproc}", f"--fsize={config.file_bytes}",
             f"--nofile={OPEN_FILES}", "--core=0"]
 
 
 def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
     """bubblewrap's options and the program: all namespaces new, /usr read-only, nothing else of
     the host (no /etc, /home, /root, /work, host /tmp), a private tmpfs as cwd holding the
-    program, a cleared environment, the rest of the tree read-only."""
+    program, a cleared environment, the rest of the tree read-only.
+
+    The program is pid 1 of its namespace (`--as-pid-1`): with bwrap's own init in between, the
+    outer bwrap exits as soon as the program does without reaping that init, which then stays a
+    zombie until the host's pid 1 reaps it (never, in a container whose pid 1 does not). As init,
+    the program's exit kills everything else in the namespace."""
     links: list[str] = []
     for name in MERGED_USR:
         host = Path("/") / name
@@ -96,8 +102,8 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
         "--size", str(config.memory_mb * 2**20), "--tmpfs", WORKDIR,
         "--file", str(program_fd), MAIN, "--chdir", WORKDIR,
         "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8",
-        "--remount-ro", "/",
-        "--", PYTHON, "-I", "-S", MAIN,
+        "--remount-ro", "/dev", "--remount-ro", "/",
+        "--as-pid-1", "--", PYTHON, "-I", "-S", MAIN,
     ]
 
 
