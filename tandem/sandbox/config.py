@@ -14,8 +14,8 @@ class SandboxConfig:
 
     workers: int = _f(2, "Sandboxed executions that run at once (the pool's slots; each slot has its own uid).",
                       min=1, max=256)
-    cpu_s: float = _f(5.0, "CPU seconds of each process of one execution (RLIMIT_CPU); past it the process is "
-                           "killed (status timeout).", gt=0.0)
+    cpu_s: float = _f(5.0, "CPU seconds of each process of one execution (RLIMIT_CPU, rounded up to whole "
+                           "seconds); past it the process is killed (status timeout).", gt=0.0)
     wall_s: float = _f(10.0, "Wall-clock seconds of one execution; past it the process tree is killed "
                              "(status timeout).", gt=0.0)
     memory_mb: int = _f(256, "Memory of one execution in MiB: each process's address space (RLIMIT_AS) and, "
