@@ -105,7 +105,9 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
 
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(f"tandem-sandbox-{name}", os.MFD_CLOEXEC)
-    os.write(fd, data) if len(data) < 2**16 else os.writev(fd, [data])
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
