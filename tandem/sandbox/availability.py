@@ -13,7 +13,7 @@ from tandem.sandbox.execution import execute
 from tandem.sandbox.isolation import Tools, find_tools
 
 PROBE = ("import os, socket\n"
-         "print(os.getpid(), ','.join(sorted(n for _, n in socket.if_nameindex())), set(os.environ) <= {'PATH', 'HOME', 'LANG', 'PWD'})\n")
+         "print(os.getpid(), ','.join(sorted(n for _, n in socket.if_nameindex())), set(os.environ) <= {'PATH', 'HOME', 'LANG', 'PWD', 'MALLOC_ARENA_MAX'})\n")
 EXPECTED = "1 lo True"
 
 _lock = threading.Lock()

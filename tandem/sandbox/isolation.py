@@ -24,8 +24,8 @@ MAIN = f"{WORKDIR}/main.py"
 SANDBOX_PATH = "/usr/bin:/bin"
 HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # where the tools are looked up; the run's PATH is not used
 OPEN_FILES = 64
-# Processes of the sandbox that are not the program: the outer bwrap and the namespace's init.
-OVERHEAD_PROCESSES = 2
+# Processes of the sandbox that are not the program: the outer bwrap (the program is the namespace's init).
+OVERHEAD_PROCESSES = 1
 MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
@@ -102,6 +102,7 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
         "--size", str(config.memory_mb * 2**20), "--tmpfs", WORKDIR,
         "--file", str(program_fd), MAIN, "--chdir", WORKDIR,
         "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8",
+        "--setenv", "MALLOC_ARENA_MAX", "2",
         "--remount-ro", "/dev", "--remount-ro", "/",
         "--as-pid-1", "--", PYTHON, "-I", "-S", MAIN,
     ]

@@ -44,6 +44,17 @@ def test_memory_mb_bounds_an_allocation():
     assert (small.status, small.reason) == ("memory", "memory limit rollout.sandbox.memory_mb=64 MiB reached")
 
 
+def test_threads_count_as_processes_and_fit_in_memory_mb():
+    """Threads stop at `processes` (the main thread is one), not earlier at RLIMIT_AS: glibc's
+    per-thread malloc arenas (64 MiB of address space each) are held to 2 in the sandbox."""
+    program = ("import threading, time\nstarted = []\ntry:\n    while True:\n"
+               "        t = threading.Thread(target=time.sleep, args=(2,))\n        t.start()\n        started.append(t)\n"
+               "except RuntimeError:\n    print(len(started))\n")
+    for processes in (8, 16):
+        result = run(program, None, limits(processes=processes, memory_mb=256))
+        assert result.status == "ok" and int(result.stdout) == processes - 1, result
+
+
 def test_file_bytes_bounds_a_written_file_and_the_program():
     program = ("import os\nwith open('big', 'wb') as f:\n    f.write(b'x' * 4096)\n    f.flush()\n"
                "print(os.path.getsize('big'))\n")
