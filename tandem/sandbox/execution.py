@@ -7,6 +7,7 @@ first (`availability.require`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -17,7 +18,15 @@ from pathlib import Path
 
 from tandem.sandbox import cgroups
 from tandem.sandbox.config import SandboxConfig
-from tandem.sandbox.isolation import HOST_PATH, OVERHEAD_PROCESSES, Tools, command, slot_uid, uid_processes
+from tandem.sandbox.isolation import (
+    HOST_PATH,
+    OVERHEAD_PROCESSES,
+    Tools,
+    command,
+    real_uid,
+    slot_uid,
+    uid_processes,
+)
 
 STATUSES = ("ok", "error", "timeout", "memory", "output", "processes", "refused")
 _CGROUP_MEMORY_SLACK = 32 * 2**20  # bwrap's own two processes and the kernel's share, beyond memory_mb
@@ -29,8 +38,8 @@ class Execution:
     or CPU limit), memory, output (stdout or stderr passed the output limit), processes (a fork
     failed at the process limit), refused (not started: program or stdin too large). `reason`
     names the limit and its key when a limit stopped it. `exit_code` is the program's (128 + N
-    for signal N), or -9 when the sandbox killed it, None when refused; stdout and stderr are cut
-    at the output limit."""
+    when signal N killed it: 137 when the sandbox or a limit did), None when refused; stdout and
+    stderr are cut at the output limit."""
 
     status: str
     exit_code: int | None
@@ -61,31 +70,36 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
     group = (cgroups.ExecutionGroup(slot, limits.memory_mb * 2**20 + _CGROUP_MEMORY_SLACK,
                                     limits.processes + OVERHEAD_PROCESSES) if cgroups.available() else None)
     program_fd, stdin_fd = _memfd("program", source), _memfd("stdin", data)
+    info_r, info_w = os.pipe()
     start = time.monotonic()
     try:
         if group is not None:
             group.create()
-        argv = command(limits, tools, slot, program_fd, group.enter_script() if group else None)
+        argv = command(limits, tools, slot, program_fd, info_w, group.enter_script() if group else None)
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(program_fd,), env={"PATH": HOST_PATH}, cwd="/", start_new_session=True)
+                                pass_fds=(program_fd, info_w), env={"PATH": HOST_PATH}, cwd="/",
+                                start_new_session=True)
     except BaseException:
+        os.close(info_r)
         if group is not None:
             group.remove()
         raise
     finally:
-        os.close(program_fd)
-        os.close(stdin_fd)
+        for fd in (program_fd, stdin_fd, info_w):
+            os.close(fd)
+    tree = _Tree(proc, info_r, slot_uid(limits, slot))
     try:
-        stdout, stderr, stopped = _collect(proc, limits, start + limits.wall_s)
+        stdout, stderr, stopped = _collect(tree, limits, start + limits.wall_s)
         code = _wait(proc, start + limits.wall_s if stopped is None else None)
         if code is None:
             stopped = "wall"
     finally:
-        # The namespace's init dies with the outer bwrap (--die-with-parent) and takes the tree
-        # with it; the sweep catches anything that got out of the namespace's reach regardless.
         if proc.returncode is None:
-            _kill(proc)
+            tree.kill()
             code = _wait(proc, None)
+        os.close(info_r)
+        # The program is its namespace's init: its death took the tree with it. The sweep
+        # catches anything that got out of the namespace's reach regardless.
         if group is not None:
             group.kill_all()
         elif os.geteuid() == 0:
@@ -112,9 +126,45 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _collect(proc: subprocess.Popen, limits: SandboxConfig, deadline: float) -> tuple[bytes, bytes, str | None]:
+class _Tree:
+    """The process tree of one execution, and how to kill it: the program first (its host pid
+    from bwrap's --info-fd, pinned by a pidfd), so that the outer bwrap reaps it and exits; the
+    outer bwrap's process group (whose death kills the program, --die-with-parent) only when the
+    program's pid is not known. Killing the outer bwrap first would orphan the program: a zombie
+    until the host's pid 1 reaps it."""
+
+    def __init__(self, proc: subprocess.Popen, info_fd: int, uid: int):
+        self.proc, self.info_fd, self.uid = proc, info_fd, uid
+
+    def program_pid(self) -> int | None:
+        os.set_blocking(self.info_fd, False)
+        try:
+            info = json.loads(os.read(self.info_fd, 65536) or b"null")
+        except (BlockingIOError, ValueError):
+            return None
+        return info.get("child-pid") if isinstance(info, dict) else None
+
+    def kill(self) -> None:
+        pid = self.program_pid()
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(pid)
+                try:
+                    if real_uid(pid) == self.uid:  # still the program, not a pid reused since
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                finally:
+                    os.close(pidfd)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+                return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _collect(tree: _Tree, limits: SandboxConfig, deadline: float) -> tuple[bytes, bytes, str | None]:
     """Read stdout and stderr until both close, the deadline passes ('wall') or one passes the
     output limit ('output'); the tree is killed in the last two cases."""
+    proc = tree.proc
     assert proc.stdout is not None and proc.stderr is not None
     out, err = bytearray(), bytearray()
     kept = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
@@ -143,15 +193,10 @@ def _collect(proc: subprocess.Popen, limits: SandboxConfig, deadline: float) -> 
                     stopped = "output"
                     break
     if stopped is not None:
-        _kill(proc)
+        tree.kill()
     proc.stdout.close()
     proc.stderr.close()
     return bytes(out), bytes(err), stopped
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait(proc: subprocess.Popen, deadline: float | None) -> int | None:

@@ -78,7 +78,7 @@ def rlimits(config: SandboxConfig, uid: int, cgroup_pids: bool) -> list[str]:
             f"--nofile={OPEN_FILES}", "--core=0"]
 
 
-def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
+def bwrap_arguments(config: SandboxConfig, program_fd: int, info_fd: int) -> list[str]:
     """bubblewrap's options and the program: all namespaces new, /usr read-only, nothing else of
     the host (no /etc, /home, /root, /work, host /tmp), a private tmpfs as cwd holding the
     program, a cleared environment, the rest of the tree read-only.
@@ -86,7 +86,9 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
     The program is pid 1 of its namespace (`--as-pid-1`): with bwrap's own init in between, the
     outer bwrap exits as soon as the program does without reaping that init, which then stays a
     zombie until the host's pid 1 reaps it (never, in a container whose pid 1 does not). As init,
-    the program's exit kills everything else in the namespace."""
+    the program's exit kills everything else in the namespace. bwrap writes the program's host
+    pid to `info_fd` (JSON, `child-pid`), so that the parent can kill it first and let the outer
+    bwrap reap it."""
     links: list[str] = []
     for name in MERGED_USR:
         host = Path("/") / name
@@ -95,7 +97,7 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
         elif host.is_dir():
             links += ["--ro-bind", str(host), f"/{name}"]
     return [
-        "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+        "--info-fd", str(info_fd), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
         "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", *links,
         "--proc", "/proc", "--dev", "/dev",
@@ -108,32 +110,32 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int) -> list[str]:
     ]
 
 
-def command(config: SandboxConfig, tools: Tools, slot: int, program_fd: int, enter_cgroups: str | None) -> list[str]:
+def command(config: SandboxConfig, tools: Tools, slot: int, program_fd: int, info_fd: int,
+            enter_cgroups: str | None) -> list[str]:
     """The whole command line of one execution (see the module's docstring)."""
     uid = slot_uid(config, slot)
     argv = [tools.prlimit, *rlimits(config, uid, enter_cgroups is not None), "--"]
     if tools.setpriv is not None:
         argv += [tools.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all"]
-    argv += [tools.bwrap, *bwrap_arguments(config, program_fd)]
+    argv += [tools.bwrap, *bwrap_arguments(config, program_fd, info_fd)]
     if enter_cgroups is not None:
         argv = ["/bin/sh", "-c", f'{enter_cgroups} && exec "$@"', "sh", *argv]
     return argv
 
 
+def real_uid(pid: int) -> int | None:
+    """The real uid of process `pid` (None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def uid_processes(uid: int) -> list[int]:
     """Pids of the host's processes whose real uid is `uid` (from /proc)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            found.append(int(entry.name))
-                        break
-        except OSError:
-            continue
-    return found
+    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and real_uid(int(e.name)) == uid]

@@ -226,7 +226,7 @@ def test_sleeping_past_the_wall_limit_is_killed(pool):
     took = time.monotonic() - started
     assert result.status == "timeout", result
     assert result.reason == "wall-clock limit rollout.sandbox.wall_s=3.0 s reached"
-    assert result.stdout == "sleeping\n" and result.exit_code == -9
+    assert result.stdout == "sleeping\n" and result.exit_code == 128 + 9
     assert pool.config.wall_s <= took < pool.config.wall_s + 2
 
 

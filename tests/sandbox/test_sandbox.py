@@ -14,7 +14,7 @@ import pytest
 
 from tandem.cli import main
 from tandem.errors import SandboxUnavailable
-from tandem.sandbox import SandboxPool, StdioTest, cgroups, run, run_tests
+from tandem.sandbox import SandboxPool, StdioTest, cgroups, execution, run, run_tests
 from tandem.sandbox.availability import require
 from tests.sandbox.conftest import UID_BASE, bwrap_missing, limits, our_cgroups, sandbox_processes
 
@@ -138,6 +138,22 @@ def test_cli_prints_one_json_object(tmp_path, capsys):
     assert "missing.py: no such file" in capsys.readouterr().err
     assert main(["sandbox", "run", str(program), "--memory-mb", "1"]) == 2
     assert "rollout.sandbox.memory_mb" in capsys.readouterr().err
+
+
+def test_without_cgroups_the_namespace_alone_leaves_nothing(monkeypatch):
+    """Where there are no cgroups (and, not root, no sweep of the slot's uid), the program's death
+    as its namespace's init must take its tree with it, and no zombie may be left for the host's
+    pid 1 (a container's pid 1 may never reap it): a killed sleeper, a killed writer, a daemon."""
+    monkeypatch.setattr(cgroups, "available", lambda: False)
+    monkeypatch.setattr(execution, "uid_processes", lambda uid: [])
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        time.sleep(60)\n    os._exit(0)\ntime.sleep(0.2)\n")
+    for program, status in [("import time\ntime.sleep(60)\n", "timeout"),
+                             ("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)\n", "output"),
+                             (daemon, "ok")]:
+        result = run(program, None, limits(wall_s=2.0))
+        assert result.status == status and result.cpu_seconds is None, result
+        assert not sandbox_processes(range(UID_BASE, UID_BASE + 1)), program  # zombies included
 
 
 def test_nothing_is_left_after_these_tests():
