@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tandem.cli import main
 from tandem.errors import SandboxUnavailable
 from tandem.sandbox import SandboxPool, StdioTest, cgroups, execution, run, run_tests
 from tandem.sandbox.availability import require
-from tests.sandbox.conftest import UID_BASE, bwrap_missing, limits, our_cgroups, sandbox_processes
+from tests.sandbox.conftest import ROOT, UID_BASE, bwrap_missing, limits, our_cgroups, sandbox_processes
 
 pytestmark = pytest.mark.skipif(bwrap_missing() is not None, reason=str(bwrap_missing()))
 
@@ -154,6 +156,36 @@ def test_without_cgroups_the_namespace_alone_leaves_nothing(monkeypatch):
         result = run(program, None, limits(wall_s=2.0))
         assert result.status == status and result.cpu_seconds is None, result
         assert not sandbox_processes(range(UID_BASE, UID_BASE + 1)), program  # zombies included
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts the sandbox as nobody with setpriv (root)")
+def test_without_root_it_runs_in_user_namespaces_as_the_user():
+    """Started by an unprivileged user (nobody, with the system's Python and Tandem on PYTHONPATH):
+    no setpriv, no cgroups, the user's own uid; still pid 1 of its namespaces, no network, the
+    limits hold and nothing is left."""
+    script = textwrap.dedent("""
+        import json
+        from tandem.sandbox import SandboxConfig, run
+        probe = run("import os, socket\\nprint(os.getuid(), os.getpid(), [n for _, n in socket.if_nameindex()])")
+        slow = run("import time\\ntime.sleep(30)", None, SandboxConfig(wall_s=1.0))
+        bomb = run("import os\\nwhile True:\\n    os.fork()", None, SandboxConfig(wall_s=5.0))
+        print(json.dumps([probe.to_json(), slow.to_json(), bomb.to_json()]))
+    """)
+    proc = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                           "/usr/bin/python3", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"}, cwd="/")
+    if proc.returncode != 0 and "No module named 'tandem'" in proc.stderr:
+        pytest.skip(f"nobody cannot read the checkout at {ROOT}")
+    assert proc.returncode == 0, proc.stderr
+    probe, slow, bomb = json.loads(proc.stdout)
+    assert probe["status"] == "ok" and probe["stdout"] == f"{NOBODY} 1 ['lo']\n", probe
+    assert (slow["status"], slow["reason"]) == ("timeout", "wall-clock limit rollout.sandbox.wall_s=1.0 s reached")
+    assert bomb["status"] == "error" and "BlockingIOError" in bomb["stderr"], bomb
+    left = [p for p in sandbox_processes(range(NOBODY, NOBODY + 1)) if "/tmp/main.py" in p[2]]
+    assert not left, left
 
 
 def test_nothing_is_left_after_these_tests():
