@@ -177,7 +177,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sandbox", help="run untrusted code in the sandbox a code reward uses (docs/security.md)")
     sandbox = p.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
     p = sandbox.add_parser("run", help="run one Python program in the sandbox with rollout.sandbox's limits; print "
-                                       "one JSON object: status, exit_code, stdout, stderr, reason, seconds")
+                                       "one JSON object: status, exit_code, stdout, stderr, reason, seconds",
+                           description="Runs PROGRAM.py the way a code reward would and prints one JSON object "
+                                       "(status, exit_code, stdout, stderr, reason, seconds). Exit code 0 for status "
+                                       "ok, 1 for any other status, 2 when the sandbox is unavailable here.")
     p.add_argument("program", metavar="PROGRAM.py", help="the program (run by the system's /usr/bin/python3)")
     p.add_argument("--stdin", metavar="FILE", default=None, help="feed this file on the program's stdin")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
