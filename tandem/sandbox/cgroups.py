@@ -30,6 +30,27 @@ def available() -> bool:
     return True
 
 
+_swept = False
+
+
+def remove_stale() -> None:
+    """Remove the groups of processes that died in mid-execution (killed, their cleanup never
+    ran); once per process, on its first execution. Their sandboxes died with them (pdeathsig)."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for group in ROOT.glob(f"*/{PARENT}/*-*-*"):
+        owner = int(group.name.split("-")[0])
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        except PermissionError:
+            pass
+
+
 class ExecutionGroup:
     """The memory and pids groups of one execution, made by `create` and removed by `remove`.
 
@@ -52,6 +73,7 @@ class ExecutionGroup:
         return self.dirs[1]
 
     def create(self) -> None:
+        remove_stale()
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
         (self.memory / "memory.limit_in_bytes").write_text(str(self.memory_bytes))

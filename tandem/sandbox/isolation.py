@@ -3,7 +3,7 @@ dropped to the slot's uid, then bubblewrap with every namespace unshared and a r
 
     sh -c 'enter cgroups && exec "$@"'   (root with cgroup v1 only)
       prlimit --cpu --as --nproc --fsize --nofile --core --
-        setpriv --reuid U --regid U --clear-groups --inh-caps=-all --bounding-set=-all  (root only)
+        setpriv --pdeathsig KILL [--reuid U --regid U --clear-groups --inh-caps=-all --bounding-set=-all (root)]
           bwrap --unshare-all ... /usr/bin/python3 -I -S /tmp/main.py
 """
 
@@ -35,7 +35,7 @@ class Tools:
 
     bwrap: str
     prlimit: str
-    setpriv: str | None  # None when not root: bwrap then starts as the current (unprivileged) user
+    setpriv: str
 
 
 def find_tools(config: SandboxConfig) -> Tools:
@@ -47,13 +47,13 @@ def find_tools(config: SandboxConfig) -> Tools:
             f"bubblewrap`, or `make test-deps`) or set rollout.sandbox.bwrap to its path")
     prlimit = shutil.which("prlimit", path=HOST_PATH)
     setpriv = shutil.which("setpriv", path=HOST_PATH)
-    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
+    if prlimit is None or setpriv is None:
         raise SandboxUnavailable("prlimit and setpriv (Debian's util-linux) are needed to set the sandbox's "
                                  "limits and drop root; install util-linux")
     if not os.access(PYTHON, os.X_OK):
         raise SandboxUnavailable(f"{PYTHON} is missing: the sandbox runs programs with the system's Python "
                                  f"(`apt-get install python3`)")
-    return Tools(bwrap, prlimit, setpriv if os.geteuid() == 0 else None)
+    return Tools(bwrap, prlimit, setpriv)
 
 
 def slot_uid(config: SandboxConfig, slot: int) -> int:
@@ -115,9 +115,12 @@ def command(config: SandboxConfig, tools: Tools, slot: int, program_fd: int, inf
     """The whole command line of one execution (see the module's docstring)."""
     uid = slot_uid(config, slot)
     argv = [tools.prlimit, *rlimits(config, uid, enter_cgroups is not None), "--"]
-    if tools.setpriv is not None:
-        argv += [tools.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                 "--inh-caps=-all", "--bounding-set=-all"]
+    # Tandem's death kills the outer bwrap (bwrap's --die-with-parent sets the same for itself;
+    # this one holds regardless) and so the program; setpriv sets it after the uid change, which
+    # would clear it. Not root: no uid change, bwrap starts as the current user.
+    argv += [tools.setpriv, "--pdeathsig", "KILL"]
+    if os.geteuid() == 0:
+        argv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
     argv += [tools.bwrap, *bwrap_arguments(config, program_fd, info_fd)]
     if enter_cgroups is not None:
         argv = ["/bin/sh", "-c", f'{enter_cgroups} && exec "$@"', "sh", *argv]

@@ -3,10 +3,12 @@ is impossible it refuses instead of running the program; `run_tests` and `tandem
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -186,6 +188,50 @@ def test_without_root_it_runs_in_user_namespaces_as_the_user():
     assert bomb["status"] == "error" and "BlockingIOError" in bomb["stderr"], bomb
     left = [p for p in sandbox_processes(range(NOBODY, NOBODY + 1)) if "/tmp/main.py" in p[2]]
     assert not left, left
+
+
+def test_a_killed_parent_takes_its_sandboxes_with_it(tmp_path, monkeypatch):
+    """A process running an execution is killed (SIGKILL: no cleanup of its own): the sandbox dies
+    with it (setpriv --pdeathsig, bwrap --die-with-parent), and the next process that uses the
+    sandbox removes the dead one's cgroups."""
+    uid = UID_BASE + 7
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tandem.sandbox import SandboxConfig, run
+        print("running", flush=True)
+        run("import time\\nprint('started', flush=True)\\ntime.sleep(60)", None,
+            SandboxConfig(wall_s=100.0, uid_base={uid}))
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "running\n"
+        deadline = time.monotonic() + 30
+        while not [p for p in sandbox_processes(range(uid, uid + 1)) if "main.py" in p[2]]:
+            assert time.monotonic() < deadline, "the sandbox never started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while living := [p for p in sandbox_processes(range(uid, uid + 1)) if not _zombie(p[0])]:
+        assert time.monotonic() < deadline, f"the sandbox outlived its parent: {living}"
+        time.sleep(0.05)
+    if cgroups.available():
+        stale = glob.glob(f"/sys/fs/cgroup/*/tandem-sandbox/{parent.pid}-*")
+        assert stale  # left by the killed parent, until a process sweeps them
+        monkeypatch.setattr(cgroups, "_swept", False)  # this process swept once already
+        cgroups.remove_stale()
+        assert not glob.glob(f"/sys/fs/cgroup/*/tandem-sandbox/{parent.pid}-*")
+
+
+def _zombie(pid: int) -> bool:
+    """A dead process whose parent (the host's pid 1, after its own parent died) has not reaped it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_nothing_is_left_after_these_tests():
