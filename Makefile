@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo lora vllm-venv slurm-deps cxx-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean demo moe agent ppo lora vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ lint: $(STAMP)
 # The project's venv, vLLM's venv and Debian's Slurm install side by side: each mostly waits on
 # downloads and unpacking.
 test-deps:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps
+	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps sandbox-deps
 	@$(MAKE) --no-print-directory kernels
 
 test: test-deps lint
@@ -58,6 +58,20 @@ cxx-deps:
 	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q g++ ninja-build libtcmalloc-minimal4; } \
 	    ) > .cxx-install.log 2>&1 \
 	 || echo "apt-get install g++ ninja-build libtcmalloc-minimal4 failed (see .cxx-install.log): the CPU kernels will not build"
+
+# bubblewrap isolates the programs code rewards run (tandem/sandbox, docs/security.md); prlimit and
+# setpriv come with util-linux. Installed when missing; where that is impossible the reason goes to
+# $(SANDBOX_FAILED), the sandbox refuses to run (SandboxUnavailable) and its tests skip printing it.
+SANDBOX_FAILED := .sandbox.failed
+sandbox-deps:
+	@rm -f $(SANDBOX_FAILED)
+	@command -v bwrap >/dev/null && command -v prlimit >/dev/null && command -v setpriv >/dev/null \
+	 || ( export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get $(APT_WAIT) install -y -q bubblewrap util-linux \
+	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q bubblewrap util-linux; } \
+	    ) > .sandbox-install.log 2>&1 \
+	 || { echo "apt-get install bubblewrap util-linux failed (see .sandbox-install.log): $$(tail -n 2 .sandbox-install.log | tr '\n' ' ')" > $(SANDBOX_FAILED); \
+	      cat $(SANDBOX_FAILED); }
 
 # Build the CPU kernels now rather than in the first server a test starts (~20 s of CPU, more
 # under load, against the servers' start-up deadlines). A failed build is reported, not fatal.
@@ -146,7 +160,7 @@ gpu-check:
 		--out $(GPU_CHECK_OUT) --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),--quick) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).failed $(VLLM_VENV).log $(SANDBOX_FAILED) .sandbox-install.log .pytest_cache .ruff_cache .hypothesis
 
 # What a reviewer reads instead of a size rule: the largest modules and functions, the tandem imports
 # not at module level (each with its reason), and what the uncommitted change repeats (when the

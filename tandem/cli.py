@@ -174,6 +174,21 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_serve_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
+    p = sub.add_parser("sandbox", help="run untrusted code in the sandbox a code reward uses (docs/security.md)")
+    sandbox = p.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
+    p = sandbox.add_parser("run", help="run one Python program in the sandbox with rollout.sandbox's limits; print "
+                                       "one JSON object: status, exit_code, stdout, stderr, reason, seconds",
+                           description="Runs PROGRAM.py the way a code reward would and prints one JSON object "
+                                       "(status, exit_code, stdout, stderr, reason, seconds). Exit code 0 for status "
+                                       "ok, 1 for any other status, 2 when the sandbox is unavailable here.")
+    p.add_argument("program", metavar="PROGRAM.py", help="the program (run by the system's /usr/bin/python3)")
+    p.add_argument("--stdin", metavar="FILE", default=None, help="feed this file on the program's stdin")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="wall-clock and CPU seconds (rollout.sandbox.wall_s and cpu_s; default: theirs)")
+    p.add_argument("--memory-mb", type=int, default=None, metavar="N",
+                   help="memory in MiB (rollout.sandbox.memory_mb; default: its default)")
+    p.set_defaults(func=_cmd_sandbox_run)
+
     p = sub.add_parser("fleet", help="the inference servers of a running `tandem train`: state, version, load")
     p.add_argument("run_dir", help="the run directory (it holds controller.json while the run goes on)")
     p.add_argument("--json", action="store_true", help="a JSON list of objects with keys address, pid, state, "
@@ -407,6 +422,36 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", default=None, metavar="RUN_DIR",
                    help="join the running `tandem train` of RUN_DIR (its controller.json): the run warms this "
                         "server to its current weights and gives it traffic (docs/fleet.md)")
+
+
+def _cmd_sandbox_run(args: argparse.Namespace) -> int:
+    """Exit 0 when the program ran and exited 0 (status ok), 1 for any other status."""
+    from pathlib import Path
+
+    from tandem.config.fields import validate
+    from tandem.sandbox import SandboxConfig, run
+
+    config = SandboxConfig()
+    if args.timeout is not None:
+        config.wall_s = config.cpu_s = args.timeout
+    if args.memory_mb is not None:
+        config.memory_mb = args.memory_mb
+    try:
+        validate(config, prefix="rollout.sandbox.")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (--timeout sets wall_s and cpu_s, --memory-mb sets memory_mb)") from None
+    program = Path(args.program)
+    if not program.is_file():
+        raise ConfigError(f"{program}: no such file (PROGRAM.py is the Python program to run)")
+    stdin = None
+    if args.stdin is not None:
+        if not Path(args.stdin).is_file():
+            raise ConfigError(f"--stdin {args.stdin}: no such file")
+        stdin = Path(args.stdin).read_bytes()
+    execution = run(program, stdin, config)
+    fields = ("status", "exit_code", "stdout", "stderr", "reason", "seconds")
+    print(json.dumps({k: execution.to_json()[k] for k in fields}))
+    return 0 if execution.ok else 1
 
 
 FLEET_KEYS = ("address", "pid", "state", "version", "in_flight", "tokens_served", "last_error")

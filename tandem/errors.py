@@ -43,3 +43,8 @@ class CheckpointError(TandemError, OSError):
 
 class ModelConfigError(TandemError, ValueError):
     """A model `config.json` is unsupported or inconsistent."""
+
+
+class SandboxUnavailable(TandemError, RuntimeError):
+    """Untrusted code cannot be isolated here (no bubblewrap, no user namespaces, a failed
+    self-test); the message says why and how to fix it. The sandbox never runs code unisolated."""

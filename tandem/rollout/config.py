@@ -23,6 +23,7 @@ from tandem.rollout.agent.config import AgentConfig
 from tandem.rollout.client import ClientConfig
 from tandem.rollout.executor import ExecutorConfig
 from tandem.rollout.health import HealthConfig
+from tandem.sandbox.config import SandboxConfig
 from tandem.user_code import absolute_spec
 
 WORKFLOWS = ("rlvr", "multi_turn", "agent")
@@ -118,6 +119,7 @@ class RolloutConfig:
                                   gt=0.0)
     worker_start_timeout_s: float = _f(120.0, "Seconds for rollout worker processes to start.", gt=0.0)
     health: HealthConfig = field(default_factory=HealthConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vllm: VLLMLaunchConfig = field(default_factory=VLLMLaunchConfig)
     min_servers: int = _f(1, "Rollouts start only with this many healthy servers at the current weights.", min=1)
     min_servers_grace_s: float = _f(

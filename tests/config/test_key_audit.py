@@ -69,6 +69,8 @@ T_PPO_REACH = "tests/rl/test_ppo_config.py::test_critic_and_reference_keys_reach
 T_PPO_REFUSED = "tests/rl/test_ppo_config.py::test_critic_and_reference_paths_are_checked"
 T_PPO_MODELS = "tests/rl/test_ppo_models.py::test_reference_and_critic_beside_a_two_rank_actor"
 T_CRITIC_SAVED = "tests/train/test_critic_engine.py::test_a_saved_critic_is_an_hf_token_classifier_with_the_same_values"
+T_SANDBOX = "tests/sandbox/test_sandbox.py"
+T_HOSTILE = "tests/sandbox/test_hostile.py"
 T_TRAINING_BATCH = "tests/rl/test_training_batch.py::test_kl_reward_and_gae_on_the_critics_values"
 
 KEY_TESTS: dict[str, tuple[str, ...]] = {
@@ -241,6 +243,23 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
         f"{T_REACH}[rollout.topology_cooldown_s]",
         "tests/rollout/test_membership.py::test_additions_wait_the_cooldown_so_a_burst_costs_one_rebuild"),
     "rollout.replace_dead": ("tests/rl/test_elastic_run.py::test_kill_join_and_replace_in_a_running_job",),
+    # --- rollout.sandbox: limits of untrusted code (docs/security.md)
+    "rollout.sandbox.workers": (f"{T_SANDBOX}::test_workers_run_at_once_each_as_its_slots_uid",),
+    "rollout.sandbox.cpu_s": (f"{T_HOSTILE}::test_a_busy_loop_is_killed_at_the_cpu_limit",),
+    "rollout.sandbox.wall_s": (f"{T_HOSTILE}::test_sleeping_past_the_wall_limit_is_killed",
+                               f"{T_SANDBOX}::test_cli_prints_one_json_object"),
+    "rollout.sandbox.memory_mb": (f"{T_SANDBOX}::test_memory_mb_bounds_an_allocation",
+                                  f"{T_HOSTILE}::test_a_10_gb_allocation_fails_at_the_memory_limit",
+                                  f"{T_HOSTILE}::test_processes_that_together_pass_the_memory_limit_are_killed"),
+    "rollout.sandbox.processes": (f"{T_HOSTILE}::test_fork_bomb_is_stopped_at_the_process_limit",
+                                  f"{T_SANDBOX}::test_threads_count_as_processes_and_fit_in_memory_mb"),
+    "rollout.sandbox.output_bytes": (f"{T_HOSTILE}::test_100_mb_of_stdout_is_cut_at_the_output_limit",
+                                     f"{T_SANDBOX}::test_stdin_reaches_the_program_and_output_bytes_cuts_stderr_too"),
+    "rollout.sandbox.file_bytes": (f"{T_SANDBOX}::test_file_bytes_bounds_a_written_file_and_the_program",),
+    "rollout.sandbox.uid_base": (f"{T_SANDBOX}::test_workers_run_at_once_each_as_its_slots_uid",
+                                 f"{T_HOSTILE}::test_killing_its_parent_or_a_host_process_of_its_uid_does_nothing"),
+    "rollout.sandbox.bwrap": (f"{T_SANDBOX}::test_a_missing_bwrap_is_refused_and_the_program_never_runs",
+                              f"{T_SANDBOX}::test_a_bwrap_that_fails_its_self_test_is_refused"),
     # --- gen: sampling of rollouts
     "gen.n_samples": (T_GENERATION, f"{T_WORKFLOWS}::test_rlvr_is_the_default", "tests/rollout/test_workflows.py::test_rlvr_group"),
     "gen.max_new_tokens": (T_GENERATION, T_MULTI_TURN),

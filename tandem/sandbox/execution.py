@@ -1,0 +1,226 @@
+"""One execution of a program in the sandbox: start it isolated, feed stdin, read stdout and stderr
+up to the output limit, enforce the wall-clock limit, kill the whole tree on any limit, say why.
+
+`execute` does not check that isolation works; `tandem.sandbox.run` and `SandboxPool` do that
+first (`availability.require`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tandem.sandbox import cgroups
+from tandem.sandbox.config import SandboxConfig
+from tandem.sandbox.isolation import (
+    HOST_PATH,
+    OVERHEAD_PROCESSES,
+    Tools,
+    command,
+    real_uid,
+    slot_uid,
+    uid_processes,
+)
+
+STATUSES = ("ok", "error", "timeout", "memory", "output", "processes", "refused")
+_CGROUP_MEMORY_SLACK = 32 * 2**20  # bwrap's own two processes and the kernel's share, beyond memory_mb
+
+
+@dataclass
+class Execution:
+    """What one execution did. `status`: ok (exit 0), error (any other exit), timeout (wall-clock
+    or CPU limit), memory, output (stdout or stderr passed the output limit), processes (a fork
+    failed at the process limit), refused (not started: program or stdin too large). `reason`
+    names the limit and its key when a limit stopped it. `exit_code` is the program's (128 + N
+    when signal N killed it: 137 when the sandbox or a limit did), None when refused; stdout and
+    stderr are cut at the output limit."""
+
+    status: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    reason: str | None
+    seconds: float
+    cpu_seconds: float | None = None  # the whole tree's, where cgroup v1 cpuacct is mounted
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, tools: Tools,
+            slot: int = 0) -> Execution:
+    """Run `program` (source text, or a file's path) with `stdin` in a fresh sandbox as slot `slot`'s
+    uid; every process it started is gone when this returns."""
+    source = Path(program).read_bytes() if isinstance(program, Path) else program.encode()
+    data = stdin or b""
+    for what, size in (("program", len(source)), ("stdin", len(data))):
+        if size > limits.file_bytes:
+            return Execution("refused", None, "", "", f"the {what} has {size} bytes, more than "
+                             f"rollout.sandbox.file_bytes={limits.file_bytes}", 0.0)
+    group = (cgroups.ExecutionGroup(slot, limits.memory_mb * 2**20 + _CGROUP_MEMORY_SLACK,
+                                    limits.processes + OVERHEAD_PROCESSES) if cgroups.available() else None)
+    program_fd, stdin_fd = _memfd("program", source), _memfd("stdin", data)
+    info_r, info_w = os.pipe()
+    start = time.monotonic()
+    try:
+        if group is not None:
+            group.create()
+        argv = command(limits, tools, slot, program_fd, info_w, group.enter_script() if group else None)
+        proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=(program_fd, info_w), env={"PATH": HOST_PATH}, cwd="/",
+                                start_new_session=True)
+    except BaseException:
+        os.close(info_r)
+        if group is not None:
+            group.remove()
+        raise
+    finally:
+        for fd in (program_fd, stdin_fd, info_w):
+            os.close(fd)
+    tree = _Tree(proc, info_r, slot_uid(limits, slot))
+    try:
+        stdout, stderr, stopped = _collect(tree, limits, start + limits.wall_s)
+        code = _wait(proc, start + limits.wall_s if stopped is None else None)
+        if code is None:
+            stopped = "wall"
+    finally:
+        if proc.returncode is None:
+            tree.kill()
+            code = _wait(proc, None)
+        os.close(info_r)
+        # The program is its namespace's init: its death took the tree with it. The sweep
+        # catches anything that got out of the namespace's reach regardless.
+        if group is not None:
+            group.kill_all()
+        elif os.geteuid() == 0:
+            for pid in uid_processes(slot_uid(limits, slot)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    seconds = time.monotonic() - start
+    cpu = group.cpu_seconds() if group is not None else None
+    try:
+        status, reason = _classify(limits, stopped, code, stderr, group)
+    finally:
+        if group is not None:
+            group.remove()
+    return Execution(status, code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"),
+                     reason, round(seconds, 4), None if cpu is None else round(cpu, 4))
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(f"tandem-sandbox-{name}", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+class _Tree:
+    """The process tree of one execution, and how to kill it: the program first (its host pid
+    from bwrap's --info-fd, pinned by a pidfd), so that the outer bwrap reaps it and exits; the
+    outer bwrap's process group (whose death kills the program, --die-with-parent) only when the
+    program's pid is not known. Killing the outer bwrap first would orphan the program: a zombie
+    until the host's pid 1 reaps it."""
+
+    def __init__(self, proc: subprocess.Popen, info_fd: int, uid: int):
+        self.proc, self.info_fd, self.uid = proc, info_fd, uid
+
+    def program_pid(self) -> int | None:
+        os.set_blocking(self.info_fd, False)
+        try:
+            info = json.loads(os.read(self.info_fd, 65536) or b"null")
+        except (BlockingIOError, ValueError):
+            return None
+        return info.get("child-pid") if isinstance(info, dict) else None
+
+    def kill(self) -> None:
+        pid = self.program_pid()
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(pid)
+                try:
+                    if real_uid(pid) == self.uid:  # still the program, not a pid reused since
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                finally:
+                    os.close(pidfd)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+                return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _collect(tree: _Tree, limits: SandboxConfig, deadline: float) -> tuple[bytes, bytes, str | None]:
+    """Read stdout and stderr until both close, the deadline passes ('wall') or one passes the
+    output limit ('output'); the tree is killed in the last two cases."""
+    proc = tree.proc
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    kept = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    stopped = None
+    with selectors.DefaultSelector() as sel:
+        for fd in kept:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map() and stopped is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stopped = "wall"
+                break
+            for key, _ in sel.select(timeout=left):
+                try:
+                    chunk = os.read(key.fd, 2**16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = kept[key.fd]
+                room = limits.output_bytes - len(buf)
+                buf += chunk[:room]
+                if len(chunk) > room:
+                    stopped = "output"
+                    break
+    if stopped is not None:
+        tree.kill()
+    proc.stdout.close()
+    proc.stderr.close()
+    return bytes(out), bytes(err), stopped
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None) -> int | None:
+    """Reap the outer process: its exit code, or None when the deadline passed first."""
+    try:
+        return proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _classify(limits: SandboxConfig, stopped: str | None, code: int | None, stderr: bytes,
+              group: cgroups.ExecutionGroup | None) -> tuple[str, str | None]:
+    if stopped == "output":
+        return "output", f"output passed rollout.sandbox.output_bytes={limits.output_bytes} bytes"
+    if stopped == "wall":
+        return "timeout", f"wall-clock limit rollout.sandbox.wall_s={limits.wall_s} s reached"
+    memory = f"memory limit rollout.sandbox.memory_mb={limits.memory_mb} MiB reached"
+    oom = group is not None and group.memory_hit()
+    if code == 0:  # a child may have been killed at the limit; the program itself succeeded
+        return "ok", f"{memory} (a process was killed)" if oom else None
+    if oom or stderr.decode("utf-8", "replace").strip().rsplit("\n", 1)[-1].startswith("MemoryError"):
+        return "memory", memory
+    if code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):  # RLIMIT_CPU's signals (not the OOM killer: above)
+        return "timeout", f"CPU time limit rollout.sandbox.cpu_s={limits.cpu_s} s reached"
+    if group is not None and group.pids_hit():
+        return "processes", f"process limit rollout.sandbox.processes={limits.processes} reached"
+    return "error", None
