@@ -238,3 +238,26 @@ def test_nothing_is_left_after_these_tests():
     assert not sandbox_processes(range(UID_BASE, UID_BASE + 2))
     if cgroups.available():
         assert not our_cgroups()
+
+
+def test_a_tree_at_its_memory_limit_stopped_by_the_wall_clock_reports_memory():
+    """The kernel may keep a tree at its memory cgroup's limit in reclaim past the wall limit: the
+    OOM killer's record in the group decides the status (seen once on a loaded machine)."""
+    from tandem.sandbox.execution import _classify
+
+    class Group:  # what the execution reads of its cgroups
+        def __init__(self, oom: bool):
+            self.oom = oom
+
+        def memory_hit(self) -> bool:
+            return self.oom
+
+        def pids_hit(self) -> bool:
+            return False
+
+    config = limits()
+    assert _classify(config, "wall", None, b"", Group(True))[0] == "memory"
+    assert _classify(config, "wall", None, b"", Group(True))[1].endswith(f"wall_s={config.wall_s} s reached")
+    assert _classify(config, "wall", None, b"", Group(False)) == (
+        "timeout", f"wall-clock limit rollout.sandbox.wall_s={config.wall_s} s reached")
+    assert _classify(config, "wall", None, b"", None)[0] == "timeout"
