@@ -111,7 +111,7 @@ def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
 
     start = time.monotonic()
     stuck, innocent = run(both())
-    # The stuck call sleeps 60 s: ending well inside that shows the hard kill at timeout + grace
+    # The stuck call sleeps 40 s: ending well inside that shows the hard kill at timeout + grace
     # (1.5 s here; a pool respawn on top took up to ~5 s with three test suites on 2 cores).
     assert time.monotonic() - start < 20
     assert stuck.value is None and "worker killed" in stuck.error
