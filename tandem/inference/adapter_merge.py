@@ -86,7 +86,7 @@ class AdapterMerger:
         WeightUpdateError."""
         if not alpha > 0:
             raise WeightUpdateError(f"adapter update: lora_alpha must be positive, got {alpha}")
-        self.check(model, [(n, t) for n, t in named], partial=False)
+        self.check(model, named)
         modules = self.modules(named)
         out = []
         for module, sides in modules.items():

@@ -12,7 +12,12 @@ import torch
 
 from tandem.errors import CheckpointError
 from tandem.models.common.lora import AdapterSpec, merged_weight, parse_peft_name, read_adapter
-from tandem.models.hf_checkpoint import iter_hf_tensors, read_hf_config, save_hf_checkpoint_stream
+from tandem.models.hf_checkpoint import (
+    iter_hf_tensors,
+    read_hf_config,
+    read_tensor_shapes,
+    save_hf_checkpoint_stream,
+)
 
 
 def export_merged(base_dir: str | os.PathLike[str], adapter_dir: str | os.PathLike[str],
@@ -28,7 +33,7 @@ def export_merged(base_dir: str | os.PathLike[str], adapter_dir: str | os.PathLi
     incomplete = sorted(w for w, sides in pairs.items() if len(sides) != 2)
     if incomplete:
         raise CheckpointError(f"adapter {str(adapter_dir)!r} lacks lora_A or lora_B for {incomplete[:3]}")
-    names = {name for name, _ in iter_hf_tensors(base_dir)}
+    names = read_tensor_shapes(base_dir).keys()  # the headers only: the tensors are read once, below
     unknown = sorted(pairs.keys() - names)
     if unknown:
         raise CheckpointError(f"adapter {str(adapter_dir)!r} adapts {unknown[:3]}, which base {str(base_dir)!r} "

@@ -28,7 +28,7 @@ from tandem.data.batch import LOSS_MASK, MicroBatch, SequenceBatch, count_loss_t
 from tandem.errors import CheckpointError, ConfigError
 from tandem.models import build_model, read_hf_config
 from tandem.models.common.attention import choose_kernel
-from tandem.models.common.lora import AdapterSpec, add_lora, check_adapter_fits, fresh_adapter, write_adapter
+from tandem.models.common.lora import add_lora, check_adapter_fits, fresh_adapter, write_adapter
 from tandem.models.common.moe import Routing, load_balancing_loss
 from tandem.models.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tandem.models.value_head import config_for_head
@@ -446,12 +446,6 @@ class TrainEngine:
         if self.world_size > 1:
             dist.barrier()
         return out
-
-    @property
-    def adapter(self) -> AdapterSpec | None:
-        """What weight updates carry: the adapters over the servers' base (`sync_adapters`), or
-        None: whole (merged) weights."""
-        return AdapterSpec(self.lora.rank, self.lora.alpha) if self.sync_adapters else None
 
     def export_weights(self, bucket_bytes: int, dtype: torch.dtype | None = None, alloc: Alloc | None = None,
                        dst: int | None = None, adapter_only: bool | None = None):

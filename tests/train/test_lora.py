@@ -151,18 +151,13 @@ def test_export_merged_equals_peft_merge_and_unload(tiny_dir, tmp_path):
     assert wrong.returncode == 2 and "not a PEFT adapter directory" in wrong.stderr
 
 
-def test_dropout_acts_in_training_forwards_only(tiny_dir):
+def test_dropout_acts_in_training_forwards_only(tiny_dir, tmp_path):
     batch = make_batch(512)
     plain = lora_engine(tiny_dir)
     plain.train_batch(batch, weighted_loss)  # b moves off zero, so the adapter path carries signal
-    plain.save_adapter(plain_dir := plain.config.path + "-lora-dropout-test", overwrite=True)
-    try:
-        dropped = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.5, path=plain_dir))
-        kept = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, path=plain_dir))
-        a, b = dropped.forward_logprobs(batch).logprobs, kept.forward_logprobs(batch).logprobs
-        assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) == 0.0  # no dropout in eval
-        assert dropped.train_batch(batch, weighted_loss)["loss"] != kept.train_batch(batch, weighted_loss)["loss"]
-    finally:
-        import shutil
-
-        shutil.rmtree(plain_dir, ignore_errors=True)
+    plain.save_adapter(tmp_path / "adapter")
+    dropped = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.5, path=str(tmp_path / "adapter")))
+    kept = lora_engine(tiny_dir, lora=LoRAConfig(rank=4, alpha=8.0, path=str(tmp_path / "adapter")))
+    a, b = dropped.forward_logprobs(batch).logprobs, kept.forward_logprobs(batch).logprobs
+    assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) == 0.0  # no dropout in eval
+    assert dropped.train_batch(batch, weighted_loss)["loss"] != kept.train_batch(batch, weighted_loss)["loss"]
