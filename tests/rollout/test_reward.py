@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -85,16 +88,51 @@ def test_worker_start_up_does_not_count_against_the_timeout():
     reward timeout and get an innocent, instant reward killed as stuck."""
     from tests.rollout import slow_import_reward
 
-    runner = RewardRunner(max_workers=1, timeout_s=0.3, grace_s=0.3)
+    runner = RewardRunner(max_workers=1, timeout_s=0.3, grace_s=0.3, start_timeout_s=40.0)
+    snapshot = threading.Timer(15.0, lambda: notes.append(pool_snapshot(runner)))
+    notes: list[str] = []
     try:
         start = time.monotonic()
-        res = score(runner, slow_import_reward.quick_reward)
+        snapshot.start()
+        res = run(runner.ascore(slow_import_reward.quick_reward, "p", "c", [1], [2]), timeout=50.0)
         took = time.monotonic() - start
-        assert res.ok and res.value == 1.0, res.error
+        snapshot.cancel()
+        # A start-up this slow passed once in many suite runs and once ran past the 20 s bound this
+        # test had (35ecc16): what the pool was doing at 15 s goes to the warnings summary.
+        if notes:
+            warnings.warn(f"the reward worker took {took:.1f}s to take the call up: {notes[0]}", stacklevel=1)
+        assert res.ok and res.value == 1.0, (res.error, notes)
         assert took > slow_import_reward.IMPORT_S  # the import really came before the call
         assert runner.num_recycled == 0
     finally:
+        snapshot.cancel()
         runner.close()
+
+
+def pool_snapshot(runner: RewardRunner) -> str:
+    """Where a reward pool stands: its workers' kernel states and the stacks of its parent-side
+    threads (the executor's manager, the call queue's feeder), for a call that waits too long."""
+    import sys
+    import traceback
+
+    pool = runner._pool
+    if pool is None:
+        return "no pool"
+    lines = []
+    for pid in list((pool._processes or {}).keys()):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            lines.append(f"worker {pid}: state {stat[0]}, wchan {wchan}, utime+stime {int(stat[11]) + int(stat[12])} ticks")
+        except OSError as exc:
+            lines.append(f"worker {pid}: {exc}")
+    lines.append(f"pending work items: {len(pool._pending_work_items)}")
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        if thread.ident in frames and ("Manager" in type(thread).__name__ or "QueueFeederThread" in thread.name):
+            stack = "".join(traceback.format_stack(frames[thread.ident], limit=6))
+            lines.append(f"thread {thread.name}:\n{stack}")
+    return "\n".join(lines)
 
 
 def test_stubborn_hang_kills_the_worker_and_the_pool_recovers(runner):
@@ -128,7 +166,6 @@ def test_calls_queued_in_a_recycled_pool_are_scored_not_cancelled():
     `shutdown(cancel_futures=True)` cancels the waiting ones: that must not surface as an
     asyncio.CancelledError in their callers (it ended evaluations on loaded CI machines) but be
     retried on the fresh pool, as a call broken by the recycling is."""
-    import threading
 
     runner = RewardRunner(max_workers=1, timeout_s=1.0, grace_s=0.5)
     try:
