@@ -2,10 +2,11 @@
 limits, the tree killed on any limit. See docs/security.md."""
 
 from tandem.errors import SandboxUnavailable
-from tandem.sandbox.checks import StdioTest, TestOutcome, run_tests
+from tandem.sandbox.checks import StdioTest, TestOutcome, TestReport, run_tests
 from tandem.sandbox.config import SandboxConfig
-from tandem.sandbox.execution import STATUSES, Execution
+from tandem.sandbox.execution import STATUSES, Deadline, Execution
 from tandem.sandbox.pool import SandboxPool, run
+from tandem.sandbox.session import Sandbox, process_pool
 
-__all__ = ["STATUSES", "Execution", "SandboxConfig", "SandboxPool", "SandboxUnavailable", "StdioTest",
-           "TestOutcome", "run", "run_tests"]
+__all__ = ["STATUSES", "Deadline", "Execution", "Sandbox", "SandboxConfig", "SandboxPool", "SandboxUnavailable",
+           "StdioTest", "TestOutcome", "TestReport", "process_pool", "run", "run_tests"]

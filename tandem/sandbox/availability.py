@@ -11,6 +11,7 @@ from tandem.errors import SandboxUnavailable
 from tandem.sandbox.config import SandboxConfig
 from tandem.sandbox.execution import execute
 from tandem.sandbox.isolation import Tools, find_tools
+from tandem.sandbox.uids import UidLease
 
 PROBE = ("import os, socket\n"
          "print(os.getpid(), ','.join(sorted(n for _, n in socket.if_nameindex())), set(os.environ) <= {'PATH', 'HOME', 'LANG', 'PWD', 'MALLOC_ARENA_MAX'})\n")
@@ -37,7 +38,8 @@ def _self_test(config: SandboxConfig, tools: Tools) -> Tools | str:
     probe = SandboxConfig(workers=1, cpu_s=10.0, wall_s=30.0, memory_mb=max(config.memory_mb, 128),
                           processes=4, uid_base=config.uid_base, bwrap=config.bwrap)
     try:
-        run = execute(PROBE, None, probe, tools)
+        with UidLease(config.uid_base, 1) as lease:
+            run = execute(PROBE, None, probe, tools, lease.uids[0])
     except OSError as exc:
         return f"the sandbox's self-test could not start {tools.bwrap}: {exc}"
     if run.status == "ok" and run.stdout.strip() == EXPECTED:

@@ -57,8 +57,8 @@ class ExecutionGroup:
     `enter_script` is the shell line that moves the shell running it into both groups before it
     execs the sandbox, so that nothing the sandbox starts is ever outside them."""
 
-    def __init__(self, slot: int, memory_bytes: int, max_pids: int):
-        name = f"{os.getpid()}-{slot}-{next(_serial)}"
+    def __init__(self, uid: int, memory_bytes: int, max_pids: int):
+        name = f"{os.getpid()}-{uid}-{next(_serial)}"
         self.dirs = [ROOT / "memory" / PARENT / name, ROOT / "pids" / PARENT / name]
         if (ROOT / "cpuacct" / "cpuacct.usage").is_file():
             self.dirs.append(ROOT / "cpuacct" / PARENT / name)

@@ -24,7 +24,6 @@ from tandem.sandbox.isolation import (
     Tools,
     command,
     real_uid,
-    slot_uid,
     uid_processes,
 )
 
@@ -57,25 +56,40 @@ class Execution:
         return asdict(self)
 
 
-def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, tools: Tools,
-            slot: int = 0) -> Execution:
-    """Run `program` (source text, or a file's path) with `stdin` in a fresh sandbox as slot `slot`'s
-    uid; every process it started is gone when this returns."""
+@dataclass(frozen=True)
+class Deadline:
+    """An end for an execution besides its wall limit: `at` (time.monotonic()), and what set it
+    for the reason (e.g. "the reward call's time, task.reward_timeout_s=15 s")."""
+
+    at: float
+    what: str
+
+
+def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, tools: Tools, uid: int,
+            deadline: Deadline | None = None) -> Execution:
+    """Run `program` (source text, or a file's path) with `stdin` in a fresh sandbox as `uid` (a
+    leased one: `tandem.sandbox.uids`), stopped at its wall limit or at `deadline`, whichever comes
+    first; every process it started is gone when this returns."""
     source = Path(program).read_bytes() if isinstance(program, Path) else program.encode()
     data = stdin or b""
     for what, size in (("program", len(source)), ("stdin", len(data))):
         if size > limits.file_bytes:
             return Execution("refused", None, "", "", f"the {what} has {size} bytes, more than "
                              f"rollout.sandbox.file_bytes={limits.file_bytes}", 0.0)
-    group = (cgroups.ExecutionGroup(slot, limits.memory_mb * 2**20 + _CGROUP_MEMORY_SLACK,
+    start = time.monotonic()
+    end, cut = start + limits.wall_s, None
+    if deadline is not None and deadline.at < end:
+        end, cut = deadline.at, deadline.what
+        if end <= start:
+            return Execution("timeout", None, "", "", f"the {cut} ran out before the program started", 0.0)
+    group = (cgroups.ExecutionGroup(uid, limits.memory_mb * 2**20 + _CGROUP_MEMORY_SLACK,
                                     limits.processes + OVERHEAD_PROCESSES) if cgroups.available() else None)
     program_fd, stdin_fd = _memfd("program", source), _memfd("stdin", data)
     info_r, info_w = os.pipe()
-    start = time.monotonic()
     try:
         if group is not None:
             group.create()
-        argv = command(limits, tools, slot, program_fd, info_w, group.enter_script() if group else None)
+        argv = command(limits, tools, uid, program_fd, info_w, group.enter_script() if group else None)
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 pass_fds=(program_fd, info_w), env={"PATH": HOST_PATH}, cwd="/",
                                 start_new_session=True)
@@ -87,10 +101,10 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
     finally:
         for fd in (program_fd, stdin_fd, info_w):
             os.close(fd)
-    tree = _Tree(proc, info_r, slot_uid(limits, slot))
+    tree = _Tree(proc, info_r, uid)
     try:
-        stdout, stderr, stopped = _collect(tree, limits, start + limits.wall_s)
-        code = _wait(proc, start + limits.wall_s if stopped is None else None)
+        stdout, stderr, stopped = _collect(tree, limits, end)
+        code = _wait(proc, end if stopped is None else None)
         if code is None:
             stopped = "wall"
     finally:
@@ -103,13 +117,13 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
         if group is not None:
             group.kill_all()
         elif os.geteuid() == 0:
-            for pid in uid_processes(slot_uid(limits, slot)):
+            for pid in uid_processes(uid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     seconds = time.monotonic() - start
     cpu = group.cpu_seconds() if group is not None else None
     try:
-        status, reason = _classify(limits, stopped, code, stderr, group)
+        status, reason = _classify(limits, stopped, code, stderr, group, cut)
     finally:
         if group is not None:
             group.remove()
@@ -208,16 +222,19 @@ def _wait(proc: subprocess.Popen, deadline: float | None) -> int | None:
 
 
 def _classify(limits: SandboxConfig, stopped: str | None, code: int | None, stderr: bytes,
-              group: cgroups.ExecutionGroup | None) -> tuple[str, str | None]:
+              group: cgroups.ExecutionGroup | None, cut: str | None = None) -> tuple[str, str | None]:
+    """`cut`: what set the end in place of the wall limit (a Deadline's `what`), if anything did."""
     if stopped == "output":
         return "output", f"output passed rollout.sandbox.output_bytes={limits.output_bytes} bytes"
     memory = f"memory limit rollout.sandbox.memory_mb={limits.memory_mb} MiB reached"
     oom = group is not None and group.memory_hit()
     if stopped == "wall":
-        wall = f"wall-clock limit rollout.sandbox.wall_s={limits.wall_s} s reached"
+        wall = f"the {cut} ran out" if cut else f"wall-clock limit rollout.sandbox.wall_s={limits.wall_s} s reached"
         # A tree at its memory limit can stall in the kernel's reclaim past the wall limit (seen once
         # in a suite run on a loaded machine): the memory limit is what stopped it.
-        return ("memory", f"{memory}, then the {wall}") if oom else ("timeout", wall)
+        if oom:
+            return "memory", f"{memory}, then {wall if cut else 'the ' + wall}"
+        return "timeout", wall
     if code == 0:  # a child may have been killed at the limit; the program itself succeeded
         return "ok", f"{memory} (a process was killed)" if oom else None
     if oom or stderr.decode("utf-8", "replace").strip().rsplit("\n", 1)[-1].startswith("MemoryError"):

@@ -1,5 +1,5 @@
 """The command line that starts one program isolated: cgroups entered, rlimits set, privileges
-dropped to the slot's uid, then bubblewrap with every namespace unshared and a read-only /usr.
+dropped to the slot's leased uid, then bubblewrap with every namespace unshared and a read-only /usr.
 
     sh -c 'enter cgroups && exec "$@"'   (root with cgroup v1 only)
       prlimit --cpu --as --nproc --fsize --nofile --core --
@@ -56,11 +56,6 @@ def find_tools(config: SandboxConfig) -> Tools:
     return Tools(bwrap, prlimit, setpriv)
 
 
-def slot_uid(config: SandboxConfig, slot: int) -> int:
-    """The uid (and gid) slot `slot` runs as when Tandem is root; the current uid otherwise."""
-    return config.uid_base + slot if os.geteuid() == 0 else os.getuid()
-
-
 def rlimits(config: SandboxConfig, uid: int, cgroup_pids: bool) -> list[str]:
     """prlimit's options. RLIMIT_CPU is whole seconds (cpu_s rounded up), soft and hard alike: the
     program is its namespace's init, which ignores SIGXCPU, so the hard limit's SIGKILL stops it.
@@ -110,10 +105,10 @@ def bwrap_arguments(config: SandboxConfig, program_fd: int, info_fd: int) -> lis
     ]
 
 
-def command(config: SandboxConfig, tools: Tools, slot: int, program_fd: int, info_fd: int,
+def command(config: SandboxConfig, tools: Tools, uid: int, program_fd: int, info_fd: int,
             enter_cgroups: str | None) -> list[str]:
-    """The whole command line of one execution (see the module's docstring)."""
-    uid = slot_uid(config, slot)
+    """The whole command line of one execution as `uid` (see the module's docstring; a leased uid,
+    `tandem.sandbox.uids`, or the current one without root)."""
     argv = [tools.prlimit, *rlimits(config, uid, enter_cgroups is not None), "--"]
     # Tandem's death kills the outer bwrap (bwrap's --die-with-parent sets the same for itself;
     # this one holds regardless) and so the program; setpriv sets it after the uid change, which

@@ -2,7 +2,7 @@
 could not be installed (`make sandbox-deps` records why in .sandbox.failed); where it is installed
 and isolation still fails, they fail.
 
-Each test process uses its own uids (`UID_BASE`, from its pid), so that the two workers of
+Each test process uses its own uids (`UID_BASE`, from its pid, 64 of them), so that the two workers of
 `make test -n 2` never see each other's sandboxes in /proc."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from tandem.sandbox import SandboxConfig, SandboxPool
 
 ROOT = Path(__file__).resolve().parents[2]
-UID_BASE = 300000 + (os.getpid() % 4000) * 8
+UID_BASE = 300000 + (os.getpid() % 4000) * 64  # room for the offsets test_session.py uses
 WORKERS = 2
 
 

@@ -108,15 +108,17 @@ def test_a_bwrap_that_fails_its_self_test_is_refused():
 
 def test_run_tests_asserts_and_stdio_pairs():
     code = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    import sys\n    print(sum(map(int, sys.stdin.read().split())))\n"
-    outcomes = run_tests(code, ["assert add(1, 2) == 3", "assert add(1, 2) == 4", StdioTest("2 3\n", "5\n"),
-                                StdioTest("2 3", "6")], config=limits())
+    report = run_tests(code, ["assert add(1, 2) == 3", "assert add(1, 2) == 4", StdioTest("2 3\n", "5\n"),
+                              {"input": "2 3", "output": "6"}], config=limits())
+    outcomes = report.outcomes
     assert [o.passed for o in outcomes] == [True, False, True, False]
+    assert (report.passed, report.total, report.fraction, report.all_passed) == (2, 4, 0.5, False)
     assert outcomes[1].execution.status == "error" and "AssertionError" in outcomes[1].execution.stderr
 
 
 def test_run_tests_is_not_fooled_by_an_early_exit_with_status_0():
     for escape in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n"):
-        outcomes = run_tests("def f():\n    return 1\n" + escape, ["assert f() == 2"], config=limits())
+        outcomes = run_tests("def f():\n    return 1\n" + escape, ["assert f() == 2"], config=limits()).outcomes
         assert outcomes[0].execution.status == "ok" and not outcomes[0].passed
 
 
