@@ -18,10 +18,10 @@ from typing import Any
 
 from tandem.data.tasks.base import Task, TaskDataError, check_fraction, normalize_split, split_of
 from tandem.data.tasks.extract import answer_span
+from tandem.data.tasks.files import read_table
 
 REQUIRED_FIELDS = ("question", "answer")
 INSTRUCTION = "Put your final answer in \\boxed{}."
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: "<<48/2=24>>"
 _FIX = "each row needs a 'question' and an 'answer' that ends in '#### <final answer>'"
 
@@ -36,26 +36,11 @@ def final_answer(solution: str) -> str | None:
 def load_gsm8k_file(path: str | Path, cache_dir: str | None = None) -> list[dict[str, Any]]:
     """Rows of a GSM8K-format file as {"question", "solution", "answer", "row"} dicts, validated."""
     path = Path(path)
-    fmt = _FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise TaskDataError(f"GSM8K file {str(path)!r}: unsupported extension {path.suffix!r}; "
-                            "use a .jsonl/.json (JSON lines) or .parquet file")
-    if not path.is_file():
-        raise TaskDataError(f"GSM8K file {str(path)!r} not found; fix the path (a local JSONL or parquet "
-                            f"file: {_FIX})")
-    import datasets  # heavy: only when a file is actually read
-
-    try:
-        data = datasets.load_dataset(fmt, data_files=str(path), split="train", cache_dir=cache_dir)
-    except Exception as exc:
-        raise TaskDataError(f"GSM8K file {str(path)!r} could not be read as {fmt}: {type(exc).__name__}: "
-                            f"{exc}") from exc
+    data = read_table(path, "GSM8K file", _FIX, cache_dir)
     missing = [f for f in REQUIRED_FIELDS if f not in data.column_names]
     if missing:
         raise TaskDataError(f"GSM8K file {str(path)!r} lacks field(s) {', '.join(map(repr, missing))} "
                             f"(it has {', '.join(map(repr, data.column_names)) or 'none'}); {_FIX}")
-    if len(data) == 0:
-        raise TaskDataError(f"GSM8K file {str(path)!r} has no rows; {_FIX}")
     rows = []
     for i, (question, solution) in enumerate(zip(data["question"], data["answer"], strict=True)):
         where = f"GSM8K file {str(path)!r}, row {i + 1}"
