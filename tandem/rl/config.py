@@ -145,7 +145,7 @@ class GenerationConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "Built-in task: arithmetic, calculator, countdown or gsm8k (see docs/tasks.md).")
+    name: str = _f("arithmetic", "Built-in task: arithmetic, calculator, code, countdown or gsm8k (see docs/tasks.md).")
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Task options, e.g. {difficulty: add2, instruction: false}."}
     )

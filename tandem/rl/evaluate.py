@@ -13,12 +13,13 @@ from typing import Any, cast
 
 from tandem import aio
 from tandem.data.tasks import Task
+from tandem.errors import ConfigError, SandboxUnavailable
 from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
 from tandem.rl.config import TandemConfig
 from tandem.rollout.client import ClientConfig, InferenceClient
 from tandem.rollout.pool import ServerPool
-from tandem.rollout.reward import RewardFn, RewardRunner
+from tandem.rollout.reward import RewardFn, RewardRunner, wants_sandbox
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflows.rlvr import reward_fields
 from tandem.user_code import UserFunction
@@ -60,6 +61,27 @@ async def _evaluate(client: InferenceClient, items: list[dict[str, Any]], reward
     n = max(1, len(results))
     return {"eval/accuracy": sum(r for r, _, _ in results) / n, "eval/response_len": sum(L for _, L, _ in results) / n,
             "eval/n": float(len(results)), "eval/failed": float(failed)}
+
+
+def reward_runner(cfg: TandemConfig) -> RewardRunner:
+    """The run's reward pool, for training and evaluation: `task.reward_workers` processes, each
+    call under `task.reward_timeout_s`, each worker's sandbox with `rollout.sandbox`'s limits."""
+    return RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
+                        timeout_key="task.reward_timeout_s", sandbox=cfg.rollout.sandbox)
+
+
+def check_sandbox(cfg: TandemConfig, reward_fn: RewardFn) -> None:
+    """A reward that runs code (it has a `sandbox` parameter: the code task's, or a rollout.reward's)
+    needs isolation on this host: checked before anything starts, a ConfigError saying why not."""
+    if not wants_sandbox(reward_fn):
+        return
+    from tandem.sandbox.availability import require
+
+    try:
+        require(cfg.rollout.sandbox)
+    except SandboxUnavailable as exc:
+        which = f"rollout.reward {cfg.rollout.reward!r}" if cfg.rollout.reward else f"the {cfg.task.name} task's reward"
+        raise ConfigError(f"{which} runs code in the sandbox, which cannot run here: {exc}") from None
 
 
 def reward_function(cfg: TandemConfig, task: Task) -> RewardFn:

@@ -22,7 +22,7 @@ from tandem.rl.cluster import run_processes, start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
 from tandem.rl.dispatch import model_hidden_size, split_for_ranks
-from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate import check_sandbox, evaluate, reward_function, reward_runner
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.metrics import MetricsLogger
 from tandem.rl.trial import run_dir_of
@@ -41,12 +41,13 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
+    if data.eval:  # before training: the evaluation's reward may need the sandbox
+        check_sandbox(cfg, reward_function(cfg, data.task))
     used = data.train[: cfg.sft.steps * cfg.sft.batch_size]  # the stream never reaches further items
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in used])
     metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
                             tensorboard_dir="sft-tensorboard")
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
-                          timeout_key="task.reward_timeout_s")
+    runner = reward_runner(cfg)
     try:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
                             processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs

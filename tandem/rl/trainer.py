@@ -34,7 +34,7 @@ from tandem.rl.cluster import InferenceServers, run_processes, start_servers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
-from tandem.rl.evaluate import evaluate, reward_function
+from tandem.rl.evaluate import check_sandbox, evaluate, reward_function, reward_runner
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.faults import kill_point
 from tandem.rl.keeper import ServerKeeper
@@ -119,8 +119,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     attach_run_log(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
-    runner = RewardRunner(max_workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s,
-                          timeout_key="task.reward_timeout_s")
+    runner = reward_runner(cfg)
     metrics: MetricsLogger | None = None
     try:
         logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
@@ -128,6 +127,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
         data = load_task_data(cfg, tokenizer)
         reward_fn = reward_function(cfg, data.task)
+        check_sandbox(cfg, reward_fn)
         workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         task = RunTask(data, tokenizer, reward_fn, runner, workflow)
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,

@@ -7,11 +7,14 @@ A Python-level hang is interrupted inside the worker at `timeout_s`; a worker st
 once). Both clocks start when a worker takes the call up, and at most `max_workers` calls per event
 loop are in the pool. A reward that raises, hangs or returns a non-number gives
 `RewardResult(value=None, error=...)`. Workers die with the runner's owner
-(`tandem.launch.guard.die_with_creator`). See docs/rollout.md, "Rewards"."""
+(`tandem.launch.guard.die_with_creator`). A reward with a `sandbox` parameter gets a
+`tandem.sandbox.Sandbox` on its worker's pool (`sandbox=` limits), whose executions end by the
+call's soft timeout. See docs/rollout.md, "Rewards"."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import math
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.launch.guard import die_with_creator
+from tandem.sandbox import Deadline, Sandbox, SandboxConfig
+from tandem.user_code import UserFunction
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +93,26 @@ class _StartBoard:
 
 _board: _StartBoard | None = None  # worker side: this worker's board and slot (set by _init_worker)
 _slot = -1
+_sandbox_config: SandboxConfig | None = None  # worker side: the limits of its sandbox pool
+
+
+def wants_sandbox(fn: RewardFn) -> bool:
+    """Whether a reward asks for the sandbox: its signature has a parameter named `sandbox` (a
+    `UserFunction` is looked at through the function it names, imported here)."""
+    target = fn.load() if isinstance(fn, UserFunction) else fn
+    try:
+        return "sandbox" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _run_with_alarm(fn: RewardFn, timeout_s: float, calls: list[tuple], kwargs: dict[str, Any], label: str = "",
-                    token: int = 0) -> list[tuple[bool, Any]]:
+                    token: int = 0, sandbox: str | None = None) -> list[tuple[bool, Any]]:
     """Worker side: post `token` as started, then call `fn` on each argument tuple in turn, each
     under its own soft timeout (the worker runs them on its main thread). Per call (True, value)
-    or (False, why), so that one failing call leaves its siblings' values."""
+    or (False, why), so that one failing call leaves its siblings' values. With `sandbox` (what
+    sets the deadline, for its reasons), each call gets `sandbox=`, a Sandbox whose executions end
+    by that call's timeout."""
     if _board is not None:
         _board.post(_slot, token)
     name = getattr(fn, "__name__", fn)
@@ -103,6 +121,8 @@ def _run_with_alarm(fn: RewardFn, timeout_s: float, calls: list[tuple], kwargs: 
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
+            if sandbox is not None:
+                kwargs = {**kwargs, "sandbox": Sandbox(_sandbox_config, Deadline(time.monotonic() + timeout_s, sandbox))}
             out.append((True, fn(*args, **kwargs)))
         except _AlarmTimeout:
             out.append((False, f"reward {name!r} ran past {timeout_s:g}s{label}"))
@@ -122,15 +142,17 @@ def _result(name: str, ok: bool, value: Any) -> RewardResult:
     return RewardResult(float(value))
 
 
-def _init_worker(creator_pid: int, board: _StartBoard) -> None:
+def _init_worker(creator_pid: int, board: _StartBoard, sandbox: SandboxConfig | None = None) -> None:
     """A pool worker dies with the process that owns the runner, and leaves Ctrl-C to it: a
     terminal sends SIGINT to the whole foreground process group, workers included, and the owner
     stops the pool itself (a worker interrupted mid-call would print a KeyboardInterrupt traceback).
-    It claims its slot on the pool's start board."""
-    global _board, _slot
+    It claims its slot on the pool's start board, and keeps the limits of its sandbox pool (made
+    on the first call that asks for it)."""
+    global _board, _slot, _sandbox_config
     die_with_creator(creator_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _board, _slot = board, board.claim()
+    _sandbox_config = sandbox
 
 
 def _default_context() -> str:
@@ -140,11 +162,14 @@ def _default_context() -> str:
 
 class RewardRunner:
     def __init__(self, max_workers: int = 2, timeout_s: float = 15.0, grace_s: float = 1.0, mp_context: str | None = None,
-                 timeout_key: str | None = None, start_timeout_s: float | None = None):
+                 timeout_key: str | None = None, start_timeout_s: float | None = None,
+                 sandbox: SandboxConfig | None = None):
         """`timeout_key`: the setting `timeout_s` came from, named in timeout errors (e.g.
         task.reward_timeout_s). `start_timeout_s`: how long a call may wait for a worker to take it
-        up (start-up and queueing; default 60 s plus twice `timeout_s + grace_s`)."""
+        up (start-up and queueing; default 60 s plus twice `timeout_s + grace_s`). `sandbox`: the
+        limits of each worker's sandbox pool (rollout.sandbox; default: SandboxConfig's)."""
         self.max_workers = max_workers
+        self.sandbox = sandbox
         self.timeout_s = timeout_s
         self.timeout_key = timeout_key
         self._label = f" (the timeout, {timeout_key})" if timeout_key else ""
@@ -158,6 +183,7 @@ class RewardRunner:
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
+        self._wants: dict[Any, bool] = {}  # reward -> whether it asks for the sandbox
         self.num_recycled = 0  # pools retired because a worker was stuck (for tests and stats)
         self._closed = False
 
@@ -165,7 +191,7 @@ class RewardRunner:
         """Pickles as its settings (a workflow sent to a rollout worker): the copy starts its own pool."""
         return {"max_workers": self.max_workers, "timeout_s": self.timeout_s, "grace_s": self.grace_s,
                 "mp_context": self._ctx.get_start_method(), "timeout_key": self.timeout_key,
-                "start_timeout_s": self.start_timeout_s}
+                "start_timeout_s": self.start_timeout_s, "sandbox": self.sandbox}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -177,7 +203,8 @@ class RewardRunner:
             if self._pool is None or self._board is None:
                 self._board = _StartBoard(self._ctx, self.max_workers)
                 self._pool = ProcessPoolExecutor(self.max_workers, mp_context=self._ctx,
-                                                 initializer=_init_worker, initargs=(os.getpid(), self._board))
+                                                 initializer=_init_worker,
+                                                 initargs=(os.getpid(), self._board, self.sandbox))
             return self._pool, self._board
 
     def _slot(self) -> asyncio.Semaphore:
@@ -233,6 +260,9 @@ class RewardRunner:
     async def _score(self, fn: RewardFn, calls: list[tuple], item_fields: dict[str, Any]) -> list[RewardResult]:
         name = getattr(fn, "__name__", repr(fn))
         limit = len(calls) * self.timeout_s  # the soft timeouts of all the calls, back to back
+        # What ends a sandboxed execution early, named in its reason.
+        sandbox = (f"reward call's time ({self.timeout_key or 'timeout_s'}={self.timeout_s:g} s)"
+                   if self._wants_sandbox(fn) else None)
 
         def failed(why: str) -> list[RewardResult]:
             return [RewardResult(None, f"{name}: {why}") for _ in calls]
@@ -241,7 +271,7 @@ class RewardRunner:
             pool, board = self._get_pool()
             token = next(self._tokens)
             try:
-                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, calls, item_fields, self._label, token)
+                cfut = pool.submit(_run_with_alarm, fn, self.timeout_s, calls, item_fields, self._label, token, sandbox)
             except RuntimeError:  # the pool was shut down (recycled or closed) between get and submit
                 if self._closed:
                     raise RewardRunnerClosed("the reward runner is closed") from None
@@ -279,6 +309,15 @@ class RewardRunner:
                 return failed(f"{type(exc).__name__}: {exc}")
             return [_result(name, ok, value) for ok, value in outcomes]
         return failed("reward worker pool unavailable")
+
+    def _wants_sandbox(self, fn: RewardFn) -> bool:
+        try:
+            return self._wants[fn]
+        except KeyError:
+            wants = self._wants[fn] = wants_sandbox(fn)
+            return wants
+        except TypeError:  # unhashable
+            return wants_sandbox(fn)
 
     async def _result_in_time(self, fut: asyncio.Future, board: _StartBoard, token: int, limit: float) -> Any:
         """The call's result, or TimeoutError once it has run `limit + grace_s` since a worker took

@@ -12,8 +12,8 @@ class SandboxConfig:
     """Limits of one sandboxed execution (docs/security.md). Every limit, when reached, stops the
     whole process tree of the execution and is named in its `reason`."""
 
-    workers: int = _f(2, "Sandboxed executions that run at once (the pool's slots; each slot has its own uid).",
-                      min=1, max=256)
+    workers: int = _f(2, "Sandboxed executions that run at once in one pool (its slots, each with its own uid); "
+                         "each reward worker process has its own pool.", min=1, max=256)
     cpu_s: float = _f(5.0, "CPU seconds of each process of one execution (RLIMIT_CPU, rounded up to whole "
                            "seconds); past it the process is killed (status timeout).", gt=0.0)
     wall_s: float = _f(10.0, "Wall-clock seconds of one execution; past it the process tree is killed "
@@ -26,9 +26,9 @@ class SandboxConfig:
                                   "killed (status output).", min=1)
     file_bytes: int = _f(16 * 2**20, "Largest file an execution may write (RLIMIT_FSIZE), and the largest "
                                      "program or stdin it accepts (larger: status refused).", min=1)
-    uid_base: int = _f(200000, "Slot i runs as uid and gid uid_base + i (when Tandem runs as root): unused on "
-                               "this host, and distinct between pools that run at the same time.",
-                       min=1000, max=2**31 - 2**16)
+    uid_base: int = _f(200000, "When Tandem runs as root, each slot runs as its own uid and gid, the lowest "
+                               "free from uid_base up (pools lease them: two never share one); keep the 65536 "
+                               "uids from here unused on this host.", min=1000, max=2**31 - 2**16)
     bwrap: str = _f("bwrap", "The bubblewrap binary (a path, or a name looked up on PATH); without it the "
                              "sandbox refuses to run (make test-deps installs it).")
 

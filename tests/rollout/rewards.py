@@ -75,3 +75,12 @@ def scripted_reward(prompt_text, completion_text, prompt_ids, completion_ids, **
     if completion_text == "stubborn":
         return stubborn_reward()
     return float(completion_text)
+
+
+def sandboxed_reward(prompt_text, completion_text, prompt_ids, completion_ids, *, sandbox, program, tests=(),
+                     **fields) -> float:
+    """Asks for the sandbox: runs the item's `program` against its `tests` (the share passed), or
+    alone without tests (1.0 when it exits 0)."""
+    if tests:
+        return sandbox.run(program, tests).fraction
+    return float(sandbox.execute(program).ok)

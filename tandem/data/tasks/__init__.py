@@ -1,5 +1,5 @@
 """Verifiable tasks for RL and SFT: generators, exact rewards, a GSM8K-format loader, an agentic
-task with a calculator tool, chat encoding.
+task with a calculator tool, programming problems checked in the sandbox, chat encoding.
 
     from tandem.data.tasks import get_task
     task = get_task("arithmetic", difficulty="add2")
@@ -29,6 +29,8 @@ from tandem.data.tasks.chat import (
     sft_example,
     with_input_ids,
 )
+from tandem.data.tasks.code import CodeTask, extract_code
+from tandem.data.tasks.code_files import load_code_file
 from tandem.data.tasks.countdown import CountdownTask
 from tandem.data.tasks.extract import extract_integer
 from tandem.data.tasks.gsm8k import GSM8KTask, load_gsm8k_file
@@ -45,6 +47,7 @@ __all__ = [
     "CALCULATOR_TOOL",
     "ArithmeticTask",
     "CalculatorTask",
+    "CodeTask",
     "CountdownTask",
     "GSM8KTask",
     "Task",
@@ -61,9 +64,11 @@ __all__ = [
     "encode_prompt",
     "encode_sft_pair",
     "evaluate_expression",
+    "extract_code",
     "extract_integer",
     "get_task",
     "gsm8k_reward",
+    "load_code_file",
     "load_gsm8k_file",
     "register_task",
     "sft_example",

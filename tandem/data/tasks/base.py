@@ -52,6 +52,16 @@ def check_fraction(eval_fraction: float) -> float:
     return float(eval_fraction)
 
 
+def cycled_order(count: int, n: int, rng: random.Random) -> list[int]:
+    """`n` indices into `count` rows: a shuffled pass over all of them, then another, and so on."""
+    order: list[int] = []
+    while len(order) < n:
+        perm = list(range(count))
+        rng.shuffle(perm)
+        order += perm
+    return order[:n]
+
+
 def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return [*messages, {"role": "user", "content": prompt}]
@@ -148,6 +158,7 @@ class Task(ABC):
 _REGISTRY: dict[str, Callable[..., Task] | str] = {
     "arithmetic": "tandem.data.tasks.arithmetic:ArithmeticTask",
     "calculator": "tandem.data.tasks.calculator:CalculatorTask",
+    "code": "tandem.data.tasks.code:CodeTask",
     "countdown": "tandem.data.tasks.countdown:CountdownTask",
     "gsm8k": "tandem.data.tasks.gsm8k:GSM8KTask",
 }

@@ -16,7 +16,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tandem.data.tasks.base import Task, TaskDataError, check_fraction, normalize_split, split_of
+from tandem.data.tasks.base import (
+    Task,
+    TaskDataError,
+    check_fraction,
+    cycled_order,
+    normalize_split,
+    split_of,
+)
 from tandem.data.tasks.extract import answer_span
 from tandem.data.tasks.files import read_table
 
@@ -148,14 +155,8 @@ class GSM8KTask(Task):
         split = normalize_split(split)
         rows = self.rows(split)
         n = len(rows) if n is None else n
-        rng = random.Random(f"gsm8k:{seed}:{split}")
-        order: list[int] = []
-        while len(order) < n:
-            perm = list(range(len(rows)))
-            rng.shuffle(perm)
-            order += perm
         items = []
-        for i, k in enumerate(order[:n]):
+        for i, k in enumerate(cycled_order(len(rows), n, random.Random(f"gsm8k:{seed}:{split}"))):
             r = rows[k]
             prompt = r["question"] + (f"\n{INSTRUCTION}" if self.instruction else "")
             items.append(self.make_item(i, seed, split, prompt, r["answer"], solution=r["solution"], row=r["row"]))
