@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo lora vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean demo moe agent ppo lora code vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -130,6 +130,14 @@ LORA_DIR ?= runs/lora
 lora: $(STAMP)
 	$(call warm_start,$(LORA_DIR),examples/demo.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/lora.yaml actor.path=$(LORA_DIR)/sft train.overwrite=true
+
+# The code job: a small local model writes Python; its reward runs each answer against the
+# problem's unit tests in the sandbox (examples/code.yaml, docs/tasks.md "code"). Needs bubblewrap
+# (make sandbox-deps).
+CODE_DIR ?= runs/code
+code: $(STAMP) sandbox-deps
+	$(call warm_start,$(CODE_DIR),examples/code.yaml,qwen3)
+	$(VENV)/bin/tandem train examples/code.yaml actor.path=$(CODE_DIR)/sft train.overwrite=true
 
 # The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
 # rollout routing replay (examples/moe.yaml, docs/moe.md).

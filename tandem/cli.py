@@ -307,7 +307,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     cfg = config_from_args(args)
     require_model_path(cfg)
+    from tandem.rl.evaluate import check_sandbox
     from tandem.rl.trial import plan_trial, relaunch_plan  # the run config: ~0.4 s
+
+    check_sandbox(cfg)  # a reward that runs code, where the sandbox cannot run: before any launch
 
     plan = plan_trial(cfg)  # refuses at once a launch that would mix or discard runs
     setup_console()

@@ -12,7 +12,7 @@ import logging
 from typing import Any, cast
 
 from tandem import aio
-from tandem.data.tasks import Task
+from tandem.data.tasks import Task, get_task
 from tandem.errors import ConfigError, SandboxUnavailable
 from tandem.fleet.generation import GenerationParams
 from tandem.log_repeats import RepeatCounter
@@ -70,10 +70,10 @@ def reward_runner(cfg: TandemConfig) -> RewardRunner:
                         timeout_key="task.reward_timeout_s", sandbox=cfg.rollout.sandbox)
 
 
-def check_sandbox(cfg: TandemConfig, reward_fn: RewardFn) -> None:
+def check_sandbox(cfg: TandemConfig) -> None:
     """A reward that runs code (it has a `sandbox` parameter: the code task's, or a rollout.reward's)
     needs isolation on this host: checked before anything starts, a ConfigError saying why not."""
-    if not wants_sandbox(reward_fn):
+    if not wants_sandbox(reward_function(cfg, get_task(cfg.task.name, **dict(cfg.task.options)))):
         return
     from tandem.sandbox.availability import require
 

@@ -35,14 +35,14 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    if cfg.task.eval_size:  # the evaluation's reward may run code: before anything is written
+        check_sandbox(cfg)
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sft-config.yaml").write_text(to_yaml(cfg))
     out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
-    if data.eval:  # before training: the evaluation's reward may need the sandbox
-        check_sandbox(cfg, reward_function(cfg, data.task))
     used = data.train[: cfg.sft.steps * cfg.sft.batch_size]  # the stream never reaches further items
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in used])
     metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,

@@ -113,6 +113,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     from transformers import AutoTokenizer  # transformers: seconds
 
     start_time = time.monotonic()
+    check_sandbox(cfg)  # before anything starts or is written
     plan = plan or plan_trial(cfg)
     plan.prepare()
     run_dir = plan.run_dir
@@ -127,7 +128,6 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
         data = load_task_data(cfg, tokenizer)
         reward_fn = reward_function(cfg, data.task)
-        check_sandbox(cfg, reward_fn)
         workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         task = RunTask(data, tokenizer, reward_fn, runner, workflow)
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
