@@ -148,3 +148,28 @@ def test_options_are_checked():
             get_task("code", **options)
     with pytest.raises(TaskError, match="give n"):
         get_task("code").generate()
+
+
+@needs_sandbox
+def test_a_program_met_again_is_not_run_again_unless_it_timed_out(monkeypatch):
+    """The reward's cache of verdicts: the same program on the same tests under the same limits runs
+    once per process; other limits, or a verdict that timed out, run again."""
+    from tandem.sandbox import session
+
+    runs = []
+    real = session.Sandbox.run
+
+    def counted(self, code, tests):
+        runs.append(code)
+        return real(self, code, tests)
+
+    monkeypatch.setattr(session.Sandbox, "run", counted)
+    item = get_task("code").generate(1, seed=4)[0]
+    task = get_task("code", scoring="fraction")
+    answer = f"```python\n{item['solution']}\n```"
+    assert [task.reward(answer, item, sandbox()) for _ in range(3)] == [1.0, 1.0, 1.0]
+    assert len(runs) == 1
+    assert task.reward(answer, item, sandbox(wall_s=4.0)) == 1.0 and len(runs) == 2
+    slow = "```python\nimport time\ntime.sleep(5)\n```"
+    assert [task.reward(slow, item, sandbox(wall_s=1.0)) for _ in range(2)] == [0.0, 0.0]
+    assert len(runs) == 4  # timed out: run each time

@@ -11,8 +11,10 @@ block scores w + (1 - w) * score. See docs/tasks.md, "code"."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -252,14 +254,36 @@ class CodeTask(Task):
             from tandem.sandbox import Sandbox
 
             sandbox = Sandbox()
-        report = sandbox.run(code, item["tests"])
-        score = report.fraction if self.scoring == "fraction" else float(report.all_passed)
+        passed, total = _verdict(code, item["tests"], sandbox)
+        score = passed / total if self.scoring == "fraction" else float(total > 0 and passed == total)
         return self.format_weight + (1.0 - self.format_weight) * score
 
     def reward_fn(self) -> Callable[..., float]:
         """The reward with the rollout signature and a `sandbox` parameter: the reward runner
         passes its worker's sandbox, bounded by the reward's timeout."""
         return CodeReward(self)
+
+
+_VERDICTS: OrderedDict[tuple[str, str, str], tuple[int, int]] = OrderedDict()  # per process, newest last
+_VERDICTS_KEPT = 4096
+
+
+def _verdict(code: str, tests: list[Any], sandbox: Any) -> tuple[int, int]:
+    """(tests passed, tests) of `code`, from this process's cache when the same program met the
+    same tests under the same limits before: a group's samples often repeat a program (all of
+    them, once the policy has converged), and each run costs one sandboxed execution per test. A verdict with a
+    timeout is not kept (it may be the machine's load, not the program)."""
+    key = (code, json.dumps(tests, sort_keys=True), repr(getattr(sandbox, "config", None)))
+    if key in _VERDICTS:
+        _VERDICTS.move_to_end(key)
+        return _VERDICTS[key]
+    report = sandbox.run(code, tests)
+    verdict = (report.passed, report.total)
+    if all(o.execution.status != "timeout" for o in report.outcomes):
+        _VERDICTS[key] = verdict
+        if len(_VERDICTS) > _VERDICTS_KEPT:
+            _VERDICTS.popitem(last=False)
+    return verdict
 
 
 class CodeReward:
