@@ -34,7 +34,7 @@ def _keys(items):
 
 def test_registry_builds_tasks_and_rejects_unknown_names_and_options():
     assert isinstance(get_task("arithmetic", difficulty="add1"), ArithmeticTask)
-    with pytest.raises(TaskError, match=r"unknown task 'nope'.*arithmetic, calculator, countdown, gsm8k"):
+    with pytest.raises(TaskError, match=r"unknown task 'nope'.*arithmetic, calculator, code, countdown, gsm8k"):
         get_task("nope")
     with pytest.raises(TaskError, match=r"no option 'digit'.*digits"):
         get_task("arithmetic", digit=2)
