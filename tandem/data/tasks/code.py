@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.data.tasks.base import Task, TaskError, check_fraction, cycled_order, normalize_split, split_of
+from tandem.data.tasks.base import Task, TaskError, check_fraction, cycled_order, normalize_split
 from tandem.data.tasks.code_files import load_code_file
+from tandem.data.tasks.files import split_rows
 
 INSTRUCTION = "Answer with the code in a ```python block."
 SCORINGS = ("all", "fraction")
@@ -219,15 +220,9 @@ class CodeTask(Task):
         split = normalize_split(split)
         if split not in self._rows:
             assert self.train_file is not None
-            if self.eval_file is not None:
-                self._rows[split] = load_code_file(self.train_file if split == "train" else self.eval_file,
-                                                   self.cache_dir)
-            else:
-                rows = load_code_file(self.train_file, self.cache_dir)
-                self._rows[split] = [r for r in rows if split_of(f"code:{r['prompt']}", self.eval_fraction) == split]
-            if not self._rows[split]:
-                raise TaskError(f"code: the {split!r} split of {self.train_file!r} is empty; add rows, change "
-                                "eval_fraction or give an eval_file")
+            self._rows[split] = split_rows("code", split, self.train_file, self.eval_file,
+                                           lambda path: load_code_file(path, self.cache_dir),
+                                           lambda row: row["prompt"], self.eval_fraction)
         return self._rows[split]
 
     def slips(self, item: dict[str, Any]) -> bool:

@@ -6,10 +6,11 @@ caller's (each task's loader knows its own fields)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tandem.data.tasks.base import TaskDataError
+from tandem.data.tasks.base import TaskDataError, split_of
 
 if TYPE_CHECKING:
     import datasets
@@ -43,6 +44,20 @@ def read_table(path: str | Path, what: str, fix: str, cache_dir: str | None = No
     if len(data) == 0:
         raise TaskDataError(f"{what} {str(path)!r} has no rows; {fix}")
     return data
+
+
+def split_rows(task: str, split: str, train_file: str, eval_file: str | None, load: Callable[[str], list[dict[str, Any]]],
+               key: Callable[[dict[str, Any]], str], eval_fraction: float) -> list[dict[str, Any]]:
+    """The rows of `split` ('train' or 'eval'): with `eval_file`, the whole file of that split;
+    otherwise `train_file`'s rows whose `key` hashes into it (`split_of`). An empty split is a
+    TaskDataError saying what to change."""
+    if eval_file is not None:
+        return load(train_file if split == "train" else eval_file)
+    rows = [r for r in load(train_file) if split_of(f"{task}:{key(r)}", eval_fraction) == split]
+    if not rows:
+        raise TaskDataError(f"{task}: the {split!r} split of {train_file!r} is empty; add rows, "
+                            "change eval_fraction or give an eval_file")
+    return rows
 
 
 def _has_no_rows(path: Path, fmt: str) -> bool:

@@ -22,10 +22,9 @@ from tandem.data.tasks.base import (
     check_fraction,
     cycled_order,
     normalize_split,
-    split_of,
 )
 from tandem.data.tasks.extract import answer_span
-from tandem.data.tasks.files import read_table
+from tandem.data.tasks.files import read_table, split_rows
 
 REQUIRED_FIELDS = ("question", "answer")
 INSTRUCTION = "Put your final answer in \\boxed{}."
@@ -139,15 +138,9 @@ class GSM8KTask(Task):
             if self.train_file is None:
                 raise TaskDataError("gsm8k: no data file; set train_file (and optionally eval_file) to a local "
                                     f"JSONL or parquet file; {_FIX}")
-            if self.eval_file is not None:
-                self._rows[split] = load_gsm8k_file(self.train_file if split == "train" else self.eval_file,
-                                                    self.cache_dir)
-            else:
-                rows = load_gsm8k_file(self.train_file, self.cache_dir)
-                self._rows[split] = [r for r in rows if split_of(f"gsm8k:{r['question']}", self.eval_fraction) == split]
-            if not self._rows[split]:
-                raise TaskDataError(f"gsm8k: the {split!r} split of {self.train_file!r} is empty; add rows, "
-                                    "change eval_fraction or give an eval_file")
+            self._rows[split] = split_rows("gsm8k", split, self.train_file, self.eval_file,
+                                           lambda path: load_gsm8k_file(path, self.cache_dir),
+                                           lambda row: row["question"], self.eval_fraction)
         return self._rows[split]
 
     def generate(self, n: int | None = None, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
