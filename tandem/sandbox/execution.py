@@ -34,7 +34,7 @@ _CGROUP_MEMORY_SLACK = 32 * 2**20  # bwrap's own two processes and the kernel's 
 @dataclass
 class Execution:
     """What one execution did. `status`: ok (exit 0), error (any other exit), timeout (wall-clock
-    or CPU limit), memory, output (stdout or stderr passed the output limit), processes (a fork
+    or CPU limit, a deadline, or a sandbox that did not start the program in time), memory, output (stdout or stderr passed the output limit), processes (a fork
     failed at the process limit), refused (not started: program or stdin too large). `reason`
     names the limit and its key when a limit stopped it. `exit_code` is the program's (128 + N
     when signal N killed it: 137 when the sandbox or a limit did), None when refused; stdout and
@@ -77,11 +77,8 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
             return Execution("refused", None, "", "", f"the {what} has {size} bytes, more than "
                              f"rollout.sandbox.file_bytes={limits.file_bytes}", 0.0)
     start = time.monotonic()
-    end, cut = start + limits.wall_s, None
-    if deadline is not None and deadline.at < end:
-        end, cut = deadline.at, deadline.what
-        if end <= start:
-            return Execution("timeout", None, "", "", f"the {cut} ran out before the program started", 0.0)
+    if deadline is not None and deadline.at <= start:
+        return Execution("timeout", None, "", "", f"the {deadline.what} ran out before the program started", 0.0)
     group = (cgroups.ExecutionGroup(uid, limits.memory_mb * 2**20 + _CGROUP_MEMORY_SLACK,
                                     limits.processes + OVERHEAD_PROCESSES) if cgroups.available() else None)
     program_fd, stdin_fd = _memfd("program", source), _memfd("stdin", data)
@@ -102,11 +99,12 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
         for fd in (program_fd, stdin_fd, info_w):
             os.close(fd)
     tree = _Tree(proc, info_r, uid)
+    clock = _Clock(start, limits.wall_s, deadline)
     try:
-        stdout, stderr, stopped = _collect(tree, limits, end)
-        code = _wait(proc, end if stopped is None else None)
+        stdout, stderr, stopped = _collect(tree, limits, clock)
+        code = _wait(proc, clock.end() if stopped is None else None)
         if code is None:
-            stopped = "wall"
+            stopped = clock.bound()
     finally:
         if proc.returncode is None:
             tree.kill()
@@ -123,7 +121,7 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
     seconds = time.monotonic() - start
     cpu = group.cpu_seconds() if group is not None else None
     try:
-        status, reason = _classify(limits, stopped, code, stderr, group, cut)
+        status, reason = _classify(limits, stopped, code, stderr, group, deadline)
     finally:
         if group is not None:
             group.remove()
@@ -149,14 +147,28 @@ class _Tree:
 
     def __init__(self, proc: subprocess.Popen, info_fd: int, uid: int):
         self.proc, self.info_fd, self.uid = proc, info_fd, uid
+        self.pid: int | None = None
+        os.set_blocking(info_fd, False)
+
+    def read_info(self) -> bool:
+        """Read bwrap's report of the program's pid, if it is there; True once the fd is done with
+        (the report read, or bwrap closed it without one)."""
+        try:
+            data = os.read(self.info_fd, 65536)
+        except BlockingIOError:
+            return False
+        try:
+            info = json.loads(data or b"null")
+        except ValueError:
+            return True
+        if isinstance(info, dict) and isinstance(info.get("child-pid"), int):
+            self.pid = info["child-pid"]
+        return True
 
     def program_pid(self) -> int | None:
-        os.set_blocking(self.info_fd, False)
-        try:
-            info = json.loads(os.read(self.info_fd, 65536) or b"null")
-        except (BlockingIOError, ValueError):
-            return None
-        return info.get("child-pid") if isinstance(info, dict) else None
+        if self.pid is None:
+            self.read_info()
+        return self.pid
 
     def kill(self) -> None:
         pid = self.program_pid()
@@ -175,9 +187,34 @@ class _Tree:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _collect(tree: _Tree, limits: SandboxConfig, deadline: float) -> tuple[bytes, bytes, str | None]:
-    """Read stdout and stderr until both close, the deadline passes ('wall') or one passes the
-    output limit ('output'); the tree is killed in the last two cases."""
+SETUP_S = 60.0  # how long the sandbox may take to start the program (namespaces, mounts)
+
+
+class _Clock:
+    """When an execution must end. The wall limit counts from the program's start, which bwrap
+    reports on --info-fd once its namespaces exist: on a host busy making and destroying network
+    namespaces that took 13 s once (a suite run at 25ec077), and a trivial program must not time out
+    for it. Until then the start itself is bounded by SETUP_S; a `Deadline` bounds both."""
+
+    def __init__(self, start: float, wall_s: float, deadline: Deadline | None):
+        self.start, self.wall_s, self.deadline = start, wall_s, deadline
+        self.started: float | None = None
+
+    def end(self) -> float:
+        end = self.start + SETUP_S if self.started is None else self.started + self.wall_s
+        return end if self.deadline is None else min(end, self.deadline.at)
+
+    def bound(self) -> str:
+        """Which limit the end is: 'deadline', 'setup' (the program never started) or 'wall'."""
+        if self.deadline is not None and self.end() >= self.deadline.at:
+            return "deadline"
+        return "setup" if self.started is None else "wall"
+
+
+def _collect(tree: _Tree, limits: SandboxConfig, clock: _Clock) -> tuple[bytes, bytes, str | None]:
+    """Read stdout and stderr until both close, the clock's end passes (its bound: 'wall',
+    'setup', 'deadline') or one passes the output limit ('output'); the tree is killed in the last
+    two cases. Notes the program's start (and pid) from bwrap's --info-fd on the way."""
     proc = tree.proc
     assert proc.stdout is not None and proc.stderr is not None
     out, err = bytearray(), bytearray()
@@ -187,12 +224,18 @@ def _collect(tree: _Tree, limits: SandboxConfig, deadline: float) -> tuple[bytes
         for fd in kept:
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map() and stopped is None:
-            left = deadline - time.monotonic()
+        sel.register(tree.info_fd, selectors.EVENT_READ)
+        while (set(sel.get_map()) & set(kept)) and stopped is None:
+            left = clock.end() - time.monotonic()
             if left <= 0:
-                stopped = "wall"
+                stopped = clock.bound()
                 break
             for key, _ in sel.select(timeout=left):
+                if key.fd == tree.info_fd:
+                    if tree.read_info():
+                        sel.unregister(key.fd)
+                        clock.started = time.monotonic()
+                    continue
                 try:
                     chunk = os.read(key.fd, 2**16)
                 except BlockingIOError:
@@ -222,18 +265,21 @@ def _wait(proc: subprocess.Popen, deadline: float | None) -> int | None:
 
 
 def _classify(limits: SandboxConfig, stopped: str | None, code: int | None, stderr: bytes,
-              group: cgroups.ExecutionGroup | None, cut: str | None = None) -> tuple[str, str | None]:
-    """`cut`: what set the end in place of the wall limit (a Deadline's `what`), if anything did."""
+              group: cgroups.ExecutionGroup | None, deadline: Deadline | None = None) -> tuple[str, str | None]:
+    """`stopped`: what ended it early ('output', 'wall', 'setup', 'deadline'), or None."""
     if stopped == "output":
         return "output", f"output passed rollout.sandbox.output_bytes={limits.output_bytes} bytes"
     memory = f"memory limit rollout.sandbox.memory_mb={limits.memory_mb} MiB reached"
     oom = group is not None and group.memory_hit()
-    if stopped == "wall":
-        wall = f"the {cut} ran out" if cut else f"wall-clock limit rollout.sandbox.wall_s={limits.wall_s} s reached"
+    if stopped == "setup":
+        return "timeout", f"the sandbox did not start the program within {SETUP_S:g} s (an overloaded host)"
+    if stopped in ("wall", "deadline"):
+        wall = (f"the {deadline.what} ran out" if stopped == "deadline" and deadline is not None
+                else f"wall-clock limit rollout.sandbox.wall_s={limits.wall_s} s reached")
         # A tree at its memory limit can stall in the kernel's reclaim past the wall limit (seen once
         # in a suite run on a loaded machine): the memory limit is what stopped it.
         if oom:
-            return "memory", f"{memory}, then {wall if cut else 'the ' + wall}"
+            return "memory", f"{memory}, then {wall if stopped == 'deadline' else 'the ' + wall}"
         return "timeout", wall
     if code == 0:  # a child may have been killed at the limit; the program itself succeeded
         return "ok", f"{memory} (a process was killed)" if oom else None

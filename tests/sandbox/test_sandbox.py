@@ -106,6 +106,28 @@ def test_a_bwrap_that_fails_its_self_test_is_refused():
         shutil.rmtree(folder)
 
 
+def test_the_wall_limit_counts_from_the_programs_start(monkeypatch):
+    """A sandbox that takes 2 s to start the program (a bwrap behind a 2 s sleep; a host busy making
+    and destroying network namespaces once took 13 s, and a trivial program timed out at a 3 s
+    wall limit) leaves a 1 s wall limit to the program; a start past SETUP_S is a timeout that
+    says so."""
+    folder = Path(tempfile.mkdtemp(prefix="tandem-slow-bwrap-"))
+    try:
+        folder.chmod(0o755)  # the slot's uid runs the stand-in
+        slow = folder / "bwrap"
+        slow.write_text(f"#!/bin/sh\nsleep 2\nexec {shutil.which('bwrap')} \"$@\"\n")
+        slow.chmod(0o755)
+        result = run("print(42)", None, limits(bwrap=str(slow), wall_s=1.0))
+        assert (result.status, result.stdout) == ("ok", "42\n"), result
+        assert result.seconds >= 2.0
+        monkeypatch.setattr(execution, "SETUP_S", 1.0)
+        late = run("print(42)", None, limits(bwrap=str(slow), wall_s=5.0))
+        assert (late.status, late.reason) == ("timeout", "the sandbox did not start the program within 1 s "
+                                                         "(an overloaded host)"), late
+    finally:
+        shutil.rmtree(folder)
+
+
 def test_run_tests_asserts_and_stdio_pairs():
     code = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    import sys\n    print(sum(map(int, sys.stdin.read().split())))\n"
     report = run_tests(code, ["assert add(1, 2) == 3", "assert add(1, 2) == 4", StdioTest("2 3\n", "5\n"),
