@@ -98,11 +98,12 @@ _sandbox_config: SandboxConfig | None = None  # worker side: the limits of its s
 
 def wants_sandbox(fn: RewardFn) -> bool:
     """Whether a reward asks for the sandbox: its signature has a parameter named `sandbox` (a
-    `UserFunction` is looked at through the function it names, imported here)."""
-    target = fn.load() if isinstance(fn, UserFunction) else fn
+    `UserFunction` is looked at through the function it names, imported here; one that cannot be
+    imported asks for nothing, and its worker reports why it cannot run)."""
     try:
+        target = fn.load() if isinstance(fn, UserFunction) else fn
         return "sandbox" in inspect.signature(target).parameters
-    except (TypeError, ValueError):
+    except Exception:  # an unimportable user file, a callable without a signature
         return False
 
 

@@ -51,6 +51,20 @@ def test_which_rewards_ask_for_the_sandbox(tmp_path):
     assert not wants_sandbox(rewards.parity_reward) and not wants_sandbox(get_task("arithmetic").reward_fn())
 
 
+def test_a_reward_file_that_cannot_be_imported_fails_its_calls_not_the_caller(tmp_path):
+    """Asking whether it wants the sandbox imports the file in the caller: an error there must be
+    the call's failure (as the worker reports it), not an exception out of ascore."""
+    (tmp_path / "broken.py").write_text("raise RuntimeError('the grader cannot load its data')\n")
+    fn = UserFunction(f"{tmp_path}/broken.py:score")
+    assert not wants_sandbox(fn)
+    runner = RewardRunner(max_workers=1, timeout_s=20.0)
+    try:
+        res = score(runner, fn)
+        assert res.value is None and "RuntimeError: the grader cannot load its data" in res.error, res
+    finally:
+        runner.close()
+
+
 def test_the_code_tasks_reward_runs_in_the_workers_sandbox_with_the_runners_limits():
     """The reference scores 1.0 and a wrong program 0.0; a program that sleeps 3 s scores 0.0 within
     the runner's wall_s of 1 s (the default 10 s would have let it finish: the limits reached the
