@@ -7,8 +7,8 @@ first (`availability.require`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -28,6 +28,7 @@ from tandem.sandbox.isolation import (
 )
 
 STATUSES = ("ok", "error", "timeout", "memory", "output", "processes", "refused")
+_CHILD_PID = re.compile(rb'"child-pid":\s*(\d+)')  # in bwrap's --info-fd report
 _CGROUP_MEMORY_SLACK = 32 * 2**20  # bwrap's own two processes and the kernel's share, beyond memory_mb
 
 
@@ -148,22 +149,23 @@ class _Tree:
     def __init__(self, proc: subprocess.Popen, info_fd: int, uid: int):
         self.proc, self.info_fd, self.uid = proc, info_fd, uid
         self.pid: int | None = None
+        self._info = b""
         os.set_blocking(info_fd, False)
 
     def read_info(self) -> bool:
-        """Read bwrap's report of the program's pid, if it is there; True once the fd is done with
-        (the report read, or bwrap closed it without one)."""
-        try:
-            data = os.read(self.info_fd, 65536)
-        except BlockingIOError:
-            return False
-        try:
-            info = json.loads(data or b"null")
-        except ValueError:
-            return True
-        if isinstance(info, dict) and isinstance(info.get("child-pid"), int):
-            self.pid = info["child-pid"]
-        return True
+        """Read what bwrap has written of its report so far, and the program's pid once it is in
+        it. bwrap writes the report in several pieces (the pid first, then the namespaces' ids) and
+        then closes the fd: a read may see part of it. True once the fd is done with (closed)."""
+        while True:
+            try:
+                chunk = os.read(self.info_fd, 65536)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            self._info += chunk
+            if self.pid is None and (found := _CHILD_PID.search(self._info)):
+                self.pid = int(found.group(1))
 
     def program_pid(self) -> int | None:
         if self.pid is None:
@@ -232,9 +234,11 @@ def _collect(tree: _Tree, limits: SandboxConfig, clock: _Clock) -> tuple[bytes, 
                 break
             for key, _ in sel.select(timeout=left):
                 if key.fd == tree.info_fd:
-                    if tree.read_info():
+                    done = tree.read_info()
+                    if done:
                         sel.unregister(key.fd)
-                        clock.started = time.monotonic()
+                    if clock.started is None and (tree.pid is not None or done):
+                        clock.started = time.monotonic()  # the program's process exists (or never will)
                     continue
                 try:
                     chunk = os.read(key.fd, 2**16)

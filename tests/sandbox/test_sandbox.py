@@ -128,6 +128,27 @@ def test_the_wall_limit_counts_from_the_programs_start(monkeypatch):
         shutil.rmtree(folder)
 
 
+def test_bwraps_report_read_in_pieces_still_gives_the_programs_pid():
+    """bwrap writes its --info-fd report in pieces (the pid, then the namespaces' ids, then the
+    closing brace) and closes the fd. Read part way, the pid must already be known: taking a
+    partial report for a finished one without a pid made a kill fall back to the outer bwrap's
+    group, and the orphaned program stayed a zombie (a suite run at ea11d0c, without cgroups)."""
+    r, w = os.pipe()
+    try:
+        tree = execution._Tree(None, r, 0)
+        assert not tree.read_info() and tree.pid is None  # nothing yet
+        os.write(w, b'{\n    "child-pid": 4242')
+        assert not tree.read_info() and tree.pid == 4242  # a piece, and the pid in it
+        os.write(w, b',\n    "net-namespace": 4026532211\n}\n')
+        os.close(w)
+        w = -1
+        assert tree.read_info() and tree.pid == 4242  # the rest, then the end
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
 def test_run_tests_asserts_and_stdio_pairs():
     code = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    import sys\n    print(sum(map(int, sys.stdin.read().split())))\n"
     report = run_tests(code, ["assert add(1, 2) == 3", "assert add(1, 2) == 4", StdioTest("2 3\n", "5\n"),
