@@ -22,6 +22,7 @@ from tandem.rollout.pool import ServerPool
 from tandem.rollout.reward import RewardFn, RewardRunner, wants_sandbox
 from tandem.rollout.types import ModelRequest
 from tandem.rollout.workflows.rlvr import reward_fields
+from tandem.sandbox.availability import require
 from tandem.user_code import UserFunction
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,6 @@ def check_sandbox(cfg: TandemConfig) -> None:
     needs isolation on this host: checked before anything starts, a ConfigError saying why not."""
     if not wants_sandbox(reward_function(cfg, get_task(cfg.task.name, **dict(cfg.task.options)))):
         return
-    from tandem.sandbox.availability import require
-
     try:
         require(cfg.rollout.sandbox)
     except SandboxUnavailable as exc:

@@ -22,6 +22,7 @@ from typing import Any
 from tandem.data.tasks.base import Task, TaskError, check_fraction, cycled_order, normalize_split
 from tandem.data.tasks.code_files import load_code_file
 from tandem.data.tasks.files import split_rows
+from tandem.sandbox import Sandbox
 
 INSTRUCTION = "Answer with the code in a ```python block."
 SCORINGS = ("all", "fraction")
@@ -246,8 +247,6 @@ class CodeTask(Task):
         if code is None:
             return 0.0
         if sandbox is None:
-            from tandem.sandbox import Sandbox
-
             sandbox = Sandbox()
         passed, total = _verdict(code, item["tests"], sandbox)
         score = passed / total if self.scoring == "fraction" else float(total > 0 and passed == total)
