@@ -9,6 +9,8 @@ values in *input alignment* (position t describes token t, as in `tandem.data.ba
 - `routed_experts[t]` (MoE models, when the server returned routes): `[moe layers, top_k]` ids of
   the experts token t went through in each MoE layer (layers in `args.moe_layers` order) when the
   server computed it; rows of -1 where unknown (the last generated token is never forwarded).
+- `teacher_logprobs[t]` (on-policy distillation, a run with a teacher): the teacher's
+  log-probability of token t at temperature 1 (0.0 where the mask is 0).
 
 A multi-turn episode keeps everything in one trajectory: generated turns have mask 1, the feedback
 between them mask 0. RLVR groups (n samples of one prompt) share a `group_id`.
@@ -42,12 +44,15 @@ class Trajectory:
     # `[len(input_ids)][moe layers][top_k]` expert ids, or None (see the module docstring). Lists,
     # not a tensor: trajectories travel as JSON and rollout processes do not import torch.
     routed_experts: list[list[list[int]]] | None = None
+    teacher_logprobs: list[float] | None = None  # see the module docstring
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory {name} has {len(getattr(self, name))} entries for {n} tokens")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"trajectory teacher_logprobs has {len(self.teacher_logprobs)} entries for {n} tokens")
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise ValueError(f"trajectory routed_experts has {len(self.routed_experts)} rows for {n} tokens")
 
@@ -97,7 +102,8 @@ class Trajectory:
 
     def to_tensors(self) -> dict[str, Any]:
         """One sequence in the layout of `tandem.data.batch.SequenceBatch` (tensors, scalar reward).
-        With routes, `routed_experts` is a `[T, moe layers, top_k]` int32 tensor (-1 rows unknown)."""
+        With routes, `routed_experts` is a `[T, moe layers, top_k]` int32 tensor (-1 rows unknown);
+        with a teacher's scores, `teacher_logprobs` `[T]` float32."""
         import torch  # local: rollout processes that never train need not pay for the import
 
         out = {
@@ -109,6 +115,8 @@ class Trajectory:
         }
         if self.routed_experts is not None:
             out["routed_experts"] = routed_experts_tensor(self.routed_experts, len(self.input_ids))
+        if self.teacher_logprobs is not None:
+            out["teacher_logprobs"] = torch.tensor(self.teacher_logprobs, dtype=torch.float32)
         return out
 
 

@@ -211,6 +211,17 @@ class ServerAdapter:
             return [self.parse_generate(body)]
         raise UnsupportedOperation(f"{self.kind} servers take one sample per generate call")
 
+    def score_body(self, rid: str, input_ids: list[int], start: int) -> dict[str, Any]:
+        """The body of a scoring call on `generate_path`: nothing generated, the logprobs of the
+        sequence's own tokens from position `start` (>= 1) on, at temperature 1 (a teacher's
+        distribution)."""
+        raise UnsupportedOperation(f"{self.kind} servers are not mapped for scoring a sequence's own tokens "
+                                   "(prompt logprobs); use tandem or sglang servers")
+
+    def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
+        """The logprobs of `input_ids[start:]` from a scoring call's answer."""
+        raise UnsupportedOperation(f"{self.kind} servers are not mapped for prompt logprobs")
+
 
 class _SGLangProtocol(ServerAdapter):
     generate_path = "/generate"
@@ -257,6 +268,26 @@ class _SGLangProtocol(ServerAdapter):
         if indices != list(range(n)):
             raise ValueError(f"the {n} samples' 'index' fields are {indices}, not 0..{n - 1}")
         return [self.parse_generate(item) for item in sorted(body, key=lambda item: int(item["index"]))]
+
+    def score_body(self, rid: str, input_ids: list[int], start: int) -> dict[str, Any]:
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"scoring start {start} must be in [1, {len(input_ids) - 1}]: position 0 has no logprob")
+        # SGLang's prefill-only request: max_new_tokens 0 scores the prompt and generates nothing.
+        return {"rid": rid, "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": start,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+
+    def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
+        entries = body.get("meta_info", {}).get("input_token_logprobs") if isinstance(body, dict) else None
+        want = len(input_ids) - start
+        if not isinstance(entries, list) or len(entries) != want:
+            got = len(entries) if isinstance(entries, list) else type(entries).__name__
+            raise ValueError(f"a scoring call from position {start} of {len(input_ids)} tokens must answer "
+                             f"meta_info.input_token_logprobs with {want} entries, got {got}")
+        if [int(e[1]) for e in entries] != list(input_ids[start:]):
+            raise ValueError("meta_info.input_token_logprobs names other tokens than the ones sent")
+        if any(e[0] is None for e in entries):
+            raise ValueError(f"meta_info.input_token_logprobs has a null logprob after position {start}")
+        return [float(e[0]) for e in entries]
 
 
 class TandemAdapter(_SGLangProtocol):

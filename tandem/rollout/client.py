@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -39,10 +39,11 @@ from tandem.rollout.errors import (
 )
 from tandem.rollout.frontier import continuation_seed
 from tandem.rollout.pool import ServerPool
-from tandem.rollout.types import ModelRequest, ModelResponse
+from tandem.rollout.types import ModelRequest, ModelResponse, ScoreRequest
 from tandem.rollout.version import WeightVersion
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -153,7 +154,7 @@ class InferenceClient:
             body = self.adapter.generate_body(req.rid, list(req.input_ids), req.params, first.budget,
                                               return_routed_experts=self.config.routed_expert_layout is not None,
                                               n=n)
-            chunks, server = await self._call(call, body, n)
+            chunks, server = await self._call(call, body, self._chunks(n))
             for sample in samples:
                 sample.state.calls, sample.state.retries = call.calls, call.retries
                 sample.state.tried.update(call.tried)
@@ -168,6 +169,32 @@ class InferenceClient:
             for r in requests:
                 self.pool.forget(r.rid)
         return [self._response(s) for s in samples]
+
+    async def ascore(self, req: ScoreRequest) -> list[float]:
+        """The logprobs of `req.input_ids[req.start:]` under the servers' weights (temperature 1):
+        one prefill-only call, retried across transient failures and servers like generation,
+        inside the request's deadline. A server that cannot score (its kind, a 4xx) raises."""
+        deadline_s = req.deadline_s if req.deadline_s is not None else self.config.deadline_s
+        state = _RequestState(rid=req.rid, deadline=time.monotonic() + deadline_s, deadline_s=deadline_s)
+        body = self.adapter.score_body(req.rid, list(req.input_ids), req.start)
+
+        def parse(data: Any) -> tuple[list[float], int]:
+            return self.adapter.parse_score(data, req.input_ids, req.start), 0
+
+        try:
+            scores, _ = await self._call(state, body, parse)
+        finally:
+            self.pool.forget(req.rid)
+        return scores
+
+    def _chunks(self, n: int) -> Callable[[Any], tuple[list[Chunk], int]]:
+        """How a generate call's answer reads: its `n` samples, and the tokens they brought."""
+
+        def parse(data: Any) -> tuple[list[Chunk], int]:
+            chunks = self.adapter.parse_samples(data, n)
+            return chunks, sum(len(c.output_ids) for c in chunks)
+
+        return parse
 
     def _sample(self, req: ModelRequest, start: float) -> _Sample:
         budget = req.params.max_new_tokens
@@ -192,7 +219,7 @@ class InferenceClient:
                 req.params, seed=continuation_seed(req.params.seed, len(sample.out_ids)))
             body = self.adapter.generate_body(req.rid, sent, params, sample.budget - len(sample.out_ids),
                                               return_routed_experts=self.config.routed_expert_layout is not None)
-            (chunk,), server = await self._call(state, body, 1)
+            (chunk,), server = await self._call(state, body, self._chunks(1))
             new = self._absorb(sample, chunk, server, len(sent))
             if sample.finish is None:
                 # A paused server holds resubmissions until it continues, so aborts come one per
@@ -256,8 +283,10 @@ class InferenceClient:
         rows = num_sent + len(chunk.output_ids) - 1
         return decode_routed_experts(chunk.routed_experts, rows, layout)[: num_sent + num_new - 1]
 
-    async def _call(self, state: _RequestState, body: dict[str, Any], n: int) -> tuple[list[Chunk], str]:
-        """One generation call (`n` samples), retried across transient failures until the deadline."""
+    async def _call(self, state: _RequestState, body: dict[str, Any],
+                    parse: Callable[[Any], tuple[T, int]]) -> tuple[T, str]:
+        """One call (`parse` reads its answer: what it holds, and the tokens generated), retried
+        across transient failures until the deadline."""
         rid = state.rid
         attempt = 0
         while True:
@@ -278,9 +307,9 @@ class InferenceClient:
                 with self.pool.lease(server, _setter(abandoned)):
                     state.calls += 1
                     data = await self._post_unless(abandoned, server, body, timeout)
-                chunks = self.adapter.parse_samples(data, n)
-                self.pool.mark_success(server, sum(len(c.output_ids) for c in chunks))
-                return chunks, server
+                result, tokens = parse(data)
+                self.pool.mark_success(server, tokens)
+                return result, server
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPError, TimeoutError,
                     CallAbandoned) as exc:
                 state.last_error = f"{server}: {type(exc).__name__}: {exc}".rstrip(": ")

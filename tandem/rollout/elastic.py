@@ -41,8 +41,10 @@ class ElasticFleet:
     def __init__(self, addresses: Sequence[str], pool: ServerPool, adapter: ServerAdapter, *,
                  health: HealthConfig, min_servers: int, min_servers_grace_s: float, topology_cooldown_s: float,
                  deadlines: Deadlines, api_key: str | None = None, devices: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
-        """`devices`: those of each server in `addresses` (joiners say their own)."""
+                 clock: Callable[[], float] = time.monotonic, section: str = "rollout"):
+        """`devices`: those of each server in `addresses` (joiners say their own); `section`: the
+        config section whose `min_servers` keys the messages name (rollout, teacher)."""
+        self.section = section
         self.adapter = adapter
         self.pool = pool
         self.min_servers = min_servers
@@ -165,9 +167,10 @@ class ElasticFleet:
         errors = "; ".join(f"{r.address}: {r.state.value} ({r.last_error or 'no error'})"
                            for r in self.membership.snapshot() if r.state is not MemberState.HEALTHY)
         callback(FleetTooSmall(
-            f"only {healthy} server(s) healthy, fewer than rollout.min_servers={self.min_servers}, for "
-            f"{self.min_servers_grace_s:g}s (rollout.min_servers_grace_s); {errors}. Start servers that can "
-            "join (tandem serve --join RUN_DIR) or look at the servers' logs"))
+            f"only {healthy} {self.section} server(s) healthy, fewer than {self.section}.min_servers="
+            f"{self.min_servers}, for {self.min_servers_grace_s:g}s ({self.section}.min_servers_grace_s); {errors}. "
+            + ("Start servers that can join (tandem serve --join RUN_DIR) or look" if self.section == "rollout"
+               else "Look") + " at the servers' logs"))
 
     # -- internals --------------------------------------------------------------------------------
     def _on_routable(self, addresses: list[str]) -> None:

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tandem.aio import new_event_loop
 from tandem.data.trajectory import Trajectory
@@ -45,6 +45,16 @@ class ExecutorConfig:
     max_consecutive_failures: int | None = None  # an error storm ends the executor; None: never
 
 
+class EpisodeScorer(Protocol):
+    """Awaited on every episode a workflow returned, before it is accepted (a teacher's scores,
+    `tandem.rollout.teacher`): fills fields of the trajectories in place; raising fails the episode."""
+
+    async def ascore(self, trajectories: list[Trajectory]) -> None: ...
+
+    async def aclose(self) -> None:
+        """Release what `ascore` opened on the executor's loop (called there at shutdown)."""
+
+
 @dataclass
 class _Episode:
     item: Any
@@ -56,8 +66,10 @@ class _Episode:
 
 
 class WorkflowExecutor:
-    def __init__(self, client: InferenceClient, config: ExecutorConfig | None = None):
+    def __init__(self, client: InferenceClient, config: ExecutorConfig | None = None,
+                 scorer: EpisodeScorer | None = None):
         self.client = client
+        self.scorer = scorer
         self.config = cfg = config or ExecutorConfig()
         if cfg.order not in ("dispatch", "completion"):
             raise ValueError(f"order must be 'dispatch' or 'completion', got {cfg.order!r}")
@@ -291,6 +303,8 @@ class WorkflowExecutor:
             result = as_trajectories(await ep.workflow.arun_episode(self.client, ep.item))
             if result is None:
                 logger.info("episode %d rejected by its workflow (item %.200r)", ep.seq, ep.item)
+            elif self.scorer is not None:
+                await self.scorer.ascore(result)
         except asyncio.CancelledError:  # shutdown
             self.staleness.on_reject()
             if ep.future is not None:
@@ -362,3 +376,5 @@ class WorkflowExecutor:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.aclose()
+        if self.scorer is not None:
+            await self.scorer.aclose()

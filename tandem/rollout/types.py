@@ -22,6 +22,18 @@ class ModelRequest:
 
 
 @dataclass
+class ScoreRequest:
+    """Score a sequence's own tokens with the servers' weights, generating nothing: the logprobs
+    of `input_ids[start:]` (`start` >= 1), at temperature 1 (e.g. a teacher's, for distillation)."""
+
+    input_ids: list[int]
+    start: int
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Seconds for the whole request (all calls, retries, waits); None = the client's default.
+    deadline_s: float | None = None
+
+
+@dataclass
 class ModelResponse:
     rid: str
     input_ids: list[int]
