@@ -20,7 +20,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMP_WEIGHT_MODES = ("mask", "clamp", "off")
 IMPORTANCE_LEVELS = ("token", "sequence")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
-RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo")
+RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo", "distill")
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], key: str) -> None:
@@ -148,6 +148,13 @@ class PPOConfig:
 
 
 @dataclass
+class DistillConfig:
+    kl_coef: float = _f(0.0, "On-policy distillation: weight of the per-token reverse KL to the teacher (the teacher "
+                             "section), kl_coef * (logp_teacher - logp_behave) added to the reward of every generated "
+                             "token, with any recipe; 0: no teacher. algo.name=distill sets it to 1.", min=0.0)
+
+
+@dataclass
 class AlgoConfig:
     name: str = _f("grpo", "Recipe: sets the defaults of the keys it implies (the table in docs/algorithms.md); keys "
                            "set explicitly override them, except the ones that define the recipe (refused).",
@@ -155,8 +162,12 @@ class AlgoConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def check(self, prefix: str = "") -> None:
+        if self.name == "distill" and self.distill.kl_coef == 0:
+            raise ConfigError(f"{prefix}distill.kl_coef=0 with {prefix}name='distill' leaves nothing to learn from: "
+                              f"the teacher's KL is the signal; set {prefix}distill.kl_coef > 0 (default 1)")
         self.reward.check(f"{prefix}reward.")
         self.advantage.check(f"{prefix}advantage.")
         self.ppo.check(f"{prefix}ppo.")
@@ -181,6 +192,7 @@ RECIPE_DEFINES: dict[str, dict[str, Any]] = {
     "dapo": {**_CRITIC_FREE, "ppo.importance_level": "token"},
     "gspo": {**_CRITIC_FREE, "ppo.importance_level": "sequence"},
     "ppo": {"ppo.use_critic": True, "ppo.importance_level": "token"},
+    "distill": {**_CRITIC_FREE, "ppo.importance_level": "token"},
 }
 RECIPE_HINTS = {
     "grpo": "a critic means algo.name=ppo; sequence-level ratios mean algo.name=gspo",
@@ -189,11 +201,13 @@ RECIPE_HINTS = {
     "dapo": "a critic means algo.name=ppo; sequence-level ratios mean algo.name=gspo",
     "gspo": "GSPO's ratio is per sequence (per token, use algo.name=grpo); a critic means algo.name=ppo",
     "ppo": "PPO here trains a critic (critic-free: algo.name=grpo, dr_grpo, rloo, dapo or gspo)",
+    "distill": "distillation learns from the teacher's per-token KL, token by token (a critic means algo.name=ppo "
+               "with algo.distill.kl_coef > 0)",
 }
 
 
-def _recipe_parts(name: str) -> tuple[RewardConfig, AdvantageConfig, PPOConfig]:
-    reward, adv, ppo = RewardConfig(), AdvantageConfig(), PPOConfig()
+def _recipe_parts(name: str) -> tuple[RewardConfig, AdvantageConfig, PPOConfig, DistillConfig]:
+    reward, adv, ppo, distill = RewardConfig(), AdvantageConfig(), PPOConfig(), DistillConfig()
     if name == "grpo":
         adv.mean_level, adv.std_level = "group", "group"
     elif name == "dr_grpo":
@@ -216,9 +230,16 @@ def _recipe_parts(name: str) -> tuple[RewardConfig, AdvantageConfig, PPOConfig]:
         adv.mean_level, adv.std_level = "batch", "batch"
         adv.gamma, adv.lam = 1.0, 0.95
         ppo.use_critic = True
+    elif name == "distill":
+        # On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): each generated token's
+        # advantage is its own reverse-KL term, logp_teacher - logp_behave, undiscounted by later
+        # tokens (gamma 0) and not normalised; the task's outcome reward is left out (scaling 0).
+        adv.mean_level, adv.std_level, adv.gamma = "none", "none", 0.0
+        reward.reward_scaling = 0.0
+        distill.kl_coef = 1.0
     else:
         raise ConfigError(f"unknown algorithm recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    return reward, adv, ppo
+    return reward, adv, ppo, distill
 
 
 def recipe(name: str, *, max_new_tokens: int = 0, max_head_offpolicyness: int = 0, **ppo_overrides: Any) -> AlgoConfig:
@@ -228,7 +249,7 @@ def recipe(name: str, *, max_new_tokens: int = 0, max_head_offpolicyness: int = 
     `max_head_offpolicyness` is the rollout staleness bound; other keywords override `PPOConfig`
     fields, e.g. `recipe("grpo", behave_imp_weight_mode="clamp")`.
     """
-    reward, adv, ppo = _recipe_parts(name)
+    reward, adv, ppo, distill = _recipe_parts(name)
     if reward.overlong_penalty.enabled and max_new_tokens <= 1:
         raise ConfigError(
             f"recipe {name!r} applies the DAPO overlong penalty and needs max_new_tokens (the rollout's "
@@ -242,6 +263,6 @@ def recipe(name: str, *, max_new_tokens: int = 0, max_head_offpolicyness: int = 
     if unknown:
         raise ConfigError(f"unknown PPOConfig field(s) {sorted(unknown)}")
     ppo = dataclasses.replace(ppo, **ppo_overrides)
-    cfg = AlgoConfig(name=name, reward=reward, advantage=adv, ppo=ppo)
+    cfg = AlgoConfig(name=name, reward=reward, advantage=adv, ppo=ppo, distill=distill)
     cfg.check()
     return cfg

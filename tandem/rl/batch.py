@@ -22,6 +22,7 @@ from tandem.data.trajectory import Trajectory
 from tandem.train.routed_experts import fill_missing_routed_experts
 
 KL_REWARDS = "kl_rewards"  # the per-token reward term `add_advantages` adds before GAE
+TEACHER_LOGPROBS = "teacher_logprobs"  # `Trajectory.teacher_logprobs`: a teacher's scores (distillation)
 
 
 @dataclass
@@ -70,6 +71,7 @@ def add_training_advantages(tb: TrainingBatch, algo: AlgoConfig) -> dict[str, fl
     - With `ref_logprobs` in the sequences (a reference model, `algo.ppo.kl_ctl > 0`): the KL of the
       behaviour policy to the reference on the sampled tokens, `ppo/kl_ref` (token mean), and,
       unless `kl_in_loss`, the reward term `-kl_ctl * KL` on every generated token.
+    - With `teacher_logprobs` (a run with a teacher): `add_teacher_rewards`.
     - With `values` (a critic's, input alignment: V of the state before each token): GAE on them,
       and `critic/values_mean`, `critic/returns_mean`, `critic/explained_variance`
       (1 - Var(R - V) / Var(R) over generated tokens: how much of the returns the critic predicts).
@@ -86,12 +88,32 @@ def add_training_advantages(tb: TrainingBatch, algo: AlgoConfig) -> dict[str, fl
             if not ppo.kl_in_loss:
                 seq[KL_REWARDS] = -ppo.kl_ctl * kl
         stats["ppo/kl_ref"] = total / count if count else 0.0
+    if seqs and TEACHER_LOGPROBS in seqs[0]:
+        stats.update(add_teacher_rewards(tb.batch, algo.distill.kl_coef))
     adv = add_advantages(tb.batch, algo.advantage, group_ids=tb.group_ids, rewards=tb.rewards,
                          values_key=OLD_VALUES, token_reward_key=KL_REWARDS)
     stats.update({f"adv/{k}": float(v) for k, v in adv.items()})
     if seqs and OLD_VALUES in seqs[0]:
         stats.update(critic_stats(tb.batch))
     return stats
+
+
+def add_teacher_rewards(batch: SequenceBatch, kl_coef: float) -> dict[str, float]:
+    """On-policy distillation, in place: `kl_coef * (logp_teacher - logp_behave)` joins every
+    generated token's reward term (`kl_rewards`, next to a reference's KL), the negative of the
+    single-sample estimate of the reverse KL(student || teacher) at that token; the teacher's
+    logprobs then leave the sequences (the trainer ranks do not need them). Stats:
+    `distill/reverse_kl` (token mean of logp_behave - logp_teacher) and `distill/teacher_logprob`."""
+    total_kl, total_teacher, count = 0.0, 0.0, 0.0
+    for seq in batch.seqs:
+        mask = seq[LOSS_MASK].float()
+        teacher = seq.pop(TEACHER_LOGPROBS).float()
+        kl = (seq[BEHAVE_LOGPROBS].float() - teacher) * mask
+        total_kl, total_teacher = total_kl + float(kl.sum()), total_teacher + float((teacher * mask).sum())
+        count += float(mask.sum())
+        seq[KL_REWARDS] = seq.get(KL_REWARDS, torch.zeros_like(kl)) - kl_coef * kl
+    return {"distill/reverse_kl": total_kl / count if count else 0.0,
+            "distill/teacher_logprob": total_teacher / count if count else 0.0}
 
 
 def critic_stats(batch: SequenceBatch) -> dict[str, float]:

@@ -33,7 +33,11 @@ def test_recipes_settings():
 
     ppo = recipe("ppo")
     assert ppo.ppo.use_critic and ppo.advantage.lam == 0.95
-    assert set(RECIPES) == {"grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo"}
+    distill = recipe("distill")
+    assert distill.distill.kl_coef == 1.0 and distill.reward.reward_scaling == 0.0
+    assert (distill.advantage.mean_level, distill.advantage.std_level, distill.advantage.gamma) == ("none", "none", 0.0)
+    assert not distill.ppo.use_critic
+    assert set(RECIPES) == {"grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo", "distill"}
 
 
 def test_recipe_errors():

@@ -1,6 +1,6 @@
 """The controller's half of a PPO step on hand-computed numbers: the KL of the behaviour policy to
 the reference as a reward term (or only a statistic, when the KL is in the loss), GAE on the
-critic's values, and the critic's statistics."""
+critic's values, and the critic's statistics; the teacher's reverse KL of distillation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from tandem.algo.config import recipe
 from tandem.data.trajectory import Trajectory
-from tandem.rl.batch import KL_REWARDS, add_training_advantages, build_training_batch
+from tandem.rl.batch import KL_REWARDS, TEACHER_LOGPROBS, add_training_advantages, build_training_batch
 
 
 def _batch(kl_in_loss: bool):
@@ -107,3 +107,40 @@ def test_dispatch_balances_tokens_and_shares_the_sequences():
     assert stats["dispatch/imbalance_naive"] == pytest.approx(1.4) and stats["dispatch/imbalance"] == 1.0
     held = [id(seq) for s in shards for seq in s.seqs]
     assert sorted(held) == sorted(id(seq) for seq in batch.seqs)  # each sequence once, the same object
+
+
+def _distilled(algo):
+    """Two samples scored by a teacher (`Trajectory.teacher_logprobs`, input alignment)."""
+    trajs = [Trajectory.from_generation([5], [6, 7], [-1.0, -2.0], [0, 0], reward=1.0, group_id="g"),
+             Trajectory.from_generation([5], [8], [-0.5], [0], reward=0.0, group_id="g")]
+    trajs[0].teacher_logprobs = [0.0, -0.25, -3.0]
+    trajs[1].teacher_logprobs = [0.0, -0.5]
+    tb, _ = build_training_batch(trajs, algo, version=0)
+    return tb
+
+
+def test_distill_advantage_is_each_tokens_own_teacher_minus_student():
+    # k1 reverse KL per token, logp_behave - logp_teacher: [-0.75, 1.0] and [0.0].
+    # The recipe: kl_coef 1, outcome scaled to 0, gamma 0, no normalisation: A_t = teacher - behave.
+    tb = _distilled(recipe("distill"))
+    stats = add_training_advantages(tb, recipe("distill"))
+    first, second = tb.batch.seqs
+    close(first["advantages"], [0.0, 0.75, -1.0])
+    close(second["advantages"], [0.0, 0.0])
+    assert TEACHER_LOGPROBS not in first  # consumed on the controller; the ranks never get it
+    assert stats["distill/reverse_kl"] == pytest.approx(0.25 / 3)
+    assert stats["distill/teacher_logprob"] == pytest.approx(-3.75 / 3)
+
+
+def test_a_teacher_term_joins_grpos_advantages():
+    # GRPO with kl_coef 0.5: group-normalised outcomes (1, 0) -> (+1, -1) on the last token (std
+    # eps 1e-5), the term 0.5 * (teacher - behave) on each token, summed to go (gamma = lambda = 1):
+    # sample 1 terms [0.375, -0.5] -> A = [0.375 - 0.5 + 1, -0.5 + 1] = [0.875, 0.5]; sample 2: [-1].
+    algo = recipe("grpo")
+    algo.distill.kl_coef = 0.5
+    tb = _distilled(algo)
+    add_training_advantages(tb, algo)
+    first, second = tb.batch.seqs
+    close(first[KL_REWARDS], [0.0, 0.375, -0.5])
+    assert first["advantages"].tolist() == pytest.approx([0.0, 0.875, 0.5], abs=1e-4)
+    assert second["advantages"].tolist() == pytest.approx([0.0, -1.0], abs=1e-4)
