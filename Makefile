@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo lora code vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean demo moe agent ppo lora code distill vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -138,6 +138,21 @@ CODE_DIR ?= runs/code
 code: $(STAMP) sandbox-deps
 	$(call warm_start,$(CODE_DIR),examples/code.yaml,qwen3)
 	$(VENV)/bin/tandem train examples/code.yaml actor.path=$(CODE_DIR)/sft train.overwrite=true
+
+# On-policy distillation (examples/distill.yaml, docs/rewards.md "Distillation"): the student is the
+# demo's flawed warm start (the tiny preset, 2 blocks); the teacher is the same preset with 4 blocks
+# (the same tokenizer) trained longer on correct answers; then distillation steps with a launched
+# teacher server scoring every sample.
+DISTILL_DIR ?= runs/distill
+distill: $(STAMP)
+	$(call warm_start,$(DISTILL_DIR)/student,examples/demo.yaml,qwen3)
+	$(VENV)/bin/tandem init-model $(DISTILL_DIR)/teacher/base --arch qwen3 --preset tiny --layers 4 --seed 0 --overwrite
+	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(DISTILL_DIR)/teacher/base sft.output=$(DISTILL_DIR)/teacher/sft \
+		experiment.name=distill experiment.trial=teacher task.options.teacher_slip=0 sft.steps=$(DISTILL_TEACHER_STEPS) \
+		actor.optimizer.lr=3e-3 actor.optimizer.lr_scheduler=cosine actor.optimizer.warmup_steps_proportion=0.05
+	$(VENV)/bin/tandem train examples/distill.yaml actor.path=$(DISTILL_DIR)/student/sft \
+		teacher.path=$(DISTILL_DIR)/teacher/sft train.overwrite=true
+DISTILL_TEACHER_STEPS ?= 1600
 
 # The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
 # rollout routing replay (examples/moe.yaml, docs/moe.md).

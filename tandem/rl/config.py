@@ -30,6 +30,7 @@ from tandem.launch.affinity import parse_cpus
 from tandem.launch.config import SchedulerConfig
 from tandem.parallel.cp_heads import check_heads
 from tandem.rollout.config import RolloutConfig
+from tandem.rollout.teacher import TeacherConfig
 from tandem.train.config import OptimizerConfig, TrainEngineConfig
 from tandem.user_code import check_user_function
 
@@ -254,6 +255,7 @@ class TandemConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: ReferenceConfig = field(default_factory=ReferenceConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -303,6 +305,7 @@ class TandemConfig:
         chosen.check_layout(self.actor.tp, f"{prefix}actor.parallelize.")
         self.algo.check(f"{prefix}algo.")
         check_model_sections(self.algo, self.critic, self.ref, prefix)
+        check_teacher_section(self.teacher, self.algo, self.command, prefix)
         if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":
             raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
                               f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "
@@ -361,7 +364,36 @@ def check_model_sections(algo: AlgoConfig, critic: CriticConfig, ref: ReferenceC
         raise ConfigError(f"{key} is set but does nothing in this run: it needs {needs}. Set that, or remove {key}")
 
 
-def _changed(section: CriticConfig | ReferenceConfig) -> list[str]:
+def check_teacher_section(teacher: TeacherConfig, algo: AlgoConfig, command: str, prefix: str) -> None:
+    """A teacher (`teacher.path`) exactly when the KL to it counts (`algo.distill.kl_coef > 0`, in
+    `tandem train`); its servers' keys need it. The shared tokenizer is checked before launch
+    (`tandem.rl.distill.check_teacher`): reading tokenizers costs seconds."""
+    changed = _changed(teacher)
+    if command == "sft":
+        if changed:
+            raise ConfigError(f"{prefix}teacher.{changed[0]} is set but `tandem sft` has no teacher (it trains on "
+                              f"the task's answers); remove it, or distill with `tandem train` and "
+                              f"{prefix}algo.name=distill")
+        return
+    if algo.distill.kl_coef > 0 and not teacher.enabled:
+        raise ConfigError(f"{prefix}algo.distill.kl_coef={algo.distill.kl_coef:g}"
+                          + (f" ({prefix}algo.name='distill')" if algo.name == "distill" else "")
+                          + f" needs a teacher: set {prefix}teacher.path to its HF directory")
+    if not teacher.enabled:
+        if changed:
+            raise ConfigError(f"{prefix}teacher.{changed[0]} is set but does nothing in this run: it needs "
+                              f"{prefix}teacher.path (and {prefix}algo.distill.kl_coef > 0, or {prefix}algo.name="
+                              f"distill). Set those, or remove {prefix}teacher.{changed[0]}")
+        return
+    if algo.distill.kl_coef == 0:
+        raise ConfigError(f"{prefix}teacher.path is set but does nothing in this run: the teacher's KL counts with "
+                          f"{prefix}algo.distill.kl_coef > 0 (or {prefix}algo.name=distill); set it, or remove "
+                          f"{prefix}teacher.path")
+    teacher.check(f"{prefix}teacher.")
+    check_model_dir(teacher.path, f"{prefix}teacher.path")
+
+
+def _changed(section: CriticConfig | ReferenceConfig | TeacherConfig) -> list[str]:
     """The fields of a config section that differ from its defaults."""
     default = type(section)()
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]

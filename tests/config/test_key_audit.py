@@ -58,6 +58,11 @@ T_BATCH = "tests/algo/test_config_keys.py::test_the_key_changes_the_training_bat
 T_LOSS = "tests/algo/test_config_keys.py::test_the_key_changes_the_policy_loss"
 T_E2E_STALENESS = "tests/rl/test_train_e2e.py::test_staleness_zero_gives_ratio_one_and_no_mismatch"
 T_E2E_ASYNC = "tests/rl/test_train_e2e.py::test_the_default_asynchronous_loop_keeps_its_bound_and_learns"
+T_TRAINING_BATCH_TEACHER = "tests/rl/test_training_batch.py"
+T_TEACHER_REFUSED = "tests/rl/test_distill.py::test_teacher_settings_are_refused_naming_the_key"
+T_TEACHER_TOKENIZER = "tests/rl/test_distill.py::test_a_teacher_with_another_tokenizer_is_refused_naming_both"
+T_TEACHER_LAUNCH = "tests/rl/test_distill.py::test_launched_teacher_servers_take_the_teacher_keys"
+T_DISTILL_E2E = "tests/rl/test_distill_e2e.py::test_distillation_lowers_the_reverse_kl_and_survives_a_dead_teacher_server"
 T_ELASTIC_DISK = "tests/rl/test_elastic_run.py::test_a_server_killed_in_an_update_phase_leaves_the_run_going"  # [disk]
 T_SECOND_LAUNCH = "tests/rl/test_run_lifecycle.py::test_second_launch_into_a_trial"
 T_SFT = "tests/rl/test_calculator_sft.py::test_sft_trains_on_conversations_and_evaluates_with_the_tool_loop"
@@ -388,6 +393,20 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
                             T_VALIDATION),
     "algo.ppo.use_critic": (T_VALIDATION, f"{T_BATCH}[algo.name]", f"{T_PPO_MODELS}[colocated]"),
     "algo.ppo.value_eps_clip": ("tests/algo/test_losses.py::test_value_loss_clipping", T_VALIDATION),
+    # On-policy distillation (issue 48): the teacher fleet and the KL term to it.
+    "algo.distill.kl_coef": (f"{T_TRAINING_BATCH_TEACHER}::test_a_teacher_term_joins_grpos_advantages",
+                             f"{T_TRAINING_BATCH_TEACHER}::test_distill_advantage_is_each_tokens_own_teacher_minus_student",
+                             T_TEACHER_REFUSED, T_DISTILL_E2E),
+    "teacher.path": (T_TEACHER_REFUSED, T_TEACHER_TOKENIZER, T_TEACHER_LAUNCH, T_DISTILL_E2E),
+    "teacher.backend": (T_TEACHER_LAUNCH, T_TEACHER_REFUSED, T_DISTILL_E2E),
+    "teacher.servers": ("tests/rl/test_distill.py::test_listed_teacher_servers_are_used_as_they_are",),
+    "teacher.server_args": (T_TEACHER_LAUNCH,),
+    "teacher.cpus": (T_TEACHER_LAUNCH, T_TEACHER_REFUSED),
+    "teacher.api_key": (T_TEACHER_LAUNCH,),
+    "teacher.min_servers": (T_TEACHER_LAUNCH, T_TEACHER_REFUSED),
+    "teacher.request_deadline_s": (T_TEACHER_LAUNCH, T_TEACHER_REFUSED,
+                                   "tests/rollout/test_teacher.py::test_a_teacher_server_killed_while_scoring_loses_no_trajectory"),
+    "teacher.call_timeout_s": (T_TEACHER_LAUNCH,),
 }
 
 
