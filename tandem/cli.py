@@ -422,6 +422,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="/update_weights_from_disk may load from DIR and below (repeatable); the --model "
                         "directory always; any other path is refused (403)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--is-embedding", action="store_true",
+                   help="serve a sequence classifier (a reward model: ...ForSequenceClassification, or a value model "
+                        "...ForTokenClassification with one label) on /classify and /v1/classify instead of generating "
+                        "(SGLang's flag; docs/rewards.md)")
     p.add_argument("--join", default=None, metavar="RUN_DIR",
                    help="join the running `tandem train` of RUN_DIR (its controller.json): the run warms this "
                         "server to its current weights and gives it traffic (docs/fleet.md)")

@@ -49,7 +49,7 @@ class LLMEngine:
         self.max_model_len = int(self.model.args.max_seq_len)
         self.vocab_size = int(self.model.args.vocab_size)
         self.eos_ids = _eos_ids(model_path)
-        self.detokenizer = Detokenizer(_load_tokenizer(model_path))
+        self.detokenizer = Detokenizer(load_tokenizer(model_path))
         num_blocks = kv_cache_tokens // block_size
         if num_blocks < 1:
             raise RequestError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {block_size} tokens")
@@ -347,7 +347,8 @@ def _eos_ids(model_path: str | os.PathLike[str]) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _load_tokenizer(model_path: str | os.PathLike[str]) -> Any | None:
+def load_tokenizer(model_path: str | os.PathLike[str]) -> Any | None:
+    """The model directory's HF tokenizer, or None when it has none (the server then speaks token ids)."""
     root = Path(model_path)
     if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None

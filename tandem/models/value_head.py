@@ -16,6 +16,7 @@ from tandem.errors import ModelConfigError
 
 CAUSAL_LM = "ForCausalLM"
 VALUE_MODEL = "ForTokenClassification"
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"  # a reward model: labels scored at the last token
 # HF names of the value head's tensors.
 SCORE_WEIGHT = "score.weight"
 SCORE_BIAS = "score.bias"
@@ -32,6 +33,19 @@ def is_value_config(cfg: dict[str, Any]) -> bool:
         raise ModelConfigError(f"{archs[0]} with {labels} labels is not a value model: a critic has one output "
                                "per token (num_labels 1)")
     return True
+
+
+def classifier_labels(cfg: dict[str, Any]) -> int:
+    """The labels of a sequence classifier config (`<Family>ForSequenceClassification`: a reward
+    model, one label, or a classifier: its head `score.weight` `[labels, hidden]`, no bias, read at
+    each sequence's last token, as transformers does); 0 for any other model."""
+    archs = cfg.get("architectures") or []
+    if not archs or not str(archs[0]).endswith(SEQUENCE_CLASSIFIER):
+        return 0
+    labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)  # transformers' default: 2
+    if labels < 1:
+        raise ModelConfigError(f"{archs[0]} with {labels} labels scores nothing: num_labels must be >= 1")
+    return labels
 
 
 def value_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +71,8 @@ def config_for_head(cfg: dict[str, Any], value: bool, path: str) -> tuple[dict[s
     needed raises `ModelConfigError`."""
     if value:
         return value_config(cfg), not is_value_config(cfg)
-    if is_value_config(cfg):
-        raise ModelConfigError(f"{path!r} is a value model ({cfg['architectures'][0]}), not a causal LM: an actor or "
+    if is_value_config(cfg) or classifier_labels(cfg):
+        kind = "a value model" if is_value_config(cfg) else "a sequence classifier (a reward model)"
+        raise ModelConfigError(f"{path!r} is {kind} ({cfg['architectures'][0]}), not a causal LM: an actor or "
                                "reference model needs a ...ForCausalLM checkpoint")
     return cfg, False

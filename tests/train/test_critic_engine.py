@@ -85,6 +85,21 @@ def test_an_actor_refuses_a_value_model_checkpoint(tiny_dir, tmp_path):
         TrainEngine(engine_config(str(out)))
 
 
+def test_an_actor_refuses_a_reward_model_checkpoint(tiny_dir, tmp_path):
+    """A transformers sequence classifier (a reward model) is not trained as a causal LM: its score
+    head would be taken for the vocabulary's logits."""
+    import json
+    import shutil
+
+    rm = tmp_path / "rm"
+    shutil.copytree(tiny_dir, rm)
+    cfg = json.loads((rm / "config.json").read_text())
+    cfg.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1)
+    (rm / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"is a sequence classifier \(a reward model\) .*ForCausalLM"):
+        TrainEngine(engine_config(str(rm)))
+
+
 def test_forward_of_the_wrong_kind_is_refused(tiny_dir):
     engine = TrainEngine(engine_config(str(tiny_dir)), head="value")
     with pytest.raises(TypeError, match="forward_values"):

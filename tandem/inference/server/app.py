@@ -15,7 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
 from tandem.http_auth import BearerAuth
-from tandem.inference.server import faults, generate_route, memory_routes, openai_routes, routes
+from tandem.inference.server import (
+    classify_routes,
+    faults,
+    generate_route,
+    memory_routes,
+    openai_routes,
+    routes,
+)
 from tandem.inference.server.args import ServerArgs
 from tandem.inference.server.engine_loop import EngineLoop
 from tandem.inference.server.http_api import ApiError, ControlError, control_response, error_response
@@ -47,7 +54,8 @@ def build_app(args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="tandem serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for r in (routes.router, generate_route.router, weight_routes.router, memory_routes.router, openai_routes.router):
+    for r in (routes.router, generate_route.router, weight_routes.router, memory_routes.router, openai_routes.router,
+              classify_routes.router):
         app.include_router(r)
     injector = faults.install(app)  # tests only: None unless TANDEM_FAULT_INJECTION=1
 

@@ -29,6 +29,7 @@ class ServerArgs:
     weights_dir: list[str] = field(default_factory=list)  # beside the model's: where disk updates may load from
     log_level: str = "warning"
     join: str | None = None  # a run directory: register with its controller once ready (`--join`)
+    is_embedding: bool = False  # serve a sequence classifier (`ClassifierEngine`) instead of generating
     join_failed: bool = field(default=False, repr=False)  # set when the controller never accepted us
 
     @property

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tandem.inference.classifier import ClassifierEngine
 from tandem.inference.engine import LLMEngine
 from tandem.inference.outputs import RequestOutput, TokenDelta
 from tandem.inference.request import GenerationRequest
@@ -100,11 +101,15 @@ class EngineLoop:
         try:
             if a.num_threads:
                 torch.set_num_threads(a.num_threads)
-            self.engine = LLMEngine(a.model_path, max_num_seqs=a.max_num_seqs,
-                                    max_num_batched_tokens=a.max_num_batched_tokens,
-                                    kv_cache_tokens=a.kv_cache_tokens, block_size=a.block_size,
-                                    device=a.device, dtype=a.torch_dtype, seed=a.seed,
-                                    batch_invariant=a.batch_invariant)
+            if a.is_embedding:  # a reward model: commands only (`ClassifierEngine.classify`), never a step
+                self.engine = ClassifierEngine(a.model_path, device=a.device, dtype=a.torch_dtype,
+                                               max_num_batched_tokens=a.max_num_batched_tokens)
+            else:
+                self.engine = LLMEngine(a.model_path, max_num_seqs=a.max_num_seqs,
+                                        max_num_batched_tokens=a.max_num_batched_tokens,
+                                        kv_cache_tokens=a.kv_cache_tokens, block_size=a.block_size,
+                                        device=a.device, dtype=a.torch_dtype, seed=a.seed,
+                                        batch_invariant=a.batch_invariant)
         except Exception as exc:  # the first line (what /health reports) says why
             self.error = f"engine failed to load: {exc}\n" + traceback.format_exc()
             log.error(self.error)

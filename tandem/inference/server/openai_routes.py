@@ -131,7 +131,7 @@ async def chat_completions(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = state_of(request)
-    state.check_ready()
+    state.check_ready(generation=False)
     return JSONResponse({"object": "list", "data": [{
         "id": state.args.model_name, "object": "model", "created": int(state.started), "owned_by": "tandem",
         "root": state.args.model_path, "max_model_len": state.engine.max_model_len,

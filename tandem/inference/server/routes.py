@@ -56,16 +56,17 @@ async def health(request: Request) -> Response:
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
     state = state_of(request)
-    state.check_ready()
+    state.check_ready(generation=False)
     path = state.args.model_path
     return JSONResponse({"model_path": path, "tokenizer_path": path if state.tokenizer is not None else None,
-                         "is_generation": True, "weight_version": str(state.engine.weight_version)})
+                         "is_generation": not state.args.is_embedding,
+                         "weight_version": str(state.engine.weight_version)})
 
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
     state = state_of(request)
-    state.check_ready()
+    state.check_ready(generation=False)
     engine = state.engine
     stats = await state.engine_loop.call(lambda e: e.stats())
     return JSONResponse({
@@ -85,7 +86,7 @@ async def get_server_info(request: Request) -> Response:
 @router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> Response:
     state = state_of(request)
-    state.check_ready()
+    state.check_ready(generation=False)
     return JSONResponse({"weight_version": str(state.engine.weight_version)})
 
 

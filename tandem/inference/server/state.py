@@ -47,11 +47,17 @@ class ServerState:
     def engine(self):
         return self.engine_loop.engine
 
-    def check_ready(self) -> None:
+    def check_ready(self, generation: bool = True) -> None:
+        """503 while the engine loads or after it broke; with `generation` (a route of a generating
+        server: generation, weights, memory, pause), 400 on a server of a classifier."""
         if self.engine_loop.error:
             raise ApiError("the engine is broken; see the server log", 503)
         if not self.engine_loop.ready.is_set() or self.engine is None:
             raise ApiError("the server is starting; poll /health", 503)
+        if generation and self.args.is_embedding:
+            raise ApiError(f"this server serves a sequence classifier ({self.args.model_path}, started with "
+                           "--is-embedding): it scores sequences on POST /classify and /v1/classify and generates "
+                           "nothing; this route needs a server started without --is-embedding")
 
     @property
     def tokenizer(self) -> Any | None:

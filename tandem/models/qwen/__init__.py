@@ -10,7 +10,7 @@ from tandem.models.qwen.args import MODEL_TYPES, QwenArgs
 from tandem.models.qwen.model import QwenModel
 from tandem.models.qwen.state_dict_adapter import QwenStateDictAdapter
 from tandem.models.registry import ModelSpec, register_model_spec
-from tandem.models.value_head import CAUSAL_LM, VALUE_MODEL
+from tandem.models.value_head import CAUSAL_LM, SEQUENCE_CLASSIFIER, VALUE_MODEL
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -39,7 +39,7 @@ def split_qwen(model: nn.Module, layout: PipelineLayout, pp_rank: int, head: Hea
 
 def _hf_architecture(args: QwenArgs) -> str:
     family = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[args.model_type]
-    return family + (VALUE_MODEL if args.value_head else CAUSAL_LM)
+    return family + (VALUE_MODEL if args.value_head else SEQUENCE_CLASSIFIER if args.num_labels else CAUSAL_LM)
 
 
 QWEN_SPEC = ModelSpec(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.errors import ModelConfigError
-from tandem.models.value_head import is_value_config
+from tandem.models.value_head import classifier_labels, is_value_config
 
 MODEL_TYPES = ("qwen2", "qwen3")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -35,6 +35,9 @@ class QwenArgs:
     # A value model (`tandem.models.value_head`): the output head is `[dim] -> 1` (with a bias)
     # instead of the vocabulary logits, and it is never tied to the embedding.
     value_head: bool = False
+    # A sequence classifier (a reward model, `classifier_labels`): the output head is `[dim] ->
+    # num_labels` without a bias, read at each sequence's last token; 0: not one.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -108,6 +111,7 @@ def qwen_fields(cfg: dict[str, Any], default_head_dim: int | None = None) -> dic
         max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         value_head=is_value_config(cfg),
+        num_labels=classifier_labels(cfg),
     )
 
 

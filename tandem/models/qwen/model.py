@@ -122,7 +122,10 @@ class QwenModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # A value model's head gives one number per token (`tandem.models.value_head`).
-        self.output = nn.Linear(args.dim, 1) if args.value_head else nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.value_head:
+            self.output = nn.Linear(args.dim, 1)
+        else:  # a sequence classifier's scores, or the vocabulary's logits
+            self.output = nn.Linear(args.dim, args.num_labels or args.vocab_size, bias=False)
         self.tie_weights()
         # Set by a tensor-parallel plan: the token stream is padded to a multiple of this (the
         # sequence-parallel shards must be equal), and what the plan did (`TensorParallelInfo`).
@@ -145,7 +148,8 @@ class QwenModel(nn.Module):
         materialise each module's parameters separately and so break the sharing."""
         if getattr(self, "untied_copies", False):
             return  # a pipeline rank holding the first and last stage keeps one copy per stage
-        if (self.args.tie_word_embeddings and not self.args.value_head and self.output is not None
+        if (self.args.tie_word_embeddings and not self.args.value_head and not self.args.num_labels
+                and self.output is not None
                 and self.tok_embeddings is not None):
             self.output.weight = self.tok_embeddings.weight
 
@@ -226,7 +230,7 @@ class QwenModel(nn.Module):
                     module.weight.zero_()
                     module.bias.zero_()
                     continue
-                if module is self.output and self.args.tie_word_embeddings:
+                if module is self.output and self.args.tie_word_embeddings and not self.args.num_labels:
                     continue  # shares the embedding, already initialised
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:

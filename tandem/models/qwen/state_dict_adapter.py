@@ -55,6 +55,8 @@ class QwenStateDictAdapter(StateDictAdapter):
         """
         if name in _TOP_NAMES:
             return _TOP_NAMES[name]
+        if self.args.num_labels and name == SCORE_WEIGHT:  # a sequence classifier's head
+            return "output.weight"
         if self.args.value_head:  # `score.*` is the head; an LM head (a critic made from an LM) is not used
             if name in _VALUE_HEAD:
                 return _VALUE_HEAD[name]
@@ -74,6 +76,8 @@ class QwenStateDictAdapter(StateDictAdapter):
     def native_to_hf(self, name: str) -> str:
         if name in _NATIVE_TOP_NAMES:
             return _NATIVE_TOP_NAMES[name]
+        if self.args.num_labels and name == "output.weight":
+            return SCORE_WEIGHT
         if self.args.value_head and name in _NATIVE_VALUE_HEAD:
             return _NATIVE_VALUE_HEAD[name]
         if name == "output.weight":
@@ -84,6 +88,7 @@ class QwenStateDictAdapter(StateDictAdapter):
 
     def pieces(self, native_name: str, shape: torch.Size | tuple[int, ...]) -> list[tuple[str, int | None]]:
         """Tied models have no `lm_head.weight` piece: HF files store the shared tensor once."""
-        if native_name == "output.weight" and self.args.tie_word_embeddings and not self.args.value_head:
+        if (native_name == "output.weight" and self.args.tie_word_embeddings and not self.args.value_head
+                and not self.args.num_labels):
             return []
         return super().pieces(native_name, shape)
