@@ -222,6 +222,17 @@ class ServerAdapter:
         """The logprobs of `input_ids[start:]` from a scoring call's answer."""
         raise UnsupportedOperation(f"{self.kind} servers are not mapped for prompt logprobs")
 
+    classify_path: str = "/classify"
+
+    def classify_body(self, rid: str, sequences: list[list[int]]) -> dict[str, Any]:
+        """The body of a classifier server's scoring call on `classify_path` for these sequences."""
+        raise UnsupportedOperation(f"{self.kind} servers are not mapped for classifiers (reward models); use tandem "
+                                   "or sglang servers started with --is-embedding")
+
+    def parse_classify(self, body: Any, count: int) -> list[float]:
+        """Each sequence's score (its first label's) from a classify call's answer."""
+        raise UnsupportedOperation(f"{self.kind} servers are not mapped for classifiers")
+
 
 class _SGLangProtocol(ServerAdapter):
     generate_path = "/generate"
@@ -288,6 +299,21 @@ class _SGLangProtocol(ServerAdapter):
         if any(e[0] is None for e in entries):
             raise ValueError(f"meta_info.input_token_logprobs has a null logprob after position {start}")
         return [float(e[0]) for e in entries]
+
+    def classify_body(self, rid: str, sequences: list[list[int]]) -> dict[str, Any]:
+        return {"rid": rid, "input_ids": [list(s) for s in sequences]}  # SGLang's /classify, a batch
+
+    def parse_classify(self, body: Any, count: int) -> list[float]:
+        if not isinstance(body, list) or len(body) != count:
+            got = len(body) if isinstance(body, list) else type(body).__name__
+            raise ValueError(f"a /classify call for {count} sequences must answer a list of {count} items, got {got}")
+        scores = []
+        for item in body:
+            embedding = item.get("embedding") if isinstance(item, dict) else None
+            if not isinstance(embedding, list) or not embedding or not isinstance(embedding[0], int | float):
+                raise ValueError(f"a /classify item must hold 'embedding': [score, ...], got {str(item)[:200]}")
+            scores.append(float(embedding[0]))
+        return scores
 
 
 class TandemAdapter(_SGLangProtocol):

@@ -32,7 +32,8 @@ def run_processes(cfg: TandemConfig) -> RunProcesses:
     """What the run's scheduler will start (a private Ray cluster is sized to hold it): the
     servers `rollout.backend` launches (none when `rollout.servers` lists them; `tandem sft`: the
     one evaluation server, unless `task.eval_size` is 0) and the trainer ranks of `actor.backend`,
-    plus `critic.backend`'s when the critic has a group of its own, and the teacher's launched servers."""
+    plus `critic.backend`'s when the critic has a group of its own, and the launched servers of a
+    teacher and of a reward model."""
     ranks = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0].sizes
     count = ranks.world_size
     if cfg.command == "sft":
@@ -41,8 +42,9 @@ def run_processes(cfg: TandemConfig) -> RunProcesses:
         critic = parse_allocation_of_kind(cfg.critic.backend, "critic.backend", inference=False).components[0]
         count += critic.sizes.world_size
     servers = cfg.rollout.allocation.components[0].sizes.dp if cfg.rollout.launched_by_tandem else 0
-    if cfg.teacher.enabled and cfg.teacher.launched_by_tandem:
-        servers += cfg.teacher.allocation.components[0].sizes.dp
+    for scoring in (cfg.teacher, cfg.reward_model):
+        if scoring.enabled and scoring.launched_by_tandem:
+            servers += scoring.allocation.components[0].sizes.dp
     return RunProcesses(servers=servers, ranks=count)
 
 

@@ -30,6 +30,8 @@ from tandem.launch.affinity import parse_cpus
 from tandem.launch.config import SchedulerConfig
 from tandem.parallel.cp_heads import check_heads
 from tandem.rollout.config import RolloutConfig
+from tandem.rollout.reward_model import RewardModelConfig
+from tandem.rollout.scoring import ScoringFleetConfig
 from tandem.rollout.teacher import TeacherConfig
 from tandem.train.config import OptimizerConfig, TrainEngineConfig
 from tandem.user_code import check_user_function
@@ -256,6 +258,7 @@ class TandemConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -306,6 +309,7 @@ class TandemConfig:
         self.algo.check(f"{prefix}algo.")
         check_model_sections(self.algo, self.critic, self.ref, prefix)
         check_teacher_section(self.teacher, self.algo, self.command, prefix)
+        check_reward_model_section(self.reward_model, self.command, prefix)
         if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":
             raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
                               f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "
@@ -367,7 +371,7 @@ def check_model_sections(algo: AlgoConfig, critic: CriticConfig, ref: ReferenceC
 def check_teacher_section(teacher: TeacherConfig, algo: AlgoConfig, command: str, prefix: str) -> None:
     """A teacher (`teacher.path`) exactly when the KL to it counts (`algo.distill.kl_coef > 0`, in
     `tandem train`); its servers' keys need it. The shared tokenizer is checked before launch
-    (`tandem.rl.distill.check_teacher`): reading tokenizers costs seconds."""
+    (`tandem.rl.scorers.check_scorers`): reading tokenizers costs seconds."""
     changed = _changed(teacher)
     if command == "sft":
         if changed:
@@ -393,7 +397,24 @@ def check_teacher_section(teacher: TeacherConfig, algo: AlgoConfig, command: str
     check_model_dir(teacher.path, f"{prefix}teacher.path")
 
 
-def _changed(section: CriticConfig | ReferenceConfig | TeacherConfig) -> list[str]:
+def check_reward_model_section(rm: RewardModelConfig, command: str, prefix: str) -> None:
+    """Reward-model keys need `reward_model.path` (and `tandem train`). That the model is a
+    classifier with one label and shares the actor's tokenizer is checked before launch
+    (`tandem.rl.scorers.check_scorers`: the model registry and tokenizers cost seconds)."""
+    changed = _changed(rm)
+    if changed and command == "sft":
+        raise ConfigError(f"{prefix}reward_model.{changed[0]} is set but `tandem sft` has no reward (it trains on the "
+                          f"task's answers); remove it")
+    if not rm.enabled:
+        if changed:
+            raise ConfigError(f"{prefix}reward_model.{changed[0]} is set but does nothing in this run: it needs "
+                              f"{prefix}reward_model.path. Set it, or remove {prefix}reward_model.{changed[0]}")
+        return
+    rm.check(f"{prefix}reward_model.")
+    check_model_dir(rm.path, f"{prefix}reward_model.path")
+
+
+def _changed(section: CriticConfig | ReferenceConfig | ScoringFleetConfig) -> list[str]:
     """The fields of a config section that differ from its defaults."""
     default = type(section)()
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]

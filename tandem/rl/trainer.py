@@ -34,7 +34,6 @@ from tandem.rl.cluster import InferenceServers, run_processes, start_servers
 from tandem.rl.config import TandemConfig
 from tandem.rl.console import attach_run_log
 from tandem.rl.data import CursorLoader, TaskData, load_task_data
-from tandem.rl.distill import check_teacher, start_teacher
 from tandem.rl.evaluate import check_sandbox, evaluate, reward_function, reward_runner
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.faults import kill_point
@@ -43,6 +42,7 @@ from tandem.rl.metrics import MetricsLogger
 from tandem.rl.models import start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
+from tandem.rl.scorers import check_scorers, start_scorers
 from tandem.rl.trial import TrialPlan, plan_trial
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
@@ -115,7 +115,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
 
     start_time = time.monotonic()
     check_sandbox(cfg)  # before anything starts or is written
-    check_teacher(cfg)
+    check_scorers(cfg)
     plan = plan or plan_trial(cfg)
     plan.prepare()
     run_dir = plan.run_dir
@@ -219,7 +219,7 @@ class Run:
         meta = weight_update_meta(cfg, plan.run_dir)
         Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
         servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
-        teacher = start_teacher(cfg, scheduler)
+        scorers = start_scorers(cfg, scheduler)
         self.models = start_models(cfg, scheduler)
         self.trainer = self.models.actor
         if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed
@@ -234,7 +234,7 @@ class Run:
         # run), the controller file, the keeper, then the controller, which cancels and awaits
         # in-flight episodes and their reward calls before the reward pool closes.
         self.controller = stack.enter_context(RolloutController(self.rollout_cfg, routed_expert_layout=routed_expert_layout(cfg),
-                                                                teacher=teacher))
+                                                                scorers=scorers))
         stack.enter_context(_keep_servers(cfg, scheduler, self.controller, servers))
         stack.enter_context(controller_file(plan.run_dir, ControllerFile(
             self.controller.callback_address(), self.controller.join_token, servers.api_key, os.getpid())))

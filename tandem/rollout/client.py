@@ -39,7 +39,7 @@ from tandem.rollout.errors import (
 )
 from tandem.rollout.frontier import continuation_seed
 from tandem.rollout.pool import ServerPool
-from tandem.rollout.types import ModelRequest, ModelResponse, ScoreRequest
+from tandem.rollout.types import ClassifyRequest, ModelRequest, ModelResponse, ScoreRequest
 from tandem.rollout.version import WeightVersion
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,23 @@ class InferenceClient:
             self.pool.forget(req.rid)
         return scores
 
+    async def aclassify(self, req: ClassifyRequest) -> list[float]:
+        """Each of `req.sequences`' score (a reward model's first label) from the servers'
+        classifier, one call for all of them, retried across transient failures and servers like
+        generation inside the request's deadline."""
+        deadline_s = req.deadline_s if req.deadline_s is not None else self.config.deadline_s
+        state = _RequestState(rid=req.rid, deadline=time.monotonic() + deadline_s, deadline_s=deadline_s)
+        body = self.adapter.classify_body(req.rid, [list(s) for s in req.sequences])
+
+        def parse(data: Any) -> tuple[list[float], int]:
+            return self.adapter.parse_classify(data, len(req.sequences)), 0
+
+        try:
+            scores, _ = await self._call(state, body, parse, self.adapter.classify_path)
+        finally:
+            self.pool.forget(req.rid)
+        return scores
+
     def _chunks(self, n: int) -> Callable[[Any], tuple[list[Chunk], int]]:
         """How a generate call's answer reads: its `n` samples, and the tokens they brought."""
 
@@ -284,9 +301,9 @@ class InferenceClient:
         return decode_routed_experts(chunk.routed_experts, rows, layout)[: num_sent + num_new - 1]
 
     async def _call(self, state: _RequestState, body: dict[str, Any],
-                    parse: Callable[[Any], tuple[T, int]]) -> tuple[T, str]:
-        """One call (`parse` reads its answer: what it holds, and the tokens generated), retried
-        across transient failures until the deadline."""
+                    parse: Callable[[Any], tuple[T, int]], path: str | None = None) -> tuple[T, str]:
+        """One call to `path` (default: the generate route; `parse` reads its answer: what it
+        holds, and the tokens generated), retried across transient failures until the deadline."""
         rid = state.rid
         attempt = 0
         while True:
@@ -306,7 +323,8 @@ class InferenceClient:
             try:
                 with self.pool.lease(server, _setter(abandoned)):
                     state.calls += 1
-                    data = await self._post_unless(abandoned, server, body, timeout)
+                    data = await self._post_unless(abandoned, server, path or self.adapter.generate_path, body,
+                                                   timeout)
                 result, tokens = parse(data)
                 self.pool.mark_success(server, tokens)
                 return result, server
@@ -330,10 +348,10 @@ class InferenceClient:
         delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2**attempt)
         return min(delay, max(0.0, state.deadline - time.monotonic()))
 
-    async def _post_unless(self, abandoned: asyncio.Future[None], server: str, body: dict[str, Any],
+    async def _post_unless(self, abandoned: asyncio.Future[None], server: str, path: str, body: dict[str, Any],
                            timeout: float) -> dict[str, Any]:
         """`_post`, given up (`CallAbandoned`) once `abandoned` is set: the server was evicted."""
-        post = asyncio.ensure_future(self._post(server, body, timeout))
+        post = asyncio.ensure_future(self._post(server, path, body, timeout))
         post.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception never retrieved"
         try:
             await asyncio.wait((post, abandoned), return_when=asyncio.FIRST_COMPLETED)
@@ -345,11 +363,9 @@ class InferenceClient:
             raise CallAbandoned("the server was evicted while this call was in flight")
         return post.result()
 
-    async def _post(self, server: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _post(self, server: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session()
-        async with session.post(
-            server + self.adapter.generate_path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
+        async with session.post(server + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status >= 500:
                 raise _TransientHTTPError(resp.status, await resp.text())
             if resp.status >= 400:

@@ -36,7 +36,7 @@ from tandem.rollout.elastic import ElasticFleet
 from tandem.rollout.executor import WorkflowExecutor
 from tandem.rollout.frontier import FrontierState
 from tandem.rollout.pool import ServerPool
-from tandem.rollout.teacher import TeacherScorer
+from tandem.rollout.scoring import ScoringFleet
 from tandem.rollout.version import WeightVersion
 from tandem.rollout.workers import RemoteWorkflow, WorkerPool
 from tandem.rollout.workflows.base import RolloutWorkflow
@@ -47,11 +47,11 @@ logger = logging.getLogger(__name__)
 class RolloutController:
     def __init__(self, config: RolloutConfig, secret: str | None = None, deadlines: Deadlines | None = None,
                  start: bool = True, routed_expert_layout: RoutedExpertLayout | None = None,
-                 teacher: TeacherScorer | None = None):
+                 scorers: Sequence[ScoringFleet] = ()):
         """`routed_expert_layout` (a MoE model's, `RoutedExpertLayout.of_model`): rollouts ask the servers for the
         routed experts and trajectories carry them (`Trajectory.routed_experts`; routing replay r3).
-        `teacher` (distillation): every episode is scored by the teacher fleet before it is accepted;
-        the controller starts and closes it with its own fleet."""
+        `scorers` (a teacher, a reward model: `tandem.rollout.scoring`): every episode is scored by
+        each before it is accepted; the controller starts and closes them with its own fleet."""
         config.check()
         if not config.servers:
             raise ConfigError("the rollout controller needs server addresses (rollout.servers); for a tandem "
@@ -63,8 +63,8 @@ class RolloutController:
         self.version = WeightVersion()  # the one copy of the version on the rollout side
         self.client = InferenceClient(self.pool, config.client_config(routed_expert_layout), self.version)
         self.adapter: ServerAdapter = self.client.adapter
-        self.teacher = teacher
-        self.executor = WorkflowExecutor(self.client, config.executor_config(), scorer=teacher)
+        self.scorers = list(scorers)
+        self.executor = WorkflowExecutor(self.client, config.executor_config(), scorers=self.scorers)
         self.deadlines = deadlines or Deadlines(http_s=config.control_timeout_s)
         self.fleet = ElasticFleet(
             config.servers, self.pool, self.adapter, health=config.health, min_servers=config.min_servers,
@@ -89,8 +89,8 @@ class RolloutController:
         self._server.start()
         self.fleet.watch_ready(self._set_fleet_ready)
         self.fleet.start(on_too_small=self.executor.fail)
-        if self.teacher is not None:
-            self.teacher.start(on_too_small=self.executor.fail)
+        for scorer in self.scorers:
+            scorer.start(on_too_small=self.executor.fail)
         if self.config.workers > 0:
             self.workers = WorkerPool(self.config.workers, self.pool.addresses, self.client.config,
                                       self.callback_address(), self.secret, self.version)
@@ -126,9 +126,9 @@ class RolloutController:
                 self._server.stop(timeout)
             with contextlib.suppress(Exception):
                 self.fleet.close()
-            if self.teacher is not None:
+            for scorer in self.scorers:
                 with contextlib.suppress(Exception):
-                    self.teacher.close()
+                    scorer.close()
 
     def __enter__(self) -> RolloutController:
         return self
@@ -182,14 +182,14 @@ class RolloutController:
 
     def step_metrics(self) -> dict[str, float]:
         """The fleet's numbers for the step's metrics row: healthy servers, evictions and joins so
-        far, generation calls resubmitted after a server failed, episodes lost (failed); with a
-        teacher, its fleet's (`TeacherScorer.stats`)."""
+        far, generation calls resubmitted after a server failed, episodes lost (failed); and each
+        scoring fleet's (`ScoringFleet.stats`)."""
         counts = self.executor.stats()
         resubmitted = self.client.resubmitted_total + (self.workers.resubmitted_total if self.workers else 0)
         out = {**self.fleet.stats(), "rollout/resubmitted_total": float(resubmitted),
                "rollout/lost_total": float(counts["failed"])}
-        if self.teacher is not None:
-            out.update(self.teacher.stats())
+        for scorer in self.scorers:
+            out.update(scorer.stats())
         return out
 
     def fleet_info(self) -> dict[str, Any]:

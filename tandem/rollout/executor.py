@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -46,8 +46,9 @@ class ExecutorConfig:
 
 
 class EpisodeScorer(Protocol):
-    """Awaited on every episode a workflow returned, before it is accepted (a teacher's scores,
-    `tandem.rollout.teacher`): fills fields of the trajectories in place; raising fails the episode."""
+    """Awaited on every episode a workflow returned, before it is accepted (a teacher's logprobs,
+    a reward model's rewards: `tandem.rollout.scoring`): fills fields of the trajectories in place;
+    raising fails the episode."""
 
     async def ascore(self, trajectories: list[Trajectory]) -> None: ...
 
@@ -67,9 +68,10 @@ class _Episode:
 
 class WorkflowExecutor:
     def __init__(self, client: InferenceClient, config: ExecutorConfig | None = None,
-                 scorer: EpisodeScorer | None = None):
+                 scorers: Sequence[EpisodeScorer] = ()):
+        """`scorers` score each returned episode, concurrently, before it is accepted."""
         self.client = client
-        self.scorer = scorer
+        self.scorers = list(scorers)
         self.config = cfg = config or ExecutorConfig()
         if cfg.order not in ("dispatch", "completion"):
             raise ValueError(f"order must be 'dispatch' or 'completion', got {cfg.order!r}")
@@ -303,8 +305,10 @@ class WorkflowExecutor:
             result = as_trajectories(await ep.workflow.arun_episode(self.client, ep.item))
             if result is None:
                 logger.info("episode %d rejected by its workflow (item %.200r)", ep.seq, ep.item)
-            elif self.scorer is not None:
-                await self.scorer.ascore(result)
+            elif self.scorers:
+                async with asyncio.TaskGroup() as tg:  # one failing cancels the others: the episode fails
+                    for scorer in self.scorers:
+                        tg.create_task(scorer.ascore(result))
         except asyncio.CancelledError:  # shutdown
             self.staleness.on_reject()
             if ep.future is not None:
@@ -376,5 +380,5 @@ class WorkflowExecutor:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.aclose()
-        if self.scorer is not None:
-            await self.scorer.aclose()
+        for scorer in self.scorers:
+            await scorer.aclose()

@@ -34,6 +34,15 @@ class ScoreRequest:
 
 
 @dataclass
+class ClassifyRequest:
+    """Score whole sequences with the servers' classifier (a reward model): one number each."""
+
+    sequences: list[list[int]]
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    deadline_s: float | None = None  # as ModelRequest's
+
+
+@dataclass
 class ModelResponse:
     rid: str
     input_ids: list[int]

@@ -63,6 +63,10 @@ T_TEACHER_REFUSED = "tests/rl/test_distill.py::test_teacher_settings_are_refused
 T_TEACHER_TOKENIZER = "tests/rl/test_distill.py::test_a_teacher_with_another_tokenizer_is_refused_naming_both"
 T_TEACHER_LAUNCH = "tests/rl/test_distill.py::test_launched_teacher_servers_take_the_teacher_keys"
 T_DISTILL_E2E = "tests/rl/test_distill_e2e.py::test_distillation_lowers_the_reverse_kl_and_survives_a_dead_teacher_server"
+T_RM_REFUSED = "tests/rl/test_reward_model_run.py::test_reward_model_settings_are_refused_naming_the_key"
+T_RM_CHECK = "tests/rl/test_reward_model_run.py::test_the_pre_launch_check_wants_a_one_label_classifier_with_the_actors_tokenizer"
+T_RM_LAUNCH = "tests/rl/test_reward_model_run.py::test_launched_reward_servers_take_the_reward_model_keys"
+T_RM_E2E = "tests/rl/test_reward_model_run.py::test_a_run_rewarded_by_a_model_survives_a_dead_reward_server"
 T_ELASTIC_DISK = "tests/rl/test_elastic_run.py::test_a_server_killed_in_an_update_phase_leaves_the_run_going"  # [disk]
 T_SECOND_LAUNCH = "tests/rl/test_run_lifecycle.py::test_second_launch_into_a_trial"
 T_SFT = "tests/rl/test_calculator_sft.py::test_sft_trains_on_conversations_and_evaluates_with_the_tool_loop"
@@ -407,6 +411,18 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "teacher.request_deadline_s": (T_TEACHER_LAUNCH, T_TEACHER_REFUSED,
                                    "tests/rollout/test_teacher.py::test_a_teacher_server_killed_while_scoring_loses_no_trajectory"),
     "teacher.call_timeout_s": (T_TEACHER_LAUNCH,),
+    # A reward model as the run's reward (issue 48).
+    "reward_model.path": (T_RM_REFUSED, T_RM_CHECK, T_RM_LAUNCH, T_RM_E2E),
+    "reward_model.backend": (T_RM_LAUNCH, T_RM_REFUSED, T_RM_E2E),
+    "reward_model.servers": ("tests/rollout/test_reward_model.py::test_rewards_are_the_models_scores",),
+    "reward_model.server_args": (T_RM_LAUNCH,),
+    "reward_model.cpus": (T_RM_LAUNCH,),
+    "reward_model.api_key": (T_RM_LAUNCH,),
+    "reward_model.min_servers": (T_RM_LAUNCH,),
+    "reward_model.request_deadline_s": (T_RM_LAUNCH,
+                                        "tests/rollout/test_reward_model.py::test_a_reward_server_killed_while_scoring_loses_no_episode"),
+    "reward_model.call_timeout_s": (T_RM_LAUNCH,),
+    "reward_model.mode": (T_RM_LAUNCH, T_RM_REFUSED, "tests/rollout/test_reward_model.py::test_rewards_are_the_models_scores"),
 }
 
 

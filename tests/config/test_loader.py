@@ -176,7 +176,8 @@ def test_console_script_exit_code(tmp_path):
 def test_example_configs_load(path, tmp_path):
     # actor.path must name a model directory, of the architecture the example is for.
     model = init_model(tmp_path / "model", arch="qwen3_moe" if path.stem == "moe" else "qwen3", preset="tiny", seed=0)
-    load_run_config(path, [f"actor.path={model}"])
+    # So must teacher.path (examples/distill.yaml): any causal LM with the actor's tokenizer.
+    load_run_config(path, [f"actor.path={model}"] + ([f"teacher.path={model}"] if path.stem == "distill" else []))
 
 
 def test_a_bare_off_is_the_off_choice_not_a_boolean(tmp_path):

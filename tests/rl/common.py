@@ -37,3 +37,29 @@ def rl_rows(tmp_path: Path) -> list[dict]:
         return []
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["phase"] == "rl" and r["step"] > 0]
 
+
+
+def train_killing_a_server(tmp_path: Path, cfg: Path, log_name: str, after_steps: int, timeout: float = 400) -> None:
+    """`tandem train cfg`; once `after_steps` rows are written, SIGKILL the launched server whose log
+    is `log_name` (e.g. `teacher-0.log`). The run must end normally (exit 0) leaving no process."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.launch.procs import descendants, wait_gone
+    from tests.rl.test_train_e2e import _log_of, _wait_for_steps
+
+    proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _wait_for_steps(tmp_path, proc, after_steps, timeout=300)
+        tree = descendants(proc.pid)
+        victim = next((pid for pid in tree if log_name in _log_of(pid)), None)
+        assert victim is not None, f"no process logging to {log_name} among {sorted(tree)}"
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+        assert not wait_gone(tree), "processes left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -16,7 +16,7 @@ from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.launch import LocalScheduler
 from tandem.rl.config import load_run_config
-from tandem.rl.distill import check_teacher, start_teacher
+from tandem.rl.scorers import check_scorers, start_scorers
 from tests.inference.server_utils import ServerProcess
 from tests.launch.procs import CHILD_ENV
 from tests.rl.test_launch_keys import CORE, _get
@@ -44,11 +44,11 @@ def _distill(model_dir, teacher_dir, *overrides: str) -> list[str]:
     (["algo.name=distill", "algo.distill.kl_coef=0", "teacher.path={teacher}"],
      r"algo.distill.kl_coef=0 with algo.name='distill' leaves nothing to learn from"),
     (["algo.name=distill", "teacher.path={teacher}", "teacher.backend=vllm:d1"],
-     r"teacher.backend='vllm:d1': teachers are scored with prompt logprobs.*use teacher.backend=tandem:d1"),
+     r"teacher.backend='vllm:d1': Tandem reads scores from tandem and sglang servers only.*use teacher.backend=tandem:d1"),
     (["algo.name=distill", "teacher.path={teacher}", "teacher.backend=sglang:d1"],
      r"teacher.servers is empty: Tandem does not start sglang servers"),
     (["algo.name=distill", "teacher.path={teacher}", "teacher.min_servers=2"],
-     r"teacher.min_servers=2 is more than the 1 teacher server\(s\)"),
+     r"teacher.min_servers=2 is more than the 1 server\(s\) of teacher"),
     (["algo.name=distill", "teacher.path={teacher}/nowhere"], r"teacher.path: .*nowhere' does not exist"),
     (["algo.name=distill", "teacher.path={teacher}", "teacher.request_deadline_s=0"],
      r"teacher.request_deadline_s"),
@@ -74,14 +74,14 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(model_dir, teac
     first, second = sorted(vocab, key=vocab.get)[10:12]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    check_teacher(load_run_config(None, _distill(model_dir, teacher_dir)))
+    check_scorers(load_run_config(None, _distill(model_dir, teacher_dir)))
     cfg = load_run_config(None, _distill(model_dir, other))
     with pytest.raises(ConfigError) as err:
-        check_teacher(cfg)
+        check_scorers(cfg)
     text = str(err.value)
     assert f"teacher.path={str(other)!r}" in text and f"actor.path={str(model_dir)!r}" in text, text
     assert repr(first) in text or repr(second) in text, text
-    assert "share the student's tokenizer" in text
+    assert "must share the actor's tokenizer" in text
 
 
 def _episode(ids: list[int], generated: int) -> Trajectory:
@@ -99,8 +99,7 @@ def test_launched_teacher_servers_take_the_teacher_keys(tmp_path, model_dir, tea
                                          "teacher.api_key=the-teachers-key", "teacher.min_servers=2",
                                          "teacher.request_deadline_s=42", "teacher.call_timeout_s=7"))
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-        scorer = start_teacher(cfg, scheduler)
-        assert scorer is not None
+        (scorer,) = start_scorers(cfg, scheduler)
         names = sorted(p.name for p in scheduler.processes)
         assert names == ["teacher-0", "teacher-1"], names
         assert {s.address for s in scorer.pool.snapshot()} == {h.url for h in scheduler.servers}
@@ -126,8 +125,8 @@ def test_listed_teacher_servers_are_used_as_they_are(tmp_path, model_dir, teache
     try:
         cfg = load_run_config(None, _distill(model_dir, teacher_dir, f"teacher.servers=[{server.url}]"))
         with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-            scorer = start_teacher(cfg, scheduler)
-            assert scorer is not None and scheduler.processes == []
+            (scorer,) = start_scorers(cfg, scheduler)
+            assert scheduler.processes == []
             assert [s.address for s in scorer.pool.snapshot()] == [server.url]
             trajectory = _episode([7, 8, 9, 10], 2)
             try:

@@ -3,25 +3,12 @@ per-token logprobs, through the asynchronous loop, while one of two teacher serv
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-
 import pytest
 
 from tandem.models.tiny import init_model
-from tests.launch.procs import descendants, wait_gone
-from tests.rl.common import TANDEM, rl_rows, run_dir, write_config
-from tests.rl.test_train_e2e import _log_of, _wait_for_steps
+from tests.rl.common import rl_rows, run_dir, train_killing_a_server, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _teacher_server(pids: set[int], index: int) -> int:
-    for pid in pids:
-        if f"teacher-{index}.log" in _log_of(pid):
-            return pid
-    raise AssertionError(f"no teacher server {index} among {sorted(pids)}")
 
 
 def test_distillation_lowers_the_reverse_kl_and_survives_a_dead_teacher_server(tmp_path, model_dir):
@@ -36,18 +23,7 @@ def test_distillation_lowers_the_reverse_kl_and_survives_a_dead_teacher_server(t
                        rollout={"backend": "tandem:d1", "consumer_batch_size": 4},
                        teacher={"path": str(teacher), "backend": "tandem:d2", "server_args": ["--num-threads", "1"]},
                        gen={"n_samples": 2, "max_new_tokens": 8}, train={"total_steps": 8})
-    proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        _wait_for_steps(tmp_path, proc, 2, timeout=300)
-        os.kill(_teacher_server(descendants(proc.pid), 0), signal.SIGKILL)
-        tree = descendants(proc.pid)
-        _, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err[-3000:]
-        assert not wait_gone(tree), "processes left behind"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    train_killing_a_server(tmp_path, cfg, "teacher-0.log", after_steps=2)
     rows = rl_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["rollout/lost_total"] == 0 for r in rows)

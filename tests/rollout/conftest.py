@@ -59,3 +59,25 @@ def spawn_server() -> Iterator:
             p.kill()
         p.wait(5)
         p.stdout.close()
+
+
+def score_killing_a_server(scorer, batches: list, victim) -> int:
+    """Score `batches` (lists of trajectories, concurrently) with a started `ScoringFleet`, the
+    `victim` server SIGKILLed once 4 trajectories are scored (both servers have taken calls by
+    then: least outstanding first); -> the client's resubmitted calls. Closes scorer and victim."""
+    import signal
+
+    async def score_and_kill() -> None:
+        tasks = [asyncio.ensure_future(scorer.ascore(b)) for b in batches]
+        while scorer.scored < 4:  # bounded by run's timeout
+            await asyncio.sleep(0.01)
+        victim.proc.send_signal(signal.SIGKILL)
+        await asyncio.gather(*tasks)
+
+    scorer.start(on_too_small=lambda exc: None)
+    try:
+        run(score_and_kill(), timeout=120)
+        return scorer.client.resubmitted_total
+    finally:
+        scorer.close()
+        victim.stop()

@@ -4,9 +4,6 @@ tokens get one, and a teacher server SIGKILLed while scoring costs no trajectory
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import pytest
 import torch
 import transformers
@@ -17,7 +14,7 @@ from tandem.rollout.health import HealthConfig
 from tandem.rollout.teacher import TeacherConfig, TeacherScorer
 from tests.inference.conftest import make_model_dir
 from tests.inference.server_utils import ServerProcess
-from tests.rollout.conftest import run
+from tests.rollout.conftest import run, score_killing_a_server
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -89,20 +86,7 @@ def test_a_teacher_server_killed_while_scoring_loses_no_trajectory(teacher_serve
     reference = [episode(list(t.input_ids), list(t.loss_mask)) for t in trajs]
     scorer = scorer_for([victim.url, teacher_server.url], teacher_dir, request_deadline_s=60.0)
 
-    async def score_and_kill() -> None:
-        task = asyncio.ensure_future(scorer.ascore(trajs))
-        while scorer.scored < 4:  # both servers have taken calls by now (least outstanding first)
-            await asyncio.sleep(0.01)
-        victim.proc.send_signal(signal.SIGKILL)
-        await task
-
-    scorer.start(on_too_small=lambda exc: None)
-    try:
-        run(score_and_kill(), timeout=120)
-        resubmitted = scorer.client.resubmitted_total
-    finally:
-        scorer.close()
-        victim.stop()
+    resubmitted = score_killing_a_server(scorer, [trajs], victim)
     assert all(t.teacher_logprobs is not None for t in trajs)
     alone = scorer_for([teacher_server.url], teacher_dir)
     try:
