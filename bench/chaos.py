@@ -62,6 +62,12 @@ from tandem.launch.rpc_server import worker_pid
 
 ROOT = Path(__file__).resolve().parent.parent
 TANDEM = [sys.executable, "-m", "tandem.cli"]  # this checkout's tandem (PYTHONPATH below), not an installed one
+
+
+def guarded(cmd: list[str]) -> list[str]:
+    """`cmd` under `tandem.launch.guard`: it dies with this script, even SIGKILLed (a test's time
+    guard), and takes its own launched processes with it; started from the main thread."""
+    return [sys.executable, "-m", "tandem.launch.guard", str(os.getpid()), "--", *cmd]
 KINDS = ("kill", "stop", "duty", "proxy", "join", "reward", "rank")
 SERVER_KINDS = ("kill", "stop", "duty", "proxy", "join")
 # The run's fault settings.
@@ -166,7 +172,7 @@ class Chaos:
             f"task.reward_timeout_s={REWARD_TIMEOUT_S}", f"train.save_every={SAVE_EVERY}", "recover.retries=1",
         ]
         self.launched_at = time.monotonic()
-        self.proc = subprocess.Popen([*TANDEM, "train", str(ROOT / "examples" / "demo.yaml"), *overrides],
+        self.proc = subprocess.Popen(guarded([*TANDEM, "train", str(ROOT / "examples" / "demo.yaml"), *overrides]),
                                      cwd=self.work, env=self.env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.work / "train.err", "w"),  # noqa: SIM115 (closed with the process)
                                      start_new_session=True)
@@ -203,8 +209,8 @@ class Chaos:
         """A fourth server behind the faulty proxy, registered with the run by the proxy's address."""
         info = read_controller_file(self.run)
         env = {**self.env, "TANDEM_SERVE_API_KEY": info.api_key or ""}
-        server = subprocess.Popen([*TANDEM, "serve", "--model", str(self.model), "--port", "0", "--num-threads", "1",
-                                   "--weights-dir", str(self.run / "weights")], env=env, stdout=subprocess.PIPE,
+        server = subprocess.Popen(guarded([*TANDEM, "serve", "--model", str(self.model), "--port", "0", "--num-threads",
+                                           "1", "--weights-dir", str(self.run / "weights")]), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.extra.append(server)
         port = int(server.stdout.readline().rsplit(":", 1)[-1])
@@ -326,7 +332,7 @@ class Chaos:
 
     def fault_join(self, f: Fault) -> None:
         t0 = self.begin(f, "")
-        proc, address = start_joiner(TANDEM, self.model, self.run)
+        proc, address = start_joiner(guarded(TANDEM), self.model, self.run)
         self.extra.append(proc)
         f.target = address
         if self.wait(lambda: self.state(address) == "healthy", WAIT_S, "the joiner healthy"):
