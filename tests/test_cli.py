@@ -133,3 +133,15 @@ def test_a_ctrl_c_during_held_imports_is_raised_once_they_end():
         assert finished == ["block", "quiet"]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_what_train_reads_before_its_first_line_does_not_import_torch():
+    """`tandem train` loads the run config, checks the sandbox and plans the trial, then says where it
+    writes, before torch and transformers load (seconds; tests/rl/test_run_lifecycle.py times it). Since
+    LoRA's config was read from the models room (which imports torch), the first line came after torch:
+    this checks the imports themselves, not a race against a timer."""
+    code = ("import sys, tandem.cli, tandem.rl.config, tandem.rl.evaluate, tandem.rl.trial; "
+            "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from tandem.algo.losses import OLD_VALUES, REF_LOGPROBS, to_input_alignment
 from tandem.config.alloc import parse_allocation_of_kind
+from tandem.config.lora import LoRAConfig
 from tandem.data.batch import SequenceBatch
 from tandem.launch.process_scheduler import ProcessScheduler
-from tandem.models.common.lora import LoRAConfig
 from tandem.rl.batch import TrainingBatch, add_training_advantages
 from tandem.rl.checkpoints import CRITIC
 from tandem.rl.cluster import start_workers

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.config.fields import config_field as _f
+from tandem.config.lora import LoRAConfig
 from tandem.data.balance import COSTS
 from tandem.errors import ConfigError
-from tandem.models.common.lora import LoRAConfig
 from tandem.parallel.config import ParallelizeConfig
 
 if TYPE_CHECKING:
