@@ -56,6 +56,14 @@ class EpisodeScorer(Protocol):
         """Release what `ascore` opened on the executor's loop (called there at shutdown)."""
 
 
+def sole_cause(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one member each, e.g. a scorer's
+    error through the task groups that ran it: what an episode's failure should name."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 @dataclass
 class _Episode:
     item: Any
@@ -315,6 +323,7 @@ class WorkflowExecutor:
                 ep.future.cancel()
             raise
         except Exception as exc:
+            exc = sole_cause(exc)
             error = f"{type(exc).__name__}: {exc}"
             self._errors.log(error, f"episode {ep.seq} failed and is rejected (item {ep.item!r:.200}): {error}",
                              exc_info=exc)

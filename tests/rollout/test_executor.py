@@ -172,6 +172,30 @@ def test_error_storm_ends_rollouts_with_the_first_error(make_server, make_execut
     print(f"storm after {took:.2f}s, {drawn} items drawn, {len(texts)} log records")
 
 
+class FailingScorer:
+    """An episode scorer (a teacher, a reward model) whose calls all fail."""
+
+    async def ascore(self, trajectories):
+        raise ConnectionError("the teacher fleet is gone")
+
+    async def aclose(self):
+        return None
+
+
+def test_a_failing_scorer_fails_the_episode_naming_its_error(make_server):
+    """A scorer's error (run in the executor's task group, inside the scorer's own) reaches the
+    storm as itself, not as 'ExceptionGroup: unhandled errors in a TaskGroup'."""
+    server = make_server()
+    ex = WorkflowExecutor(InferenceClient([server.address]), ExecutorConfig(
+        max_concurrent_rollouts=2, consumer_batch_size=2, max_consecutive_failures=3), scorers=[FailingScorer()])
+    try:
+        with pytest.raises(EpisodeFailureStorm) as info:
+            ex.prepare_batch(iter([[1, 2, 3]] * 100), GenerateOnce(), timeout=30)
+    finally:
+        ex.shutdown()
+    assert info.value.first_error == "ConnectionError: the teacher fleet is gone", info.value.first_error
+
+
 def test_failures_between_successes_are_no_storm(make_server, make_executor):
     server = make_server()
     ex = make_executor([server.address], max_concurrent_rollouts=1, consumer_batch_size=1, max_staleness=10,
