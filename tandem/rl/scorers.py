@@ -16,6 +16,7 @@ from tandem.errors import ConfigError, ModelConfigError
 from tandem.fleet.ops import Deadlines
 from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
+from tandem.models.value_head import classifier_labels, is_value_config
 from tandem.rl.config import TandemConfig
 from tandem.rollout.reward_model import RewardModelScorer
 from tandem.rollout.scoring import ScoringFleet, ScoringFleetConfig
@@ -58,8 +59,6 @@ def check_scorers(cfg: TandemConfig) -> None:
 
 
 def _check_classifier(path: str) -> None:
-    from tandem.models.value_head import classifier_labels, is_value_config
-
     hf = json.loads((Path(path) / "config.json").read_text())
     arch = (hf.get("architectures") or ["a model without architectures"])[0]
     try:

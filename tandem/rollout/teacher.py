@@ -33,9 +33,7 @@ class TeacherConfig(ScoringFleetConfig):
 class TeacherScorer(ScoringFleet):
     """Scores trajectories with the teacher fleet (the executor's episode scorer)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tokens = 0  # generated tokens scored
+    tokens: int = 0  # generated tokens scored (set per instance by the first `+=`)
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "teacher/tokens_total": float(self.tokens)}
