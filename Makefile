@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo lora code distill vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean demo moe agent ppo lora code distill reward-model vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -153,6 +153,20 @@ distill: $(STAMP)
 	$(VENV)/bin/tandem train examples/distill.yaml actor.path=$(DISTILL_DIR)/student/sft \
 		teacher.path=$(DISTILL_DIR)/teacher/sft train.overwrite=true
 DISTILL_TEACHER_STEPS ?= 1600
+
+# `make reward-model`: RL whose reward is a trained reward model's score (docs/rewards.md). The
+# demo's flawed warm start is the policy and the base of the reward model, which `tandem sft
+# sft.objective=reward` trains on preference pairs from the task (Bradley-Terry); then GRPO with
+# that model's score as the only reward (examples/reward_model.yaml), evaluated on the true sums.
+RM_DIR ?= runs/reward_model
+RM_STEPS ?= 400
+reward-model: $(STAMP)
+	$(call warm_start,$(RM_DIR)/policy,examples/demo.yaml,qwen3)
+	$(VENV)/bin/tandem sft examples/demo.yaml actor.path=$(RM_DIR)/policy/sft sft.output=$(RM_DIR)/rm \
+		sft.objective=reward sft.steps=$(RM_STEPS) task.options.teacher_slip=0 experiment.name=reward_model \
+		experiment.trial=rm actor.optimizer.lr=1e-3
+	$(VENV)/bin/tandem train examples/reward_model.yaml actor.path=$(RM_DIR)/policy/sft \
+		reward_model.path=$(RM_DIR)/rm train.overwrite=true
 
 # The MoE job: the same recipe on a tiny Qwen3-MoE, experts split over the two trainer ranks,
 # rollout routing replay (examples/moe.yaml, docs/moe.md).

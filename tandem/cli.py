@@ -346,7 +346,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         from tandem.rl.sft import run_sft  # torch, transformers: seconds
 
     out, result = run_sft(cfg)
-    evaluated = f"eval accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "not evaluated"
+    if "eval/reward_accuracy" in result:  # sft.objective=reward
+        evaluated = (f"held-out pairs: accuracy {result['eval/reward_accuracy']:.3f}, "
+                     f"loss {result['eval/reward_loss']:.3f}")
+    else:
+        evaluated = f"eval accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "not evaluated"
     print(f"SFT model written to {out}; {evaluated}")
     return 0
 

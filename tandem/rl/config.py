@@ -218,6 +218,17 @@ class SFTConfig:
     steps: int = _f(100, "Optimizer steps of `tandem sft`.", min=1)
     batch_size: int = _f(32, "Examples per SFT step.", min=1)
     output: str | None = _f(None, "HF directory the SFT model is written to (default: the run directory/sft).")
+    objective: str = _f("lm", "What `tandem sft` trains: `lm`, the next-token loss on the task's answers; `reward`, "
+                        "a reward model (a value head on the actor's decoder) on preference pairs, Bradley-Terry "
+                        "(docs/rewards.md, \"Training a reward model\").", choices=("lm", "reward"))
+    preferences: str | None = _f(None, "With objective=reward: a JSON-lines or parquet file of preference pairs "
+                                 "(TRL's formats: prompt/chosen/rejected); its last task.eval_size rows are held "
+                                 "out. Unset: pairs from the task's items (reference answer vs another item's).")
+
+    def check(self, prefix: str) -> None:
+        if self.objective != "reward" and self.preferences is not None:
+            raise ConfigError(f"{prefix}preferences is set but does nothing in this run: it needs "
+                              f"{prefix}objective=reward. Set that, or remove {prefix}preferences")
 
 
 @dataclass
@@ -325,6 +336,12 @@ class TandemConfig:
                 raise ConfigError(f"{prefix}actor.lora.rank={self.actor.lora.rank} is above {vllm.LORA_RANKS[-1]}, the "
                                   f"largest adapter rank vLLM serves; lower it, or set {prefix}train.weight_sync="
                                   "distributed (vLLM then gets merged weights)")
+        elif self.sft.objective == "reward" and (self.actor.lora.enabled or self.actor.tp > 1 or self.actor.pp > 1):
+            what = "actor.lora.rank" if self.actor.lora.enabled else "actor.backend"
+            raise ConfigError(f"{prefix}sft.objective=reward trains a reward model whole (a value head on the "
+                              f"decoder), data or context parallel: {prefix}{what} asks for "
+                              f"{'LoRA adapters' if self.actor.lora.enabled else 'tensor or pipeline parallel'}; "
+                              f"remove it (e.g. {prefix}actor.backend=archon:d2)")
         elif self.actor.router_replay != "off":
             raise ConfigError(f"{prefix}actor.router_replay={self.actor.router_replay!r} replays routes in RL "
                               f"updates (tandem train); `tandem sft` has none to replay: set "

@@ -31,10 +31,15 @@ from tandem.rollout.reward import RewardRunner
 
 def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     """Train, save, evaluate; returns the HF directory and the eval stats (empty when
-    `task.eval_size` is 0: then no inference server is started)."""
+    `task.eval_size` is 0: then no inference server is started). `sft.objective=reward` trains a
+    reward model instead (`tandem.rl.reward_sft`)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    if cfg.sft.objective == "reward":
+        from tandem.rl.reward_sft import run_reward_sft
+
+        return run_reward_sft(cfg)
     if cfg.task.eval_size:  # the evaluation's reward may run code: before anything is written
         check_sandbox(cfg)
     run_dir = run_dir_of(cfg)

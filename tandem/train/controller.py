@@ -125,13 +125,22 @@ class TrainController:
         """One supervised step; the stats (loss and token counts are global, the same on every rank)."""
         return self.group.call_per_rank(TrainWorker.sft_step, self._per_rank(shards))[0]
 
+    def preference_update(self, shards: Sequence[SequenceBatch]) -> dict[str, float]:
+        """One Bradley-Terry step of a critic on shards of whole preference pairs
+        (`TrainWorker.preference_update`); the `reward/*` stats, over every rank."""
+        return self.group.call_per_rank(TrainWorker.preference_update, self._per_rank(shards))[0]
+
+    def preference_scores(self, shards: Sequence[SequenceBatch]) -> dict[str, float]:
+        """The `reward/*` stats of a critic's scores of shards of preference pairs, no update."""
+        return self.group.call_per_rank(TrainWorker.preference_scores, self._per_rank(shards))[0]
+
     # ---------------------------------------------------------------------------- checkpoints
 
     def save_hf(self, path: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
                 overwrite: bool = False) -> str:
-        """HF directory of the current weights; its path."""
+        """HF directory of this role's current weights; its path."""
         return self.group.call(TrainWorker.save_hf, path, tokenizer_dir=tokenizer_dir, dtype=dtype,
-                               overwrite=overwrite)[0]
+                               overwrite=overwrite, role=self.role)[0]
 
     def save(self, path: str) -> str:
         """This role's state (weights, optimizer, step, LR schedule) under `path`."""

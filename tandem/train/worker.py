@@ -133,12 +133,28 @@ class TrainWorker:
 
         return self._engine().train_batch(shard, sft_loss)
 
+    def preference_update(self, shard: SequenceBatch) -> dict[str, float]:
+        """One Bradley-Terry step of the critic's value model on this rank's preference pairs
+        (`tandem.train.preference_step`); `reward/*` stats over every rank. Collective."""
+        from tandem.train.preference_step import bradley_terry_update  # ranks only
+
+        return bradley_terry_update(self._engine("critic"), shard)
+
+    def preference_scores(self, shard: SequenceBatch) -> dict[str, float]:
+        """The `reward/*` stats of the critic's scores of this rank's preference pairs, over every
+        rank, with no update (a held-out evaluation). Collective."""
+        from tandem.train.preference_step import pair_scores, pair_stats  # ranks only
+
+        engine = self._engine("critic")
+        return pair_stats(pair_scores(engine, shard), engine)
+
     # ---------------------------------------------------------------------------- checkpoints
 
     def save_hf(self, path: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
-                overwrite: bool = False) -> str:
-        """HF directory of the current weights (`TrainEngine.save_hf`). Collective."""
-        return str(self._engine().save_hf(path, tokenizer_dir=tokenizer_dir, dtype=dtype, overwrite=overwrite))
+                overwrite: bool = False, role: EngineRole = "actor") -> str:
+        """HF directory of `role`'s current weights (`TrainEngine.save_hf`; a critic's: the
+        `...ForTokenClassification` layout). Collective."""
+        return str(self._engine(role).save_hf(path, tokenizer_dir=tokenizer_dir, dtype=dtype, overwrite=overwrite))
 
     def save(self, path: str, role: EngineRole = "actor") -> str:
         """The weights, optimizer, step and LR schedule of `role`'s engine (DCP). Collective."""

@@ -342,6 +342,9 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "sft.steps": (T_SFT, "tests/rl/test_run_config.py::test_sft_schedule_spans_sft_steps"),
     "sft.batch_size": (T_SFT,),
     "sft.output": (T_SFT,),
+    "sft.objective": ("tests/rl/test_reward_sft.py::test_two_ranks_take_the_steps_one_rank_takes",
+                      "tests/data/test_preferences.py::test_reward_objective_settings_are_refused_naming_the_key"),
+    "sft.preferences": ("tests/rl/test_reward_sft.py::test_a_trained_reward_model_is_served_and_prefers_what_it_was_taught",),
     # --- stats
     "stats.progress": ("tests/rl/test_run_lifecycle.py::test_a_run_that_talks_binds_loopback_and_stops_on_ctrl_c",),
     "stats.tensorboard": ("tests/rl/test_run_keys.py::test_tensorboard_writes_event_files_only_when_asked", T_E2E_ASYNC,

@@ -176,8 +176,10 @@ def test_console_script_exit_code(tmp_path):
 def test_example_configs_load(path, tmp_path):
     # actor.path must name a model directory, of the architecture the example is for.
     model = init_model(tmp_path / "model", arch="qwen3_moe" if path.stem == "moe" else "qwen3", preset="tiny", seed=0)
-    # So must teacher.path (examples/distill.yaml): any causal LM with the actor's tokenizer.
-    load_run_config(path, [f"actor.path={model}"] + ([f"teacher.path={model}"] if path.stem == "distill" else []))
+    # So must teacher.path (examples/distill.yaml) and reward_model.path (examples/reward_model.yaml);
+    # what kind of model they hold is checked before launch, not by the loader.
+    scorer = {"distill": "teacher.path", "reward_model": "reward_model.path"}.get(path.stem)
+    load_run_config(path, [f"actor.path={model}"] + ([f"{scorer}={model}"] if scorer else []))
 
 
 def test_a_bare_off_is_the_off_choice_not_a_boolean(tmp_path):
