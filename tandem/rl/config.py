@@ -30,6 +30,7 @@ from tandem.launch.affinity import parse_cpus
 from tandem.launch.config import SchedulerConfig
 from tandem.parallel.cp_heads import check_heads
 from tandem.rollout.config import RolloutConfig
+from tandem.rollout.judge import PARSERS, JudgeConfig
 from tandem.rollout.reward_model import RewardModelConfig
 from tandem.rollout.scoring import ScoringFleetConfig
 from tandem.rollout.teacher import TeacherConfig
@@ -270,6 +271,7 @@ class TandemConfig:
     ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -320,7 +322,11 @@ class TandemConfig:
         self.algo.check(f"{prefix}algo.")
         check_model_sections(self.algo, self.critic, self.ref, prefix)
         check_teacher_section(self.teacher, self.algo, self.command, prefix)
-        check_reward_model_section(self.reward_model, self.command, prefix)
+        check_reward_section(self.reward_model, self.command, prefix)
+        check_reward_section(self.judge, self.command, prefix)
+        if self.reward_model.enabled and self.judge.enabled:
+            raise ConfigError(f"{prefix}reward_model.path and {prefix}judge.path are both set: a run has one "
+                              "model-made reward; remove one (or sum them in your own workflow)")
         if self.scheduler.remote and self.rollout.launched_by_tandem and self.rollout.server_kind == "vllm":
             raise ConfigError(f"{prefix}scheduler.type={self.scheduler.type!r} starts tandem servers only; run the "
                               f"vLLM servers yourself and list them in {prefix}rollout.servers, or use "
@@ -414,21 +420,25 @@ def check_teacher_section(teacher: TeacherConfig, algo: AlgoConfig, command: str
     check_model_dir(teacher.path, f"{prefix}teacher.path")
 
 
-def check_reward_model_section(rm: RewardModelConfig, command: str, prefix: str) -> None:
-    """Reward-model keys need `reward_model.path` (and `tandem train`). That the model is a
-    classifier with one label and shares the actor's tokenizer is checked before launch
-    (`tandem.rl.scorers.check_scorers`: the model registry and tokenizers cost seconds)."""
-    changed = _changed(rm)
+def check_reward_section(section: RewardModelConfig | JudgeConfig, command: str, prefix: str) -> None:
+    """A model-made reward's keys (`reward_model.*`, `judge.*`) need its `path` (and `tandem
+    train`). That a reward model is a classifier with one label and shares the actor's tokenizer
+    is checked before launch (`tandem.rl.scorers.check_scorers`: the model registry and tokenizers
+    cost seconds)."""
+    name = section.SECTION
+    changed = _changed(section)
     if changed and command == "sft":
-        raise ConfigError(f"{prefix}reward_model.{changed[0]} is set but `tandem sft` has no reward (it trains on the "
+        raise ConfigError(f"{prefix}{name}.{changed[0]} is set but `tandem sft` has no reward (it trains on the "
                           f"task's answers); remove it")
-    if not rm.enabled:
+    if not section.enabled:
         if changed:
-            raise ConfigError(f"{prefix}reward_model.{changed[0]} is set but does nothing in this run: it needs "
-                              f"{prefix}reward_model.path. Set it, or remove {prefix}reward_model.{changed[0]}")
+            raise ConfigError(f"{prefix}{name}.{changed[0]} is set but does nothing in this run: it needs "
+                              f"{prefix}{name}.path. Set it, or remove {prefix}{name}.{changed[0]}")
         return
-    rm.check(f"{prefix}reward_model.")
-    check_model_dir(rm.path, f"{prefix}reward_model.path")
+    section.check(f"{prefix}{name}.")
+    check_model_dir(section.path, f"{prefix}{name}.path")
+    if isinstance(section, JudgeConfig) and section.parser not in PARSERS:
+        check_user_function(section.parser, f"{prefix}judge.parser", args=("yes",), signature="(text) -> float")
 
 
 def _changed(section: CriticConfig | ReferenceConfig | ScoringFleetConfig) -> list[str]:

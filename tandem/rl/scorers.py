@@ -1,6 +1,7 @@
 """A run's scoring fleets (`teacher`: on-policy distillation; `reward_model`: a model as the
-reward): the pre-launch checks (each model shares the actor's tokenizer; a reward model is a
-classifier with one label), and their start (launched servers or listed ones) as the
+reward; `judge`: a model's verdict as the reward): the pre-launch checks (a teacher and a reward
+model share the actor's tokenizer; a reward model is a classifier with one label, a judge a causal
+LM), and their start (launched servers or listed ones) as the
 `ScoringFleet`s the rollout controller awaits on each episode. docs/rewards.md."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tandem.launch.affinity import ENV_CPUS
 from tandem.launch.process_scheduler import ProcessScheduler
 from tandem.models.value_head import classifier_labels, is_value_config
 from tandem.rl.config import TandemConfig
+from tandem.rollout.judge import JudgeScorer
 from tandem.rollout.reward_model import RewardModelScorer
 from tandem.rollout.scoring import ScoringFleet, ScoringFleetConfig
 from tandem.rollout.teacher import TeacherScorer
@@ -29,7 +31,7 @@ def _sections(cfg: TandemConfig) -> list[ScoringFleetConfig]:
     """The scoring fleets this run has (`tandem train` only; the config refuses them elsewhere)."""
     if cfg.command != "train":
         return []
-    return [s for s in (cfg.teacher, cfg.reward_model) if s.enabled]
+    return [s for s in (cfg.teacher, cfg.reward_model, cfg.judge) if s.enabled]
 
 
 def check_scorers(cfg: TandemConfig) -> None:
@@ -41,10 +43,15 @@ def check_scorers(cfg: TandemConfig) -> None:
         return
     if cfg.reward_model.enabled:
         _check_classifier(cfg.reward_model.path)
+    if cfg.judge.enabled:
+        _check_generator(cfg.judge.path)
     from transformers import AutoTokenizer  # seconds
 
     student = _vocab(AutoTokenizer, cfg.actor.path, "actor.path")
     for section in sections:
+        if section is cfg.judge:  # it reads text: any tokenizer will do, if it loads
+            _vocab(AutoTokenizer, section.path, "judge.path")
+            continue
         key = f"{section.SECTION}.path"
         other = _vocab(AutoTokenizer, section.path, key)
         if other == student:
@@ -69,6 +76,14 @@ def _check_classifier(path: str) -> None:
         raise ConfigError(f"reward_model.path={path!r} is {arch}" + (f" with {labels} labels" if labels else "")
                           + ": a reward model is a ...ForSequenceClassification with one label (or the critic's "
                             "...ForTokenClassification layout)")
+
+
+def _check_generator(path: str) -> None:
+    hf = json.loads((Path(path) / "config.json").read_text())
+    if classifier_labels(hf) or is_value_config(hf):
+        arch = (hf.get("architectures") or ["?"])[0]
+        raise ConfigError(f"judge.path={path!r} is {arch}, a classifier: a judge writes its verdict, so it is a causal "
+                          "LM (...ForCausalLM); a classifier's score is a reward model (reward_model.path)")
 
 
 def _vocab(auto_tokenizer: Any, path: str, key: str) -> dict[str, int]:
@@ -101,6 +116,11 @@ def start_scorers(cfg: TandemConfig, scheduler: ProcessScheduler) -> list[Scorin
                       deadlines=Deadlines(http_s=cfg.rollout.control_timeout_s), api_key=api_key)
         if section is cfg.teacher:
             out.append(TeacherScorer(addresses, section, **common))
+        elif section is cfg.judge:
+            from transformers import AutoTokenizer
+
+            out.append(JudgeScorer(addresses, config=cfg.judge, policy_tokenizer=AutoTokenizer.from_pretrained(
+                cfg.actor.path), judge_tokenizer=AutoTokenizer.from_pretrained(cfg.judge.path), **common))
         else:
             out.append(RewardModelScorer(addresses, section, mode=cfg.reward_model.mode, **common))
     return out

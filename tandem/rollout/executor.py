@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -50,7 +50,8 @@ class EpisodeScorer(Protocol):
     a reward model's rewards: `tandem.rollout.scoring`): fills fields of the trajectories in place;
     raising fails the episode."""
 
-    async def ascore(self, trajectories: list[Trajectory]) -> None: ...
+    async def ascore(self, trajectories: list[Trajectory], item: Mapping[str, Any] | None = None) -> None:
+        """`item`: the episode's item (its fields, e.g. a judge's reference answer)."""
 
     async def aclose(self) -> None:
         """Release what `ascore` opened on the executor's loop (called there at shutdown)."""
@@ -316,7 +317,7 @@ class WorkflowExecutor:
             elif self.scorers:
                 async with asyncio.TaskGroup() as tg:  # one failing cancels the others: the episode fails
                     for scorer in self.scorers:
-                        tg.create_task(scorer.ascore(result))
+                        tg.create_task(scorer.ascore(result, ep.item))
         except asyncio.CancelledError:  # shutdown
             self.staleness.on_reject()
             if ep.future is not None:

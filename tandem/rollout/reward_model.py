@@ -12,8 +12,9 @@ the workflow's reward plus it (`add`); both numbers stay in `info` (`task_reward
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tandem.config.fields import config_field as _f
 from tandem.data.trajectory import Trajectory
@@ -45,7 +46,7 @@ class RewardModelScorer(ScoringFleet):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
 
-    async def ascore(self, trajectories: list[Trajectory]) -> None:
+    async def ascore(self, trajectories: list[Trajectory], item: Mapping[str, Any] | None = None) -> None:
         """One call for the episode's sequences; raises (the episode fails) when it cannot be made
         or a score is not finite."""
         scores = await self.client.aclassify(ClassifyRequest([list(t.input_ids) for t in trajectories]))

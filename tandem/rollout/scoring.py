@@ -10,9 +10,9 @@ episode (`tandem.rollout.executor.EpisodeScorer`). See docs/rewards.md."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tandem.config.alloc import AllocationMode, parse_allocation_of_kind
 from tandem.config.fields import check_field_metadata
@@ -124,7 +124,7 @@ class ScoringFleet:
                 f"{self.section}/resubmitted_total": float(self.client.resubmitted_total),
                 f"{self.section}/scored_total": float(self.scored)}
 
-    async def ascore(self, trajectories: list[Trajectory]) -> None:
+    async def ascore(self, trajectories: list[Trajectory], item: Mapping[str, Any] | None = None) -> None:
         raise NotImplementedError
 
     async def aclose(self) -> None:

@@ -11,8 +11,9 @@ docs/rewards.md, "Distillation"."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tandem.config.fields import config_field as _f
 from tandem.data.trajectory import Trajectory
@@ -38,7 +39,7 @@ class TeacherScorer(ScoringFleet):
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "teacher/tokens_total": float(self.tokens)}
 
-    async def ascore(self, trajectories: list[Trajectory]) -> None:
+    async def ascore(self, trajectories: list[Trajectory], item: Mapping[str, Any] | None = None) -> None:
         """Set `teacher_logprobs` on each trajectory: the teacher's logprob of every token the
         policy generated (loss mask 1), 0.0 elsewhere; each trajectory is one scoring call from its
         first generated token on, the calls concurrent. Raises when one cannot be scored."""

@@ -67,6 +67,11 @@ T_RM_REFUSED = "tests/rl/test_reward_model_run.py::test_reward_model_settings_ar
 T_RM_CHECK = "tests/rl/test_reward_model_run.py::test_the_pre_launch_check_wants_a_one_label_classifier_with_the_actors_tokenizer"
 T_RM_LAUNCH = "tests/rl/test_reward_model_run.py::test_launched_reward_servers_take_the_reward_model_keys"
 T_RM_E2E = "tests/rl/test_reward_model_run.py::test_a_run_rewarded_by_a_model_survives_a_dead_reward_server"
+T_JUDGE_REFUSED = "tests/rl/test_judge_run.py::test_judge_settings_are_refused_naming_the_key"
+T_JUDGE_CHECK = "tests/rl/test_judge_run.py::test_the_pre_launch_check_wants_a_causal_lm"
+T_JUDGE_LAUNCH = "tests/rl/test_judge_run.py::test_launched_judge_servers_take_the_judge_keys"
+T_JUDGE_E2E = "tests/rl/test_judge_run.py::test_a_run_rewarded_by_a_judge"
+T_JUDGE_SCORE = "tests/rollout/test_judge.py::test_verdicts_become_rewards_with_the_raw_text_kept"
 T_ELASTIC_DISK = "tests/rl/test_elastic_run.py::test_a_server_killed_in_an_update_phase_leaves_the_run_going"  # [disk]
 T_SECOND_LAUNCH = "tests/rl/test_run_lifecycle.py::test_second_launch_into_a_trial"
 T_SFT = "tests/rl/test_calculator_sft.py::test_sft_trains_on_conversations_and_evaluates_with_the_tool_loop"
@@ -426,6 +431,19 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
                                         "tests/rollout/test_reward_model.py::test_a_reward_server_killed_while_scoring_loses_no_episode"),
     "reward_model.call_timeout_s": (T_RM_LAUNCH,),
     "reward_model.mode": (T_RM_LAUNCH, T_RM_REFUSED, "tests/rollout/test_reward_model.py::test_rewards_are_the_models_scores"),
+    "judge.path": (T_JUDGE_REFUSED, T_JUDGE_CHECK, T_JUDGE_LAUNCH, T_JUDGE_E2E),
+    "judge.backend": (T_JUDGE_LAUNCH, T_JUDGE_REFUSED, T_JUDGE_E2E),
+    "judge.servers": (T_JUDGE_SCORE,),
+    "judge.server_args": (T_JUDGE_LAUNCH,),
+    "judge.cpus": (T_JUDGE_LAUNCH,),
+    "judge.api_key": (T_JUDGE_LAUNCH,),
+    "judge.min_servers": (T_JUDGE_LAUNCH,),
+    "judge.request_deadline_s": (T_JUDGE_LAUNCH,),
+    "judge.call_timeout_s": (T_JUDGE_LAUNCH,),
+    "judge.template": (T_JUDGE_LAUNCH, T_JUDGE_REFUSED, T_JUDGE_SCORE),
+    "judge.parser": (T_JUDGE_LAUNCH, T_JUDGE_REFUSED, "tests/rollout/test_judge.py::test_a_verdict_the_parser_refuses_is_a_failed_reward"),
+    "judge.max_new_tokens": (T_JUDGE_LAUNCH, T_JUDGE_REFUSED),
+    "judge.mode": (T_JUDGE_LAUNCH, T_JUDGE_REFUSED, T_JUDGE_E2E),
 }
 
 

@@ -175,7 +175,7 @@ def test_error_storm_ends_rollouts_with_the_first_error(make_server, make_execut
 class FailingScorer:
     """An episode scorer (a teacher, a reward model) whose calls all fail."""
 
-    async def ascore(self, trajectories):
+    async def ascore(self, trajectories, item=None):
         raise ConnectionError("the teacher fleet is gone")
 
     async def aclose(self):
