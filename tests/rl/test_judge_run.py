@@ -5,7 +5,6 @@ with its rewards from a launched judge (the tiny model SFT'd to answer yes or no
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ from tandem.rl.scorers import check_scorers, start_scorers
 from tests.inference.test_classifier_serving import _hf_classifier
 from tests.launch.procs import CHILD_ENV
 from tests.rl.common import TANDEM, rl_rows, write_config
-from tests.rl.test_launch_keys import CORE, _get
+from tests.rl.test_launch_keys import CORE
+from tests.rl.test_reward_model_run import assert_scoring_servers
 from tests.rollout.conftest import run
 from tests.rollout.judge_model import make_judge_model
 from tests.rollout.test_judge import trajectories
@@ -75,14 +75,7 @@ def test_launched_judge_servers_take_the_judge_keys(tmp_path, judge):
         "judge.template='Say yes or no. Answer: {completion} Question: {prompt} Truth: {answer}'"])
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
         (scorer,) = start_scorers(cfg, scheduler)
-        assert sorted(p.name for p in scheduler.processes) == ["judge-0", "judge-1"]
-        for handle in scheduler.servers:
-            assert os.sched_getaffinity(handle.pid) == {CORE}
-            args = Path(f"/proc/{handle.pid}/cmdline").read_text().split("\0")
-            assert "--is-embedding" not in args and str(model) in args
-            status, info = _get(handle.url + "/get_server_info", "the-judge-key")
-            assert status == 200 and info["num_threads"] == 1, info
-            assert _get(handle.url + "/get_server_info")[0] == 401
+        assert_scoring_servers(scheduler, "judge", model, "the-judge-key", embedding=False)
         assert (scorer.client.config.deadline_s, scorer.client.config.call_timeout_s) == (41.0, 6.0)
         assert scorer.fleet.min_servers == 2
         tok = transformers.AutoTokenizer.from_pretrained(base)

@@ -80,14 +80,7 @@ def test_launched_reward_servers_take_the_reward_model_keys(tmp_path, model_dir,
                                  "reward_model.mode=add"])
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
         (scorer,) = start_scorers(cfg, scheduler)
-        assert sorted(p.name for p in scheduler.processes) == ["reward_model-0", "reward_model-1"]
-        for handle in scheduler.servers:
-            assert os.sched_getaffinity(handle.pid) == {CORE}
-            args = Path(f"/proc/{handle.pid}/cmdline").read_text().split("\0")
-            assert "--is-embedding" in args and str(rm) in args
-            status, info = _get(handle.url + "/get_server_info", "the-rm-key")
-            assert status == 200 and info["num_threads"] == 1 and info["is_embedding"] is True, info
-            assert _get(handle.url + "/get_server_info")[0] == 401
+        assert_scoring_servers(scheduler, "reward_model", rm, "the-rm-key", embedding=True)
         assert (scorer.client.config.deadline_s, scorer.client.config.call_timeout_s) == (41.0, 6.0)
         assert scorer.mode == "add" and scorer.fleet.min_servers == 2
         from tests.rollout.test_reward_model import episode
@@ -101,6 +94,20 @@ def test_launched_reward_servers_take_the_reward_model_keys(tmp_path, model_dir,
     with torch.no_grad():
         want = float(hf(torch.tensor([t.input_ids])).logits[0, 0])
     assert abs(t.reward - (1.0 + want)) < 1e-5
+
+
+def assert_scoring_servers(scheduler: LocalScheduler, section: str, model: Path, api_key: str,
+                           embedding: bool) -> None:
+    """Two launched servers of `section` holding `model`, pinned to `CORE`, with one thread, a
+    classifier exactly when `embedding`, answering only with `api_key`."""
+    assert sorted(p.name for p in scheduler.processes) == [f"{section}-0", f"{section}-1"]
+    for handle in scheduler.servers:
+        assert os.sched_getaffinity(handle.pid) == {CORE}
+        args = Path(f"/proc/{handle.pid}/cmdline").read_text().split("\0")
+        assert ("--is-embedding" in args) == embedding and str(model) in args
+        status, info = _get(handle.url + "/get_server_info", api_key)
+        assert status == 200 and info["num_threads"] == 1 and info["is_embedding"] is embedding, info
+        assert _get(handle.url + "/get_server_info")[0] == 401
 
 
 @pytest.mark.slow
