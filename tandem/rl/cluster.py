@@ -33,16 +33,17 @@ def run_processes(cfg: TandemConfig) -> RunProcesses:
     servers `rollout.backend` launches (none when `rollout.servers` lists them; `tandem sft`: the
     one evaluation server, unless `task.eval_size` is 0) and the trainer ranks of `actor.backend`,
     plus `critic.backend`'s when the critic has a group of its own, and the launched servers of a
-    teacher and of a reward model."""
+    teacher, a reward model and a judge (`tandem sft sft.objective=reward`: no server)."""
     ranks = parse_allocation_of_kind(cfg.actor.backend, "actor.backend", inference=False).components[0].sizes
     count = ranks.world_size
-    if cfg.command == "sft":
-        return RunProcesses(servers=1 if cfg.task.eval_size else 0, ranks=count)
+    if cfg.command == "sft":  # a reward model is evaluated by its trainer ranks, not by a server
+        evaluated = cfg.task.eval_size and cfg.sft.objective == "lm"
+        return RunProcesses(servers=1 if evaluated else 0, ranks=count)
     if cfg.algo.ppo.use_critic and cfg.critic.backend:
         critic = parse_allocation_of_kind(cfg.critic.backend, "critic.backend", inference=False).components[0]
         count += critic.sizes.world_size
     servers = cfg.rollout.allocation.components[0].sizes.dp if cfg.rollout.launched_by_tandem else 0
-    for scoring in (cfg.teacher, cfg.reward_model):
+    for scoring in (cfg.teacher, cfg.reward_model, cfg.judge):
         if scoring.enabled and scoring.launched_by_tandem:
             servers += scoring.allocation.components[0].sizes.dp
     return RunProcesses(servers=servers, ranks=count)

@@ -25,8 +25,17 @@ DEMO = REPO / "examples" / "demo.yaml"
     (["algo.name=ppo"], "train", RunProcesses(servers=2, ranks=2)),  # the critic on the actor's ranks
     ([], "sft", RunProcesses(servers=1, ranks=2)),  # `tandem sft`: one evaluation server
     (["task.eval_size=0"], "sft", RunProcesses(servers=0, ranks=2)),
+    (["sft.objective=reward"], "sft", RunProcesses(servers=0, ranks=2)),  # scored on its trainer ranks
+    # Scoring fleets launched with the run: a teacher's, a reward model's, a judge's servers.
+    (["algo.name=distill", "teacher.path={model}", "teacher.backend=tandem:d1"], "train",
+     RunProcesses(servers=3, ranks=2)),
+    (["reward_model.path={model}", "reward_model.backend=tandem:d2"], "train", RunProcesses(servers=4, ranks=2)),
+    (["judge.path={model}", "judge.backend=tandem:d1"], "train", RunProcesses(servers=3, ranks=2)),
+    (["judge.path={model}", "judge.backend=sglang:d1", "judge.servers=[http://127.0.0.1:9]"], "train",
+     RunProcesses(servers=2, ranks=2)),  # listed servers: none launched
 ])
 def test_what_a_run_config_starts(tiny_model, overrides, command, expected):
+    overrides = [o.format(model=tiny_model) for o in overrides]
     cfg = load_run_config(DEMO, [f"actor.path={tiny_model}", "scheduler.type=ray", *overrides], command=command)
     assert run_processes(cfg) == expected
 
