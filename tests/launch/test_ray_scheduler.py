@@ -130,6 +130,24 @@ def test_the_demo_shape_starts_on_a_private_ray_on_this_machine(tmp_path, tiny_m
           f"after {placed:.1f} s, 1 step done in {took:.1f} s")
 
 
+def test_a_teacher_fleet_is_placed_on_the_private_ray(tmp_path, tiny_model):
+    """Distillation with a launched teacher (`teacher.backend=tandem:d1`) on `scheduler.type=ray`:
+    the private cluster is sized for the teacher's server too (3 one-CPU bundles), the teacher is
+    placed like the rollout servers, and every step's episodes are scored by it."""
+    cfg = write_config(tmp_path, tiny_model, scheduler={"type": "ray"}, train={"total_steps": 2},
+                       actor={"backend": "archon:d1"}, rollout={"backend": "tandem:d1"}, algo={"name": "distill"},
+                       teacher={"path": str(tiny_model), "backend": "tandem:d1",
+                                "server_args": ["--num-threads", "1"]}, task={"eval_size": 2})
+    out = _in_private_network(TANDEM, "train", str(cfg), timeout_s=480, own_pids=True)
+    log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + log[-3000:]
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["teacher/scored_total"] >= 2 * 4 * 2
+    assert re.search(r"ray: started a private cluster in [\d.]+ s \(.*'CPU': 3\.0", log), log[-3000:]
+    for role in ("rollout-0", "teacher-0", "actor-rank0"):
+        assert re.search(rf"placement: {role} -> Ray node 127\.0\.0\.1 \(\S+\), pid \d+", log), log[-3000:]
+
+
 def test_train_on_a_running_ray_cluster(tmp_path, tiny_model):
     """`ray start --head` in the namespace, then `tandem train` joins it (scheduler.ray.address)."""
     port = str(6379 + os.getpid() % 1000)

@@ -106,6 +106,30 @@ def test_cancelling_the_trainer_job_ends_the_run_naming_it(slurm_cluster, tiny_m
     assert not _jobs(slurm_cluster), "jobs of the run are still running after it"
 
 
+def test_a_reward_model_fleet_runs_as_slurm_jobs(slurm_cluster, tiny_model, tmp_path):
+    """`reward_model.backend=tandem:d1` on Slurm: the reward server is a job of its own beside the
+    rollout server's and the trainer's, every episode is scored by it, and no job outlives the run."""
+    from tests.inference.test_classifier_serving import _hf_classifier
+
+    rm = _hf_classifier(tmp_path, "rm", "sequence", 1)
+    proc = _start(slurm_cluster, tmp_path, tiny_model, steps=3, rollout={"backend": "tandem:d1"},
+                  reward_model={"path": str(rm), "backend": "tandem:d1", "server_args": ["--num-threads", "1"]})
+    try:
+        _wait_for_step(proc, tmp_path, 1)
+        names = sorted(_jobs(slurm_cluster))
+        out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, out[-4000:]
+    assert len(names) == 3 and any(n.endswith("-reward_model-0") for n in names), names
+    rows = rl_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["reward_model/scored_total"] >= 3 * 4 * 2
+    log = (run_dir(tmp_path) / "logs" / "controller.log").read_text()
+    assert re.search(r"placement: reward_model-0 -> .*Slurm job \d+\.\S+ on \S+", log), log[-3000:]
+    assert not _jobs(slurm_cluster), "jobs of the run are still running after it"
+
+
 def test_a_role_slurm_cannot_place_fails_at_its_deadline_saying_why(slurm_cluster, tiny_model, tmp_path):
     began = time.monotonic()
     cfg = write_config(tmp_path, tiny_model, actor={"backend": "archon:d1"}, rollout={"backend": "tandem:d1"},
