@@ -342,10 +342,13 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     require_model_path(cfg)
 
     setup_console()
-    with interrupts_held():
-        from tandem.rl.sft import run_sft  # torch, transformers: seconds
+    with interrupts_held():  # torch, transformers: seconds
+        if cfg.sft.objective == "reward":
+            from tandem.rl.reward_sft import run_reward_sft as run
+        else:
+            from tandem.rl.sft import run_sft as run
 
-    out, result = run_sft(cfg)
+    out, result = run(cfg)
     if "eval/reward_accuracy" in result:  # sft.objective=reward
         evaluated = (f"held-out pairs: accuracy {result['eval/reward_accuracy']:.3f}, "
                      f"loss {result['eval/reward_loss']:.3f}")

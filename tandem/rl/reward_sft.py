@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.alloc import parse_allocation_of_kind
-from tandem.config.loader import to_yaml
 from tandem.config.lora import LoRAConfig
 from tandem.data.preferences import (
     PreferencePair,
@@ -29,8 +28,7 @@ from tandem.launch.factory import make_scheduler
 from tandem.rl.cluster import run_processes, start_workers
 from tandem.rl.config import SFTRunConfig
 from tandem.rl.data import load_task_data
-from tandem.rl.metrics import MetricsLogger
-from tandem.rl.trial import run_dir_of
+from tandem.rl.sft import sft_metrics, sft_outputs
 from tandem.train.controller import TrainController
 
 logger = logging.getLogger(__name__)
@@ -42,16 +40,12 @@ def run_reward_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "sft-config.yaml").write_text(to_yaml(cfg))
-    out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
+    run_dir, out = sft_outputs(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     train, held_out = preference_pairs(cfg, tokenizer)
     logger.info("reward model: %d training pairs, %d held out", len(train), len(held_out))
     score_token = score_token_of(tokenizer)
-    metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
-                            tensorboard_dir="sft-tensorboard")
+    metrics = sft_metrics(cfg, run_dir)
     result: dict[str, float] = {}
     try:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,

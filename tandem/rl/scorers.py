@@ -93,10 +93,11 @@ def _vocab(auto_tokenizer: Any, path: str, key: str) -> dict[str, int]:
         raise ConfigError(f"{key}={path!r}: cannot load its tokenizer: {exc}") from None
 
 
-def start_scorers(cfg: TandemConfig, scheduler: ProcessScheduler) -> list[ScoringFleet]:
+def start_scorers(cfg: TandemConfig, scheduler: ProcessScheduler, tokenizer: Any) -> list[ScoringFleet]:
     """Each scoring fleet of the run: its `backend`'s servers launched with its `path` (named
-    `teacher-N` / `reward_model-N`, each requiring its API key, the section's or a fresh one), or
-    its listed `servers`; probed with `rollout.health`."""
+    `teacher-N` / `reward_model-N` / `judge-N`, each requiring its API key, the section's or a fresh
+    one), or its listed `servers`; probed with `rollout.health`. `tokenizer`: the actor's (a judge
+    decodes the policy's tokens with it)."""
     out: list[ScoringFleet] = []
     for section in _sections(cfg):
         if section.launched_by_tandem:
@@ -119,8 +120,8 @@ def start_scorers(cfg: TandemConfig, scheduler: ProcessScheduler) -> list[Scorin
         elif section is cfg.judge:
             from transformers import AutoTokenizer
 
-            out.append(JudgeScorer(addresses, config=cfg.judge, policy_tokenizer=AutoTokenizer.from_pretrained(
-                cfg.actor.path), judge_tokenizer=AutoTokenizer.from_pretrained(cfg.judge.path), **common))
+            out.append(JudgeScorer(addresses, config=cfg.judge, policy_tokenizer=tokenizer,
+                                   judge_tokenizer=AutoTokenizer.from_pretrained(cfg.judge.path), **common))
         else:
             out.append(RewardModelScorer(addresses, section, mode=cfg.reward_model.mode, **common))
     return out

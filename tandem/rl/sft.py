@@ -31,27 +31,19 @@ from tandem.rollout.reward import RewardRunner
 
 def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     """Train, save, evaluate; returns the HF directory and the eval stats (empty when
-    `task.eval_size` is 0: then no inference server is started). `sft.objective=reward` trains a
-    reward model instead (`tandem.rl.reward_sft`)."""
+    `task.eval_size` is 0: then no inference server is started). For `sft.objective=lm`;
+    `tandem.rl.reward_sft` trains a reward model."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    if cfg.sft.objective == "reward":
-        from tandem.rl.reward_sft import run_reward_sft
-
-        return run_reward_sft(cfg)
     if cfg.task.eval_size:  # the evaluation's reward may run code: before anything is written
         check_sandbox(cfg)
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "sft-config.yaml").write_text(to_yaml(cfg))
-    out = Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
+    run_dir, out = sft_outputs(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     data = load_task_data(cfg, tokenizer)
     used = data.train[: cfg.sft.steps * cfg.sft.batch_size]  # the stream never reaches further items
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in used])
-    metrics = MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
-                            tensorboard_dir="sft-tensorboard")
+    metrics = sft_metrics(cfg, run_dir)
     runner = reward_runner(cfg)
     try:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
@@ -75,6 +67,21 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
         runner.close()
         metrics.close()
     return out, result
+
+
+def sft_outputs(cfg: SFTRunConfig) -> tuple[Path, Path]:
+    """(the run directory, made, with the config written to sft-config.yaml; the HF directory the
+    model goes to: `sft.output`, else the run directory's `sft`)."""
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "sft-config.yaml").write_text(to_yaml(cfg))
+    return run_dir, Path(cfg.sft.output) if cfg.sft.output else run_dir / "sft"
+
+
+def sft_metrics(cfg: SFTRunConfig, run_dir: Path) -> MetricsLogger:
+    """sft-metrics.jsonl (and sft-tensorboard/) in the run directory."""
+    return MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
+                         tensorboard_dir="sft-tensorboard")
 
 
 def _evaluate_saved(cfg: SFTRunConfig, scheduler: ProcessScheduler, out: Path, data: TaskData, tokenizer: Any,

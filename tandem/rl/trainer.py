@@ -219,7 +219,7 @@ class Run:
         meta = weight_update_meta(cfg, plan.run_dir)
         Path(meta.warmup_dir).mkdir(parents=True, exist_ok=True)
         servers = start_servers(cfg, scheduler, cfg.actor.path, weights_dir=Path(meta.warmup_dir))
-        scorers = start_scorers(cfg, scheduler)
+        scorers = start_scorers(cfg, scheduler, self.task.tokenizer)
         self.models = start_models(cfg, scheduler)
         self.trainer = self.models.actor
         if cfg.scheduler.remote:  # trainer rank 0 hosts the weight-update group wherever it was placed

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tandem.config.fields import config_field as _f
+from tandem.data.tasks.chat import encode_prompt
 from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.fleet.generation import GenerationParams
@@ -30,6 +31,7 @@ from tandem.rollout.errors import RewardError
 from tandem.rollout.reward_model import MODES
 from tandem.rollout.scoring import ScoringFleet, ScoringFleetConfig
 from tandem.rollout.types import ModelRequest
+from tandem.user_code import import_user_object
 
 DEFAULT_TEMPLATE = ("Question: {prompt}\nReference answer: {answer}\nAnswer to judge: {completion}\n"
                     "Is the answer to judge correct? Reply yes or no.")
@@ -88,8 +90,6 @@ def verdict_parser(spec: str) -> Callable[[str], float]:
         return parse_yes_no
     if spec == "number":
         return parse_number
-    from tandem.user_code import import_user_object
-
     fn = import_user_object(spec)
     if not callable(fn):
         raise ConfigError(f"judge.parser={spec!r} is not a function")
@@ -149,6 +149,4 @@ class JudgeScorer(ScoringFleet):
         except KeyError as exc:
             raise RewardError(f"judge.template names {{{exc.args[0]}}}, which the item lacks (it has "
                               f"{sorted(k for k in item if isinstance(k, str))})") from None
-        out = self.judge_tokenizer.apply_chat_template([{"role": "user", "content": message}],
-                                                      add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        return encode_prompt({"prompt": message}, self.judge_tokenizer)

@@ -99,7 +99,7 @@ def test_launched_teacher_servers_take_the_teacher_keys(tmp_path, model_dir, tea
                                          "teacher.api_key=the-teachers-key", "teacher.min_servers=2",
                                          "teacher.request_deadline_s=42", "teacher.call_timeout_s=7"))
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-        (scorer,) = start_scorers(cfg, scheduler)
+        (scorer,) = start_scorers(cfg, scheduler, None)  # no judge: the actor's tokenizer goes unused
         names = sorted(p.name for p in scheduler.processes)
         assert names == ["teacher-0", "teacher-1"], names
         assert {s.address for s in scorer.pool.snapshot()} == {h.url for h in scheduler.servers}
@@ -125,7 +125,7 @@ def test_listed_teacher_servers_are_used_as_they_are(tmp_path, model_dir, teache
     try:
         cfg = load_run_config(None, _distill(model_dir, teacher_dir, f"teacher.servers=[{server.url}]"))
         with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-            (scorer,) = start_scorers(cfg, scheduler)
+            (scorer,) = start_scorers(cfg, scheduler, None)  # no judge: the actor's tokenizer goes unused
             assert scheduler.processes == []
             assert [s.address for s in scorer.pool.snapshot()] == [server.url]
             trajectory = _episode([7, 8, 9, 10], 2)

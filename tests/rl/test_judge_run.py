@@ -73,12 +73,12 @@ def test_launched_judge_servers_take_the_judge_keys(tmp_path, judge):
         "judge.request_deadline_s=41", "judge.call_timeout_s=6", "judge.mode=add", "judge.max_new_tokens=1",
         "judge.parser=tests.rl.test_judge_run:length_of",
         "judge.template='Say yes or no. Answer: {completion} Question: {prompt} Truth: {answer}'"])
+    tok = transformers.AutoTokenizer.from_pretrained(base)
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-        (scorer,) = start_scorers(cfg, scheduler)
+        (scorer,) = start_scorers(cfg, scheduler, tok)
         assert_scoring_servers(scheduler, "judge", model, "the-judge-key", embedding=False)
         assert (scorer.client.config.deadline_s, scorer.client.config.call_timeout_s) == (41.0, 6.0)
         assert scorer.fleet.min_servers == 2
-        tok = transformers.AutoTokenizer.from_pretrained(base)
         item, t, _ = trajectories(tok, 1, seed=5)[0]
         message = tok.decode(scorer.judge_ids(t, item), skip_special_tokens=True)
         answer = tok.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m], skip_special_tokens=True)

@@ -79,7 +79,7 @@ def test_launched_reward_servers_take_the_reward_model_keys(tmp_path, model_dir,
                                  "reward_model.request_deadline_s=41", "reward_model.call_timeout_s=6",
                                  "reward_model.mode=add"])
     with LocalScheduler(tmp_path / "run", env=CHILD_ENV, grace_s=10) as scheduler:
-        (scorer,) = start_scorers(cfg, scheduler)
+        (scorer,) = start_scorers(cfg, scheduler, None)  # no judge: the actor's tokenizer goes unused
         assert_scoring_servers(scheduler, "reward_model", rm, "the-rm-key", embedding=True)
         assert (scorer.client.config.deadline_s, scorer.client.config.call_timeout_s) == (41.0, 6.0)
         assert scorer.mode == "add" and scorer.fleet.min_servers == 2
