@@ -48,6 +48,9 @@ class Execution:
     reason: str | None
     seconds: float
     cpu_seconds: float | None = None  # the whole tree's, where cgroup v1 cpuacct is mounted
+    # From the program's start (its namespaces made) to its end: what the wall limit bounds.
+    # `seconds` adds the sandbox's setup, which a busy host can stretch. None: never started.
+    program_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,6 +113,7 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
         if proc.returncode is None:
             tree.kill()
             code = _wait(proc, None)
+        ended = time.monotonic()
         os.close(info_r)
         # The program is its namespace's init: its death took the tree with it. The sweep
         # catches anything that got out of the namespace's reach regardless.
@@ -120,6 +124,7 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     seconds = time.monotonic() - start
+    ran = None if clock.started is None else round(ended - clock.started, 4)
     cpu = group.cpu_seconds() if group is not None else None
     try:
         status, reason = _classify(limits, stopped, code, stderr, group, deadline)
@@ -127,7 +132,7 @@ def execute(program: str | Path, stdin: bytes | None, limits: SandboxConfig, too
         if group is not None:
             group.remove()
     return Execution(status, code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"),
-                     reason, round(seconds, 4), None if cpu is None else round(cpu, 4))
+                     reason, round(seconds, 4), None if cpu is None else round(cpu, 4), ran)
 
 
 def _memfd(name: str, data: bytes) -> int:

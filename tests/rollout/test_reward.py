@@ -208,8 +208,8 @@ def test_close_while_scoring_is_final_and_quick():
     runner = RewardRunner(max_workers=1, timeout_s=30)
 
     async def main():
-        call = asyncio.ensure_future(runner.ascore(rewards.slow_reward, "p", "c", [1], [2]))
-        await asyncio.sleep(1.0)  # the worker is inside the 3 s reward now
+        call = asyncio.ensure_future(runner.ascore(rewards.sleepy_reward, "p", "c", [1], [2]))
+        await asyncio.sleep(1.0)  # the worker is inside the reward, 29 s from its timeout
         start = time.monotonic()
         await asyncio.to_thread(runner.close)
         closed_in = time.monotonic() - start
@@ -221,7 +221,10 @@ def test_close_while_scoring_is_final_and_quick():
 
     closed_in = run(main())
     print(f"closed with a reward running in {closed_in:.2f}s")
-    assert closed_in < 2.0
+    # Killed after the 1 s grace, not waited for (29 s more). Kill and reap take ~0.1 s here; the
+    # margin is a loaded host's (2.75 s in all in a suite run at ae0f097, when the reward was 3 s
+    # long and ending by itself 2 s after the close began could not be told from a kill).
+    assert closed_in < runner.grace_s + 4.0
     assert runner._pool is None  # nothing resurrected after close
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tandem.sandbox import cgroups, run
+from tandem.sandbox.execution import SETUP_S
 from tests.sandbox.conftest import UID_BASE, limits, sandbox_processes
 
 pytestmark = pytest.mark.usefixtures("nothing_left")
@@ -36,9 +37,8 @@ def test_fork_bomb_is_stopped_at_the_process_limit(pool):
             if child and os.getpid() == main:
                 forks += 1
     """)
-    started = time.monotonic()
     result = pool.run(program)
-    assert time.monotonic() - started < pool.config.wall_s + 2
+    assert result.program_seconds < pool.config.wall_s + 2, result
     forks = int(result.stdout.split()[0])
     assert 0 < forks < pool.config.processes, result  # the main process's own children, at most
     if cgroups.available():
@@ -55,7 +55,11 @@ def test_a_busy_loop_is_killed_at_the_cpu_limit():
     assert result.reason == "CPU time limit rollout.sandbox.cpu_s=1.0 s reached"
     assert result.exit_code == 128 + 9  # RLIMIT_CPU's SIGKILL
     if result.cpu_seconds is not None:
-        assert 0.9 <= result.cpu_seconds < 2.5, result
+        # RLIMIT_CPU counts the kernel's tick-sampled CPU time; cpuacct.usage the scheduler's exact
+        # runtime. On a contended host a busy loop is charged whole ticks it shared, so the kill
+        # comes below 1.0 s exact: 0.885 in a suite run at ae0f097, 0.80 here under 12 processes
+        # running 0.1 ms bursts. Half the limit still tells an early kill by something else.
+        assert 0.5 <= result.cpu_seconds < 2.5, result
 
 
 def test_a_10_gb_allocation_fails_at_the_memory_limit(pool):
@@ -88,12 +92,11 @@ def test_processes_that_together_pass_the_memory_limit_are_killed(pool):
 
 
 def test_100_mb_of_stdout_is_cut_at_the_output_limit(pool):
-    started = time.monotonic()
     result = pool.run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\nprint('finished')\n")
     assert result.status == "output", result
     assert result.reason == "output passed rollout.sandbox.output_bytes=4096 bytes"
     assert result.stdout == "x" * 4096
-    assert time.monotonic() - started < pool.config.wall_s  # killed at the limit, not at the deadline
+    assert result.program_seconds < pool.config.wall_s, result  # killed at the limit, not at the deadline
 
 
 def test_a_socket_to_the_hosts_loopback_reaches_nothing(pool):
@@ -223,13 +226,14 @@ def test_killing_its_parent_or_a_host_process_of_its_uid_does_nothing():
 
 
 def test_sleeping_past_the_wall_limit_is_killed(pool):
-    started = time.monotonic()
     result = pool.run("import time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('woke')\n")
-    took = time.monotonic() - started
     assert result.status == "timeout", result
     assert result.reason == "wall-clock limit rollout.sandbox.wall_s=3.0 s reached"
     assert result.stdout == "sleeping\n" and result.exit_code == 128 + 9
-    assert pool.config.wall_s <= took < pool.config.wall_s + 2
+    # The wall limit counts from the program's start; the sandbox's setup before it (seconds on a
+    # busy host: 5 s once in a suite run at ae0f097) is bounded by SETUP_S, not by the wall limit.
+    assert pool.config.wall_s <= result.program_seconds < pool.config.wall_s + 2, result
+    assert result.seconds < pool.config.wall_s + SETUP_S, result
 
 
 def test_a_child_that_outlives_the_program_is_killed_with_it(pool):

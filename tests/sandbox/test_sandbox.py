@@ -120,10 +120,12 @@ def test_the_wall_limit_counts_from_the_programs_start(monkeypatch):
         result = run("print(42)", None, limits(bwrap=str(slow), wall_s=1.0))
         assert (result.status, result.stdout) == ("ok", "42\n"), result
         assert result.seconds >= 2.0
+        assert result.program_seconds is not None and result.program_seconds < 1.0, result  # the start's 2 s are not its
         monkeypatch.setattr(execution, "SETUP_S", 1.0)
         late = run("print(42)", None, limits(bwrap=str(slow), wall_s=5.0))
         assert (late.status, late.reason) == ("timeout", "the sandbox did not start the program within 1 s "
                                                          "(an overloaded host)"), late
+        assert late.program_seconds is None, late
     finally:
         shutil.rmtree(folder)
 
