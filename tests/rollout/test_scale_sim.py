@@ -1,0 +1,55 @@
+"""The control plane at 200 simulated servers (bench/_simfleet.py: real HTTP, one process): the
+real controller runs 800 episodes while 2 servers are killed and 2 stopped with requests on them.
+No episode is lost, every episode's tokens continue the fleet's chain across resubmissions, and
+each struck server is evicted within interval x threshold + 1 s (a stopped one: plus the probe's
+timeout, which is how long its last probe waits). bench/scale.py runs the same at 10-1,000."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.rollout.health import HealthConfig
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def scale(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # bench/scale.py imports its siblings by name
+    import scale as module
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    yield module
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for name in ("scale", "_simfleet", "_report"):
+        sys.modules.pop(name, None)
+
+
+def test_200_servers_lose_no_episode_and_struck_ones_are_evicted_in_bound(scale):
+    health = HealthConfig(interval_s=1.0, timeout_s=1.0, failure_threshold=3)
+    with scale.SimFleetProcesses(200) as fleet:
+        ctl = scale.controller(fleet.addresses, health, batch=800, concurrency=800)
+        try:
+            scale.wait_until(lambda: scale.healthy(ctl) == 200, 30, "200 servers healthy")
+            kills, stops = scale.struck(200)
+            out = scale.churn(fleet, ctl, 800, kills, stops, health)
+            states = {r["address"]: r["state"] for r in ctl.members()["servers"]}
+        finally:
+            ctl.shutdown()
+        counts, _ = fleet.counts()
+    print(f"\n{out}")
+    assert out["trajectories"] == 800 and out["lost"] == 0, out
+    assert out["chained"], out  # resubmitted episodes continue their own tokens
+    assert out["resubmitted"] >= 2, out  # the struck servers had requests in flight
+    assert counts["generate/abort"] == 0, counts  # nothing paused: every answer was whole
+    assert 0 < out["kill_evict_s"] <= out["kill_bound_s"] == 4.0, out
+    assert 0 < out["stop_evict_s"] <= out["stop_bound_s"] == 5.0, out
+    assert [states[fleet.addresses[i]] for i in kills] == ["evicted"] * len(kills)
+    assert sum(state == "healthy" for state in states.values()) >= 200 - len(kills) - len(stops)
