@@ -12,8 +12,8 @@ For each N, with the default health settings (a probe every 5 s, 3 failures evic
   weight update's control messages (pause, staged disk load, commit, continue: what a disk update
   sends; no tensors). Figures: requests/s the controller sustains (its ceiling: the servers
   answer at once), its CPU per 1,000 requests and per step, the update fan-out's time;
-- churn: servers that take 4 ms a token, 1% of them killed and 1% stopped while 4N episodes run;
-  each one's time to eviction (bound: interval x threshold + 1 s, plus the probe timeout for a
+- churn: servers that take 20 ms a token, 1% of them killed and 1% stopped while 4N episodes run
+  (each struck with requests in flight); each one's time to eviction (bound: interval x threshold + 1 s, plus the probe timeout for a
   stopped one), episodes lost (none may be), and every episode's tokens checked against the chain;
 - the controller's resident memory.
 
@@ -138,43 +138,47 @@ def steps(ctl: RolloutController, n_steps: int, batch: int, ranks: int) -> dict[
 
 
 def churn(fleet: SimFleetProcesses, ctl: RolloutController, episodes: int, kills: list[int], stops: list[int],
-          health: HealthConfig, tokens: int = 32) -> dict[str, Any]:
-    """`episodes` episodes on slow servers; after the first tokens, kill `kills` and stop `stops`
-    (indices into `fleet.addresses`). -> each one's seconds to eviction, the bound, episodes lost,
-    whether every episode's tokens follow the chain, and the trajectories' count."""
-    fleet.latency(ttft_ms=2.0, token_ms=4.0)
-    start_lost = ctl.step_metrics()["rollout/lost_total"]
+          health: HealthConfig, tokens: int = 32, token_ms: float = 20.0) -> dict[str, Any]:
+    """`episodes` episodes on slow servers; each server of `kills` is killed, and each of `stops`
+    stopped, as soon as it has requests in flight (indices into `fleet.addresses`). -> the longest
+    time from a strike to its server's eviction (kills, stops) and the bounds, episodes lost,
+    whether every episode's tokens follow the chain, the trajectories' count and resubmissions."""
+    fleet.latency(ttft_ms=2.0, token_ms=token_ms)
+    before = ctl.step_metrics()
     first = 10_000_000
     for i in range(episodes):
         ctl.submit(first + i, OneCall(tokens))
-    victims = kills + stops
-    wait_until(lambda: all(fleet.counts()[1][i] > 0 for i in victims), 60, "requests in flight on the servers to strike")
-    struck = time.monotonic()
-    for index in kills:
-        fleet.command("kill", index)
-    for index in stops:
-        fleet.command("stop", index)
+    pending = {i: "kill" for i in kills} | {i: "stop" for i in stops}
+    struck: dict[str, float] = {}
+
+    def strike_busy_ones() -> bool:
+        active = fleet.counts()[1]
+        for index in [i for i in pending if active[i] > 0]:
+            fleet.command(pending.pop(index), index)
+            struck[fleet.addresses[index]] = time.monotonic()
+        return not pending
+
+    wait_until(strike_busy_ones, 60, "requests in flight on each server to strike")
     evicted: dict[str, float] = {}
-    targets = {fleet.addresses[i] for i in kills + stops}
-    bound = health.interval_s * health.failure_threshold + health.timeout_s + 1.0
 
     def all_evicted() -> bool:
-        for address in targets - set(evicted):
+        for address in set(struck) - set(evicted):
             if ctl.fleet.membership.record(address).state is MemberState.EVICTED:
-                evicted[address] = time.monotonic() - struck
-        return len(evicted) == len(targets)
+                evicted[address] = time.monotonic() - struck[address]
+        return len(evicted) == len(struck)
 
+    bound = health.interval_s * health.failure_threshold + health.timeout_s + 1.0
     wait_until(all_evicted, bound + 30, "every struck server evicted")
     trajs = ctl.wait(episodes, timeout=300)
     for index in stops:
         fleet.command("cont", index)
+    after = ctl.step_metrics()
     chained = all(t.input_ids[1:] == chain(t.input_ids[0], len(t.input_ids) - 1) for t in trajs)
-    kill_s = [evicted[fleet.addresses[i]] for i in kills]
-    stop_s = [evicted[fleet.addresses[i]] for i in stops]
-    return {"trajectories": len(trajs), "lost": ctl.step_metrics()["rollout/lost_total"] - start_lost,
-            "chained": chained, "kill_evict_s": max(kill_s, default=0.0), "stop_evict_s": max(stop_s, default=0.0),
+    return {"trajectories": len(trajs), "lost": after["rollout/lost_total"] - before["rollout/lost_total"],
+            "chained": chained, "kill_evict_s": max((evicted[fleet.addresses[i]] for i in kills), default=0.0),
+            "stop_evict_s": max((evicted[fleet.addresses[i]] for i in stops), default=0.0),
             "kill_bound_s": health.interval_s * health.failure_threshold + 1.0, "stop_bound_s": bound,
-            "resubmitted": ctl.step_metrics()["rollout/resubmitted_total"]}
+            "resubmitted": after["rollout/resubmitted_total"] - before["rollout/resubmitted_total"]}
 
 
 def struck(n: int, seed: int = 0) -> tuple[list[int], list[int]]:

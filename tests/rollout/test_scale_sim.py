@@ -1,5 +1,6 @@
 """The control plane at 200 simulated servers (bench/_simfleet.py: real HTTP, one process): the
-real controller runs 800 episodes while 2 servers are killed and 2 stopped with requests on them.
+real controller runs 800 episodes (200 at a time, 20 ms a token) while 2 servers are killed and 2
+stopped with requests on them.
 No episode is lost, every episode's tokens continue the fleet's chain across resubmissions, and
 each struck server is evicted within interval x threshold + 1 s (a stopped one: plus the probe's
 timeout, which is how long its last probe waits). bench/scale.py runs the same at 10-1,000."""
@@ -33,9 +34,9 @@ def scale(monkeypatch):
 
 
 def test_200_servers_lose_no_episode_and_struck_ones_are_evicted_in_bound(scale):
-    health = HealthConfig(interval_s=1.0, timeout_s=1.0, failure_threshold=3)
+    health = HealthConfig(interval_s=1.0, timeout_s=0.5, failure_threshold=3)
     with scale.SimFleetProcesses(200) as fleet:
-        ctl = scale.controller(fleet.addresses, health, batch=800, concurrency=800)
+        ctl = scale.controller(fleet.addresses, health, batch=800, concurrency=200)
         try:
             scale.wait_until(lambda: scale.healthy(ctl) == 200, 30, "200 servers healthy")
             kills, stops = scale.struck(200)
@@ -50,6 +51,6 @@ def test_200_servers_lose_no_episode_and_struck_ones_are_evicted_in_bound(scale)
     assert out["resubmitted"] >= 2, out  # the struck servers had requests in flight
     assert counts["generate/abort"] == 0, counts  # nothing paused: every answer was whole
     assert 0 < out["kill_evict_s"] <= out["kill_bound_s"] == 4.0, out
-    assert 0 < out["stop_evict_s"] <= out["stop_bound_s"] == 5.0, out
+    assert 0 < out["stop_evict_s"] <= out["stop_bound_s"] == 4.5, out
     assert [states[fleet.addresses[i]] for i in kills] == ["evicted"] * len(kills)
     assert sum(state == "healthy" for state in states.values()) >= 200 - len(kills) - len(stops)
