@@ -87,6 +87,7 @@ class Membership:
         self._eviction_watchers: list[Callable[[str], None]] = []
         self._evicted_untold: list[str] = []  # evictions the eviction watchers have not heard of yet
         self._routable = self._healthy()
+        self._healthy_dirty = False  # a server entered or left HEALTHY since `_routable` was computed
 
     # -- reading ----------------------------------------------------------------------------------
     @property
@@ -278,6 +279,7 @@ class Membership:
 
     def _set(self, r: ServerRecord, state: MemberState) -> None:  # under the lock
         was_member, now_member = r.state in _MEMBER_STATES, state in _MEMBER_STATES
+        self._healthy_dirty |= (r.state is MemberState.HEALTHY) != (state is MemberState.HEALTHY)
         r.state, r.since = state, self._clock()
         self._members_dirty |= was_member != now_member
 
@@ -292,8 +294,13 @@ class Membership:
 
     def _notify(self) -> None:
         with self._lock:
-            current = self._healthy()
-            changed, self._routable = current != self._routable, current
+            # Recomputed only after a state change in or out of HEALTHY: a probe that changes
+            # nothing (nearly all of them) costs O(1), not a scan of the fleet.
+            current, changed = self._routable, False
+            if self._healthy_dirty:
+                self._healthy_dirty = False
+                current = self._healthy()
+                changed, self._routable = current != self._routable, current
             watchers = list(self._watchers) if changed else []
             evicted, self._evicted_untold = self._evicted_untold, []
             eviction_watchers = list(self._eviction_watchers) if evicted else []

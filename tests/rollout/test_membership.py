@@ -208,6 +208,29 @@ def test_watchers_hear_the_routable_set_when_it_changes(clock):
     assert heard == [[A, B], [B], [B, C]]
 
 
+def test_a_probe_that_changes_no_state_does_not_scan_the_fleet(clock, monkeypatch):
+    """Each probe's report rebuilt the healthy list (a scan of every record): O(N) per probe,
+    O(N^2) per health round, 1 s a round at 1,000 servers' worth of profile. Only a change in or
+    out of HEALTHY may cost a scan; watchers still hear every change of the list."""
+    addresses = [f"http://10.0.0.{i}:8000" for i in range(1, 201)]
+    m = Membership(addresses, MembershipConfig(3, 30.0), clock=clock)
+    heard = []
+    m.watch(heard.append)
+    scans = []
+    real = m._healthy
+    monkeypatch.setattr(m, "_healthy", lambda: scans.append(1) or real())
+    for _ in range(3):  # three health rounds, every server well
+        for a in addresses:
+            m.probe_ok(a, 0)
+    assert scans == [] and len(heard) == 1
+    m.probe_failed(addresses[5], "x")  # healthy -> suspect: the list changes
+    assert len(scans) == 1 and heard[-1] == addresses[:5] + addresses[6:]
+    m.probe_failed(addresses[5], "x")  # still suspect: no scan
+    assert len(scans) == 1
+    m.probe_ok(addresses[5], 0)  # back to healthy
+    assert len(scans) == 2 and heard[-1] == addresses and len(heard) == 3
+
+
 def test_eviction_watchers_hear_each_eviction_once_after_the_routable_set(clock):
     """The pool gives up the calls in flight to an evicted server from this hook: it must fire for
     a suspect evicted by its probes (the routable set does not change then), for `evict`, and for
