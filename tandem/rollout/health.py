@@ -89,13 +89,15 @@ class HealthMonitor:
 
     async def _probe(self, address: str) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            # No connection limit: aiohttp's default of 100 would queue a round's probes behind
+            # stopped servers' (each holding a slot for the timeout) once the fleet passes 100.
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
         what = f"GET {self.health_path}"
         timeout = self.config.timeout_s
         sent_at = self.membership.now()
         try:
-            async with self._session.get(address + self.health_path,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self._session.get(address + self.health_path) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     self.membership.probe_failed(address, f"{what}: HTTP {resp.status} {text[:200]}")

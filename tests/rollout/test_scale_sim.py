@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tandem.rollout.health import HealthConfig
+from tandem.rollout.membership import MemberState
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 pytestmark = pytest.mark.timeout(120)
@@ -54,3 +56,29 @@ def test_200_servers_lose_no_episode_and_struck_ones_are_evicted_in_bound(scale)
     assert 0 < out["stop_evict_s"] <= out["stop_bound_s"] == 4.5, out
     assert [states[fleet.addresses[i]] for i in kills] == ["evicted"] * len(kills)
     assert sum(state == "healthy" for state in states.values()) >= 200 - len(kills) - len(stops)
+
+
+def test_a_partition_of_400_servers_is_evicted_within_the_bound(scale):
+    """400 of 450 servers stop answering at once (a partition): they are evicted within interval x
+    threshold + timeout + 1 s, and the 50 that still answer stay. Behind aiohttp's default limit of
+    100 connections, the probes of the answering servers queued behind the stopped ones' and timed
+    out with them: healthy servers were evicted too."""
+    health = HealthConfig(interval_s=1.0, timeout_s=0.5, failure_threshold=3)
+    with scale.SimFleetProcesses(450) as fleet:
+        ctl = scale.controller(fleet.addresses, health, batch=8, concurrency=8)
+        try:
+            scale.wait_until(lambda: scale.healthy(ctl) == 450, 30, "450 servers healthy")
+            cut = fleet.addresses[:400]  # probed first in each round
+            for index in range(400):
+                fleet.command("stop", index)
+            struck = time.monotonic()
+            bound = health.interval_s * health.failure_threshold + health.timeout_s + 1.0
+            scale.wait_until(lambda: all(ctl.fleet.membership.record(a).state is MemberState.EVICTED
+                                         for a in cut), 30, "the partitioned servers evicted")
+            took = time.monotonic() - struck
+            healthy = scale.healthy(ctl)
+        finally:
+            ctl.shutdown()
+    print(f"\n400 stopped servers evicted {took:.2f}s after the partition (bound {bound:.1f}s)")
+    assert took <= bound, took
+    assert healthy == 50, healthy
