@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import resource
 import secrets
 import threading
 from collections.abc import Iterable, Sequence
@@ -57,6 +58,7 @@ class RolloutController:
             raise ConfigError("the rollout controller needs server addresses (rollout.servers); for a tandem "
                               "backend the launcher fills them in after starting the servers")
         self.config = config
+        _allow_open_files(len(config.servers), config.client_config().max_connections)
         self.secret = secret or secrets.token_urlsafe(32)
         self.join_token = secrets.token_urlsafe(32)  # for `tandem serve --join` and `tandem fleet` only
         self.pool = ServerPool(config.servers)
@@ -285,3 +287,19 @@ class RolloutController:
             if entry is None or entry[0] is not workflow:
                 entry = self._remote[id(workflow)] = (workflow, RemoteWorkflow(self.workers, workflow))
             return entry[1]
+
+
+def _allow_open_files(servers: int, client_connections: int) -> None:
+    """Raise this process's soft open-file limit toward the hard one when the fleet needs more than
+    it allows: a connection per server for probes and one for fleet operations, the client's
+    connections, and room for the rest. A soft limit of 1,024 (a common default) is spent by 500
+    servers, and the calls past it fail as if the servers were unreachable."""
+    needed = 2 * servers + min(client_connections, 4 * servers) + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning("%d servers need about %d open files; the hard limit is %d (raise it: ulimit -Hn, or "
+                       "LimitNOFILE in a systemd unit)", servers, needed, hard)

@@ -7,7 +7,9 @@ timeout, which is how long its last probe waits). bench/scale.py runs the same a
 
 from __future__ import annotations
 
+import json
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,3 +84,39 @@ def test_a_partition_of_400_servers_is_evicted_within_the_bound(scale):
     print(f"\n400 stopped servers evicted {took:.2f}s after the partition (bound {bound:.1f}s)")
     assert took <= bound, took
     assert healthy == 50, healthy
+
+
+CHILD = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+import scale
+from tandem.fleet import ops
+from tandem.rollout.health import HealthConfig
+
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (600, hard))  # below what 450 servers need
+with scale.SimFleetProcesses(450) as fleet:  # the fleet's process raises its own
+    ctl = scale.controller(fleet.addresses, HealthConfig(interval_s=3600), batch=8, concurrency=8)
+    try:
+        scale.wait_until(lambda: scale.healthy(ctl) == 450, 30, "450 servers healthy")
+        failures = []
+        for op, request in ((ops.PAUSE, ops.PauseGeneration()), (ops.CONTINUE, ops.ContinueGeneration())):
+            failures += [r.message for r in ctl.send(op, request).result(60).failures]
+    finally:
+        ctl.shutdown()
+print(json.dumps({"soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "failures": failures[:3],
+                  "failed": len(failures)}))
+"""
+
+
+def test_a_controller_under_a_low_open_file_limit_raises_it_for_a_large_fleet():
+    """A soft limit of 600 open files (1,024 is a common default) and 450 servers: a probe
+    connection and a fleet-operation connection each are 900. The controller raises its soft limit
+    toward the hard one; without that, the fan-outs past the limit failed as unreachable servers
+    ("Too many open files")."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(BENCH)], capture_output=True, text=True, timeout=120,
+                          cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failed"] == 0, out
+    assert out["soft"] > 600, out
