@@ -157,7 +157,12 @@ class FakeServer:
                     finish = "abort"
                     break
                 except TimeoutError:
-                    pass
+                    # wait_for yields once more while it cancels its inner wait: a pause can land
+                    # there, and the token made after it would carry the version set after the
+                    # pause (a suite run at 830c8af labelled a whole partial with version 1).
+                    if abort.is_set():
+                        finish = "abort"
+                        break
             last = scripted.pop(0) if scripted else next_token(last, cfg.vocab_size)
             entry.output_ids.append(last)
             entry.version = self.version
