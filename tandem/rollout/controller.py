@@ -58,12 +58,13 @@ class RolloutController:
             raise ConfigError("the rollout controller needs server addresses (rollout.servers); for a tandem "
                               "backend the launcher fills them in after starting the servers")
         self.config = config
-        _allow_open_files(len(config.servers), config.client_config().max_connections)
+        client_config = config.client_config(routed_expert_layout)
+        _allow_open_files(len(config.servers), client_config.max_connections)
         self.secret = secret or secrets.token_urlsafe(32)
         self.join_token = secrets.token_urlsafe(32)  # for `tandem serve --join` and `tandem fleet` only
         self.pool = ServerPool(config.servers)
         self.version = WeightVersion()  # the one copy of the version on the rollout side
-        self.client = InferenceClient(self.pool, config.client_config(routed_expert_layout), self.version)
+        self.client = InferenceClient(self.pool, client_config, self.version)
         self.adapter: ServerAdapter = self.client.adapter
         self.scorers = list(scorers)
         self.executor = WorkflowExecutor(self.client, config.executor_config(), scorers=self.scorers)
