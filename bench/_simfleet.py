@@ -3,7 +3,8 @@ lightweight servers in one process, each an aiohttp app on its own loopback port
 routes Tandem's controller uses (protocol.md): `/generate` (token ids in and out, logprobs, finish
 reasons, the weight version), `/pause_generation` (running requests answer `abort` with their
 partial output; new ones wait), `/continue_generation`, `/update_weight_version`,
-`/update_weights_from_disk` (staged: control only, no tensors move), `/commit_staged_weights`,
+`/update_weights_from_disk` (staged: control only, no tensors move), `/commit_staged_weights` (with
+`abort_all_requests`, running requests answer `abort` first, as a pause would),
 `/discard_staged_weights`, `/get_weight_version` and `/health`.
 
     python bench/_simfleet.py --servers N [--ttft-ms 0] [--token-ms 0] [--length uniform:1:64]
@@ -197,7 +198,11 @@ class SimServer:
     async def commit(self, request: web.Request) -> web.Response:
         if self.staged is None:
             return web.json_response({"success": False, "message": "nothing staged"}, status=400)
-        self.version, self.staged = int((await request.json())["weight_version"]), None
+        body = await request.json()
+        if body.get("abort_all_requests"):  # as a pause would, in the same step as the swap
+            self.abort.set()
+            self.abort = asyncio.Event()
+        self.version, self.staged = int(body["weight_version"]), None
         return self._ok()
 
     async def discard(self, request: web.Request) -> web.Response:

@@ -9,10 +9,11 @@ For each N, with the default health settings (a probe every 5 s, 3 failures evic
 - idle: the health monitor's CPU (its thread's, from /proc) and the whole process's over 15 s;
 - steps: `--steps` RL steps against instant servers, each a batch of max(512, 4N) one-call
   episodes, its split for R ranks (N=10: 8, 100: 64, 1000: 512; Karmarkar-Karp on tokens) and one
-  weight update's control messages (pause, staged disk load, commit, continue: what a disk update
-  sends to tandem servers; no tensors). Figures: requests/s the controller sustains (its ceiling:
-  the servers answer at once), its CPU per 1,000 requests (rollout only) and per step (all of it),
-  the split's time, the slowest of the update's four fan-outs and their sum (best step of the run);
+  disk weight update as a trainer runs it (`run_update`: the staged load, then the commit, which
+  aborts in-flight requests and announces the version; no tensors). Figures: requests/s the
+  controller sustains (its ceiling: the servers answer at once), its CPU per 1,000 requests
+  (rollout only) and per step (all of it), the split's time, the update's slower fan-out and the
+  whole update (best step of the run);
 - churn: servers that take 20 ms a token, 1% of them killed and 1% stopped while 4N episodes run
   (each struck with requests in flight); each one's time to eviction (bound: interval x threshold + 1 s, plus the probe timeout for a
   stopped one), episodes lost (none may be), and every episode's tokens checked against the chain;
@@ -29,6 +30,7 @@ import math
 import os
 import random
 import resource
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,12 +40,15 @@ from _report import append_benchmark
 from _simfleet import SimFleetProcesses, chain
 
 from tandem.data.batch import SequenceBatch
-from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.rl.dispatch import split_for_ranks
 from tandem.rollout import ModelRequest, RolloutConfig, RolloutController, RolloutWorkflow
 from tandem.rollout.health import HealthConfig
 from tandem.rollout.membership import MemberState
+from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.report import UpdateReport
+from tandem.weights.transports import DiskTransport, TransportOptions
+from tandem.weights.two_phase import run_update
 
 RANKS = {10: 8, 100: 64, 1000: 512}
 TICK = os.sysconf("SC_CLK_TCK")
@@ -104,29 +109,35 @@ def idle(ctl: RolloutController, window_s: float) -> dict[str, float]:
             "idle_core_pct": 100 * (time.process_time() - c0) / wall}
 
 
-def update_fanout(ctl: RolloutController, version: int) -> list[float]:
-    """One disk update's control messages to every server, in the two-phase order for tandem
-    servers with no verification (weights/two_phase.py): pause, staged load, commit (which
-    announces the version), continue. -> seconds for each of the four fan-outs."""
-    seconds = []
-    for op, request in ((ops.PAUSE, ops.PauseGeneration()),
-                        (ops.LOAD_DISK, ops.DiskLoad(path="/simulated", commit=False, version=version)),
-                        (ops.COMMIT, ops.CommitStaged(version=version, announce=True)),
-                        (ops.CONTINUE, ops.ContinueGeneration())):
-        start = time.monotonic()
-        result = ctl.send(op, request).result(120)
-        seconds.append(time.monotonic() - start)
-        if result.failures:
-            raise RuntimeError(f"{op.name} failed on {len(result.failures)} servers: {result.failures[:2]}")
-    return seconds
+class NoTensors:
+    """The weight source of a simulated update: the checkpoint is an empty directory (the simulated
+    servers load nothing; only the control messages are measured)."""
+
+    def save_hf(self, path: str | Path, overwrite: bool = False) -> Path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return Path(path)
 
 
-def steps(ctl: RolloutController, n_steps: int, batch: int, ranks: int) -> dict[str, float]:
+def weight_update(ctl: RolloutController, version: int, root: Path) -> dict[str, float]:
+    """One disk weight update as a trainer runs it (`tandem.weights.two_phase.run_update`, the
+    `DiskTransport`, no verification) through the controller to every server: for tandem servers,
+    the staged load, then the commit, which aborts in-flight requests, swaps and announces the
+    version (no pause, no continue). -> the whole update's seconds and each fan-out's."""
+    meta = WeightUpdateMeta(type="disk", path=str(root), version=version)
+    report = UpdateReport(version=version, type="disk")
+    start = time.monotonic()
+    failure = run_update(meta, DiskTransport(NoTensors(), ctl, 0, 1, TransportOptions()), ctl, 0, None, report)
+    if failure is not None:
+        raise RuntimeError(f"the update to version {version} failed: {failure}")
+    return {"update_s": time.monotonic() - start, "load_s": report.phases["load"], "commit_s": report.phases["commit"]}
+
+
+def steps(ctl: RolloutController, n_steps: int, batch: int, ranks: int, root: Path) -> dict[str, float]:
     """`n_steps` RL steps: a batch of one-call episodes, its split for `ranks`, one update's fan-out.
     CPU is this process's (the controller, its driver and its threads)."""
     rollout_s = rollout_cpu = step_cpu = 0.0
     dispatch_s: list[float] = []
-    fanouts: list[list[float]] = []
+    updates: list[dict[str, float]] = []
     item = 1
     for step in range(1, n_steps + 1):
         c0, w0 = time.process_time(), time.monotonic()
@@ -137,13 +148,14 @@ def steps(ctl: RolloutController, n_steps: int, batch: int, ranks: int) -> dict[
         d0 = time.monotonic()
         split_for_ranks(SequenceBatch.from_token_lists([t.input_ids for t in trajs]), ranks)
         dispatch_s.append(time.monotonic() - d0)
-        fanouts.append(update_fanout(ctl, step))
+        updates.append(weight_update(ctl, step, root))
         step_cpu += time.process_time() - c0
         if ctl.version.value != step:
             raise AssertionError(f"the commit announced version {step}, the controller holds {ctl.version.value}")
     return {"requests_per_s": n_steps * batch / rollout_s, "cpu_ms_per_1k": 1e6 * rollout_cpu / (n_steps * batch),
             "cpu_s_per_step": step_cpu / n_steps, "dispatch_ms": 1e3 * min(dispatch_s),
-            "fanout_s": min(max(f) for f in fanouts), "update_s": min(sum(f) for f in fanouts)}
+            "fanout_s": min(max(u["load_s"], u["commit_s"]) for u in updates),
+            "update_s": min(u["update_s"] for u in updates)}
 
 
 def churn(fleet: SimFleetProcesses, ctl: RolloutController, episodes: int, kills: list[int], stops: list[int],
@@ -206,7 +218,8 @@ def at_scale(n: int, n_steps: int, idle_s: float) -> dict[str, float]:
             wait_until(lambda: healthy(ctl) == n, 60, f"{n} servers healthy")
             row: dict[str, float] = {"servers": n, "ranks": RANKS.get(n, 8)}
             row.update(idle(ctl, idle_s))
-            row.update(steps(ctl, n_steps, batch, int(row["ranks"])))
+            with tempfile.TemporaryDirectory() as root:
+                row.update(steps(ctl, n_steps, batch, int(row["ranks"]), Path(root)))
             kills, stops = struck(n)
             out = churn(fleet, ctl, 4 * n, kills, stops, health)
             if out["lost"] or not out["chained"] or out["trajectories"] != 4 * n:
@@ -245,7 +258,7 @@ COLUMNS = [("servers", "servers", "{:.0f}"), ("ranks", "ranks", "{:.0f}"),
            ("probe_core_pct", "probes % core", "{:.2f}"), ("idle_core_pct", "idle % core", "{:.2f}"),
            ("requests_per_s", "req/s (ceiling)", "{:.0f}"), ("cpu_ms_per_1k", "CPU ms / 1k req", "{:.0f}"),
            ("cpu_s_per_step", "CPU s / step", "{:.2f}"), ("dispatch_ms", "dispatch ms", "{:.1f}"),
-           ("fanout_s", "one fan-out s", "{:.3f}"), ("update_s", "update's 4 fan-outs s", "{:.2f}"),
+           ("fanout_s", "one fan-out s", "{:.3f}"), ("update_s", "weight update s", "{:.2f}"),
            ("kill_evict_s", "kill → evicted s", "{:.1f}"),
            ("stop_evict_s", "stop → evicted s", "{:.1f}"), ("rss_mb", "RSS MB", "{:.0f}")]
 

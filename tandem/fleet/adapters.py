@@ -47,6 +47,11 @@ class Capabilities:
     # Staged transfers may run while the server generates (they never touch the weights it serves),
     # so an update pauses it only before the commit (tandem); else before the transfer.
     stage_while_generating: bool = False
+    # The commit aborts the in-flight requests and swaps the weights between the same two engine
+    # steps (tandem), so an update with nothing checked after its commit needs no pause: new
+    # requests run on the old weights until the swap, and no request spans it. Else the update
+    # pauses the servers around the swap.
+    commit_aborts: bool = False
 
     def missing_for(self, update_type: str) -> str | None:
         """What these servers lack for a weight update of `update_type` (disk, distributed, shm),
@@ -148,7 +153,8 @@ TANDEM_ROUTES: dict[str, Encoder] = {
     "stage_shm": _tandem_shm,
     "load_disk": lambda req, i: HttpCall("/update_weights_from_disk", {
         "model_path": req.path, **_staging(None, req.commit, req.version)}),
-    "commit": lambda req, i: HttpCall("/commit_staged_weights", {"weight_version": str(req.version)}),
+    "commit": lambda req, i: HttpCall("/commit_staged_weights", {"weight_version": str(req.version),
+                                                                 **({"abort_all_requests": True} if req.abort_all else {})}),
     "discard": lambda req, i: HttpCall("/discard_staged_weights", {}),
     "checksums": lambda req, i: HttpCall("/get_weights_checksum",
                                          {} if req.names is None else {"names": list(req.names)}),
@@ -177,6 +183,9 @@ class ServerAdapter:
         encode = self.routes.get(op.name)
         if encode is None:
             raise UnsupportedOperation(f"{self.kind} servers have no {op.name!r} operation")
+        if isinstance(request, ops.CommitStaged) and request.abort_all and not self.capabilities.commit_aborts:
+            raise UnsupportedOperation(f"{self.kind} servers do not abort in-flight requests at the commit; pause "
+                                       "them before it instead (CommitStaged.abort_all=False)")
         self.check(op, request)
         return encode(request, index)
 
@@ -320,7 +329,7 @@ class TandemAdapter(_SGLangProtocol):
     kind = "tandem"
     samples_per_call = True
     capabilities = Capabilities(staged_commit=True, distributed_update=True, flat_buckets=True, shared_memory=True,
-                                checksums=True, stage_while_generating=True,
+                                checksums=True, stage_while_generating=True, commit_aborts=True,
                                 adapter_updates=("disk", "distributed", "shm"))
     routes = TANDEM_ROUTES
 

@@ -159,10 +159,14 @@ class CommitStaged:
     """Swap in what was staged (it must be a full set), under `version`. `announce`: nothing is
     checked after it, so a controller takes the successful commit as the version's announcement
     too (what `SetVersion` does), and no `SetVersion` follows: one round trip less per update.
-    Only where the commit sets the servers' version (`Capabilities.commit_sets_version`)."""
+    Only where the commit sets the servers' version (`Capabilities.commit_sets_version`).
+    `abort_all`: in-flight requests are answered `abort` with their partial output in the same
+    step as the swap (what a pause before it would do), so no pause or continue is needed. Only
+    where the servers do both at once (`Capabilities.commit_aborts`)."""
 
     version: int
     announce: bool = False
+    abort_all: bool = False
 
 
 @dataclass(frozen=True)

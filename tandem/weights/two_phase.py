@@ -1,11 +1,15 @@
 """One weight update, two-phase, over any `Transport`:
 
     rank 0:     pause -> [open] -> stage -> commit -> [verify -> version] -> continue
+                (servers that abort at the commit, nothing verified:  [open] -> stage -> commit)
     all ranks:  prepare (disk: save)   stage (the export's collectives)
 
 Where the servers stage while they generate (`Capabilities.stage_while_generating`), the pause is
 sent first but waited for only before the commit: its round trip overlaps the transfer, and the
-servers generate meanwhile; what matters is that they are paused when the weights swap.
+servers generate meanwhile; what matters is that they are paused when the weights swap. Where,
+besides, nothing is checked after the commit and the servers abort their in-flight requests and
+swap in the same step (`Capabilities.commit_aborts`), there is no pause at all: the commit does
+what the pause and the continue did (`CommitStaged.abort_all`), two fan-outs less per update.
 
 Nothing changes on a server until the commit, which swaps weights and version together (and,
 with no verification after it, also announces the version: `CommitStaged.announce`); any
@@ -35,9 +39,16 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
     staged = fleet.capabilities.staged_commit
     # Nothing checked after the commit, and it sets the version: it announces the version too.
     announce = staged and verifier is None and fleet.capabilities.commit_sets_version
-    pause = fleet_call_later(fleet, ops.PAUSE, ops.PauseGeneration())
+    unpaused = announce and fleet.capabilities.commit_aborts  # the commit aborts and swaps in one step
+    pause = (lambda: None) if unpaused else fleet_call_later(fleet, ops.PAUSE, ops.PauseGeneration())
     early = staged and fleet.capabilities.stage_while_generating  # the pause is waited for at the commit
     failure = None if early else pause()
+
+    def resume() -> WeightSyncError | None:
+        """Continue the servers the pause stopped: after a failure too, they go on, on whichever
+        weights they hold now."""
+        return fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration()) if not unpaused and pause() is None else None
+
     try:
         if failure is None and verifier is not None:
             failure = failure_of("verify", verifier.prepare)
@@ -49,7 +60,8 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = failure or pause()
         if failure is None and staged:
             with timed(report, "commit"):
-                failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version, announce=announce))
+                failure = fleet_call(fleet, ops.COMMIT, ops.CommitStaged(meta.version, announce=announce,
+                                                                         abort_all=unpaused))
         if failure is None and verifier is not None:
             with timed(report, "verify"):
                 failure = failure_of("verify", verifier.check)
@@ -58,8 +70,7 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
             failure = fleet_call(fleet, ops.SET_VERSION, ops.SetVersion(meta.version))
     except BaseException:  # a local error (export, pack): still leave the fleet serving, then raise it
         _rollback(meta, transport, fleet, staged)
-        if pause() is None:
-            fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
+        resume()
         raise
     if failure is not None:
         _rollback(meta, transport, fleet, staged)
@@ -69,10 +80,8 @@ def run_update(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet | None
                                       failure.failures)
     else:
         transport.committed(meta)
-    if pause() is None:  # always, after a failure too: the servers go on, on whichever weights they hold now
-        resumed = fleet_call(fleet, ops.CONTINUE, ops.ContinueGeneration())
-        failure = failure or resumed
-    return failure
+    resumed = resume()  # always, after a failure too
+    return failure or resumed
 
 
 def _rollback(meta: WeightUpdateMeta, transport: Transport, fleet: Fleet, staged: bool) -> None:

@@ -97,6 +97,22 @@ def test_every_adapter_maps_or_refuses_every_operation(kind):
         assert adapter.request(ops.JOIN_GROUP, EXAMPLES["join_group"], 1).body["rank_offset"] == 2
 
 
+def test_a_commit_aborts_in_flight_requests_only_where_the_servers_can():
+    """tandem serve aborts its running requests and swaps in one engine step: `abort_all` becomes
+    its route's `abort_all_requests`. vLLM's worker extension commits without aborting: asked to,
+    it is refused naming the way (a pause before the commit), not sent a commit that would not."""
+    tandem = adapter_for("tandem")
+    assert tandem.capabilities.commit_aborts
+    assert tandem.request(ops.COMMIT, ops.CommitStaged(7, abort_all=True), 0).body == {
+        "weight_version": "7", "abort_all_requests": True}
+    assert tandem.request(ops.COMMIT, ops.CommitStaged(7), 0).body == {"weight_version": "7"}
+    vllm = adapter_for("vllm", vllm_extension=True)
+    assert not vllm.capabilities.commit_aborts and vllm.request(ops.COMMIT, ops.CommitStaged(7), 0)
+    with pytest.raises(UnsupportedOperation, match=r"vllm servers do not abort in-flight requests at the commit; "
+                                                   r"pause them before it"):
+        vllm.request(ops.COMMIT, ops.CommitStaged(7, abort_all=True), 0)
+
+
 class _Recorder(BaseHTTPRequestHandler):
     """Records every request (GET ones with an empty body) and answers like a tandem server that
     accepts everything."""

@@ -263,8 +263,13 @@ class FakeServer:
         return web.json_response({"success": True, "message": ""})
 
     async def _h_commit(self, request: web.Request) -> web.Response:
-        """tandem serve's commit with nothing to swap in here: it sets the version."""
-        self.version = int((await request.json())["weight_version"])
+        """tandem serve's commit with nothing to swap in here: it sets the version, first answering
+        the running requests `abort` when asked (`abort_all_requests`), as a pause would."""
+        body = await request.json()
+        if body.get("abort_all_requests"):
+            self._abort.set()
+            self._abort = asyncio.Event()
+        self.version = int(body["weight_version"])
         return web.json_response({"success": True, "message": ""})
 
     async def _h_update_version(self, request: web.Request) -> web.Response:

@@ -2,9 +2,10 @@
 
 - 200 RLVR episodes under staleness bound 1 while the controller bumps versions (pause -> set
   version -> continue): no trajectory older than the bound allows.
-- A real disk update fanned out by the controller in the middle of generation: trajectories whose
-  versions change inside the sequence, every token the greedy choice of the weights its version names
-  (recomputed with `load_model` on the old and new weights).
+- A real disk update in the middle of generation, fanned out by the controller (pause, load,
+  version, continue) or run as a trainer runs it (staged load, then a commit that aborts and swaps
+  at once): trajectories whose versions change inside the sequence, every token the greedy choice of
+  the weights its version names (recomputed with `load_model` on the old and new weights).
 - A spawned trainer worker drives pause / disk update / distributed update / destroy / set version /
   continue through `RolloutCallback`, the controller in between; the servers' weights change. While a
   fan-out waits 3 s (the servers wait for the group's rank 0), neither the controller process nor the
@@ -47,6 +48,9 @@ from tandem.rollout import (
 from tandem.rollout.health import HealthConfig
 from tandem.weights.group import WeightGroup
 from tandem.weights.meta import WeightUpdateMeta
+from tandem.weights.report import UpdateReport
+from tandem.weights.transports import DiskTransport, TransportOptions
+from tandem.weights.two_phase import run_update
 from tandem.weights.updater import WeightUpdater
 from tests.inference.conftest import make_model_dir, prompts
 from tests.inference.server_utils import ServerProcess, wait_for
@@ -164,10 +168,24 @@ def generated_tokens(server: ServerProcess) -> int:
     return server.ok("/get_server_info", method="GET")["engine_stats"]["generated_tokens"]
 
 
+class Saved:
+    """A weight source whose checkpoints are already on disk (the `weights` fixture's)."""
+
+    def save_hf(self, path: str | Path, overwrite: bool = False) -> Path:
+        return Path(path)
+
+
 @torch.no_grad()
-def test_weight_update_in_the_middle_of_generation(make_controller, servers, weights):
+@pytest.mark.parametrize("how", ["paused", "trainer"])
+def test_weight_update_in_the_middle_of_generation(make_controller, servers, weights, how):
+    """`paused`: the controller's fan-out of pause, disk load, version and continue. `trainer`: the
+    update as a trainer runs it (`run_update`, disk, unverified), which for tandem servers sends the
+    staged load and a commit that aborts the requests in flight and swaps in one engine step: no
+    pause and no continue. Either way every token is the greedy choice of the weights its version
+    names."""
     ctl = make_controller(max_concurrent_rollouts=16, consumer_batch_size=8, max_head_offpolicyness=1)
     weight_update(ctl, 0, disk_meta(weights, 0))  # known starting weights
+    models = {0: load_model(weights / "v00000000"), 1: load_model(weights / "v00000001")}
     batch = prompts([4, 7, 5, 9, 3, 6, 8, 5], seed=3)
     before = [generated_tokens(s) for s in servers]
     wf = Greedy(max_new_tokens=400)
@@ -176,10 +194,22 @@ def test_weight_update_in_the_middle_of_generation(make_controller, servers, wei
     # Every server is mid-generation (a few tokens per sequence, far from 400), then update.
     wait_for(lambda: all(generated_tokens(s) - b >= 16 for s, b in zip(servers, before, strict=True)),
              timeout=30, interval=0.01)
-    weight_update(ctl, 1, disk_meta(weights, 1))
+    if how == "paused":
+        weight_update(ctl, 1, disk_meta(weights, 1))
+    else:
+        sent, send = [], ctl.send
+        ctl.send = lambda op, request, targets=None: sent.append(request) or send(op, request, targets)
+        # A root of its own: after the commit the transport deletes the root's older versions.
+        root = weights / "trainer"
+        shutil.copytree(weights / "v00000001", root / "v00000001", dirs_exist_ok=True)
+        meta = disk_meta(root, 1)
+        transport = DiskTransport(Saved(), ctl, 0, 1, TransportOptions())
+        assert run_update(meta, transport, ctl, 0, None, UpdateReport(1, "disk")) is None
+        del ctl.send
+        assert [type(r) for r in sent] == [ops.DiskLoad, ops.CommitStaged], sent
+        assert sent[1] == ops.CommitStaged(1, announce=True, abort_all=True) and ctl.version.value == 1
     trajs = ctl.wait(8, timeout=90)
     assert sorted(t.input_ids[: len(p)] for t, p in zip(trajs, batch, strict=True)) == sorted(batch)
-    models = {0: load_model(weights / "v00000000"), 1: load_model(weights / "v00000001")}
     switched = changed = 0
     worst_gap = worst_logprob = 0.0
     for t in trajs:

@@ -308,7 +308,9 @@ def test_swap_weights_adopts_only_a_whole_marked_set(tmp_path):
 def test_an_unverified_commit_announces_the_version(server, model_dir):
     """With nothing checked after the commit (no verifier) and a commit that sets the version, the
     commit announces it (`CommitStaged.announce`) and no `set_version` call follows: one round trip
-    less per update. With a verifier, `set_version` comes after the checksums."""
+    less per update; and tandem serve aborting in-flight requests at its commit
+    (`CommitStaged.abort_all`), no pause and no continue either. With a verifier, the servers are
+    paused around the commit and `set_version` comes after the checksums."""
     server.ok("/_fault", {"clear": True})
     with HttpFleet([server.url], deadlines=FAST) as fleet:
         sent: list[tuple[str, object]] = []
@@ -322,12 +324,13 @@ def test_an_unverified_commit_announces_the_version(server, model_dir):
                 updater.update(version)
             names = [name for name, _ in sent]
             commit = next(request for name, request in sent if name == "commit")
-            assert commit == ops.CommitStaged(version, announce=not verify)
+            assert commit == ops.CommitStaged(version, announce=not verify, abort_all=not verify)
             if verify:  # (the verifier reads checksums before the transfer too)
                 after = names[names.index("commit"):]
                 assert after.index("checksums") < after.index("set_version") < after.index("continue_generation"), names
+                assert names.index("pause_generation") < names.index("commit"), names
             else:
-                assert "set_version" not in names and names.index("commit") < names.index("continue_generation")
+                assert not {"set_version", "pause_generation", "continue_generation"} & set(names), names
             assert version_of(server) == str(version)
 
 
@@ -335,14 +338,14 @@ def test_an_unverified_commit_announces_the_version(server, model_dir):
 @pytest.mark.parametrize("while_generating", [True, False])
 def test_the_pause_is_awaited_at_the_commit_where_servers_stage_while_generating(server, model_dir,
                                                                                   while_generating):
-    """tandem serve stages while it generates: the update sends the pause first and waits for it
-    only before the commit, so the transfer runs under the pause's round trip. Here the pause's
-    answer reaches the updater 0.3 s late: the buckets go out before it arrives, the commit after.
-    Without the capability nothing is sent before the pause is answered."""
+    """tandem serve stages while it generates: an update that pauses (here: servers whose commit
+    does not abort) sends the pause first and waits for it only before the commit, so the transfer
+    runs under the pause's round trip. Here the pause's answer reaches the updater 0.3 s late: the
+    buckets go out before it arrives, the commit after. Without the capability nothing is sent
+    before the pause is answered."""
     server.ok("/_fault", {"clear": True})
     with HttpFleet([server.url], deadlines=FAST) as fleet:
-        if not while_generating:
-            fleet.adapter = _PauseFirst()
+        fleet.adapter = _Pausing() if while_generating else _PauseFirst()
         events: list[str] = []
         real = fleet.send
 
@@ -370,8 +373,12 @@ def test_the_pause_is_awaited_at_the_commit_where_servers_stage_while_generating
         assert (staged < answered) == while_generating, events
 
 
+class _Pausing(TandemAdapter):
+    capabilities = dataclasses.replace(TandemAdapter.capabilities, commit_aborts=False)
+
+
 class _PauseFirst(TandemAdapter):
-    capabilities = dataclasses.replace(TandemAdapter.capabilities, stage_while_generating=False)
+    capabilities = dataclasses.replace(TandemAdapter.capabilities, stage_while_generating=False, commit_aborts=False)
 
 
 @pytest.mark.slow

@@ -399,9 +399,14 @@ class WeightReceiver:
             staged = await asyncio.to_thread(stage)
         except WeightUpdateError as exc:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
-        if abort_all:
-            await self.engine_loop.abort(abort_all=True)
-        adopted = await self.engine_loop.call(lambda e: e.swap_staged(staged, weight_version=version))
+        def swap(engine: LLMEngine) -> bool:
+            # One engine command: no step runs between the abort and the swap, so no request
+            # admitted meanwhile carries a prefix computed by the old weights onto the new ones.
+            if abort_all:
+                engine.abort(None, abort_all=True)
+            return engine.swap_staged(staged, weight_version=version)
+
+        adopted = await self.engine_loop.call(swap)
         if lora_alpha is not None:
             merger.served(tensors)
         return adopted
