@@ -11,7 +11,6 @@ elastic: `topology()` names every address as a member and nothing warms."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import threading
@@ -147,67 +146,52 @@ class HttpFleet:
 
     async def _post(self, op: ops.FleetOp, address: str, call: Any, timeout: float, count: int,
                     spoiled: asyncio.Future[str] | None) -> ServerResult:
-        """The call to one server, given up when the server is abandoned (`count`: the address's
-        abandon count when the call was sent) or, for a collective, when another member spoils it
-        (`spoiled`); logged when slow. Runs in the fan-out's task for this server, which a give-up
-        cancels: no second task and no `asyncio.wait` per call (a fan-out to 1,000 servers spent a
-        third of its time there)."""
-        task = asyncio.current_task()
-        assert task is not None
-        why: list[str] = []  # [the abandonment's reason] or [the spoiler's message], once given up
-        live = True
-
-        def give_up(kind: str, fut: asyncio.Future[str]) -> None:
-            if live and not why:
-                why.extend((kind, fut.result()))
-                task.cancel()
-
+        """The call to one server, raced against its abandonment (`count`: the address's abandon
+        count when the call was sent) and, for a collective, against another member's (`spoiled`);
+        logged when slow."""
         waiter: asyncio.Future[str] = self._loop.create_future()
-        waiter.add_done_callback(functools.partial(give_up, "abandoned"))
-        if spoiled is not None:
-            spoiled.add_done_callback(functools.partial(give_up, "spoiled"))
         self._waiting.setdefault(address, set()).add(waiter)
         with self._abandon_lock:
-            now, reason = self._abandoned.get(address, (0, ""))
+            now, why = self._abandoned.get(address, (0, ""))
         if now != count:  # abandoned between the send and here
-            waiter.set_result(reason)
+            waiter.set_result(why)
+        request = asyncio.ensure_future(self._request(op, address, call, timeout))
+        racing = {request, waiter} if spoiled is None else {request, waiter, spoiled}
         start = time.monotonic()
-        slow = self._loop.call_later(self.slow_call_s, lambda: logger.warning(
-            "%s on %s: no answer yet after %.0fs (its deadline is %.0fs)", op.name, address, self.slow_call_s, timeout))
         try:
-            try:
-                result = await self._request(op, address, call, timeout)
-            except asyncio.CancelledError:
-                if not why or task.cancelling() > 1:
-                    raise  # cancelled from outside (the loop shuts down): not (only) a give-up
-                task.uncancel()
-                waited = time.monotonic() - start
-                kind, message = why
-                if kind == "abandoned":
-                    result = ServerResult(address, False, f"given up after {waited:.1f}s: {message}", no_answer=True)
-                    if spoiled is not None and not spoiled.done():
-                        spoiled.set_result(f"{address} was given up ({message}), and {op.name} cannot complete "
-                                           "without it")
-                else:  # answered or not, this server's part is spoiled: it is not to blame (it may answer)
-                    result = ServerResult(address, False, f"given up after {waited:.1f}s: {message}")
-            else:
+            done, _ = await asyncio.wait(racing, timeout=self.slow_call_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                logger.warning("%s on %s: no answer yet after %.0fs (its deadline is %.0fs)", op.name, address,
+                               self.slow_call_s, timeout)
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            waited = time.monotonic() - start
+            if request.done():
+                result = request.result()
                 if result.no_answer and spoiled is not None and not spoiled.done():
                     # Unreachable (its process died as the call went out, before its eviction could
                     # give it up): out of the collective as surely, and the others would wait for it.
                     spoiled.set_result(f"{address} failed ({result.message}), and {op.name} cannot complete "
                                        "without it")
-            if time.monotonic() - start >= self.slow_call_s:
+            elif waiter.done():
+                result = ServerResult(address, False, f"given up after {waited:.1f}s: {waiter.result()}",
+                                      no_answer=True)
+                if spoiled is not None and not spoiled.done():
+                    spoiled.set_result(f"{address} was given up ({waiter.result()}), and {op.name} cannot "
+                                       "complete without it")
+            else:  # answered or not, this server's part is spoiled: it is not to blame (it may answer)
+                result = ServerResult(address, False, f"given up after {waited:.1f}s: {spoiled.result()}")
+            if not done:
                 logger.warning("%s on %s ended after %.1fs: %s", op.name, address, time.monotonic() - start,
                                "ok" if result.success else result.message)
             return result
         finally:
-            live = False
-            slow.cancel()
             waiters = self._waiting.get(address)
             if waiters is not None:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiting[address]
+            if not request.done():
+                request.cancel()
 
     async def _request(self, op: ops.FleetOp, address: str, call: Any, timeout: float) -> ServerResult:
         if self._session is None:
