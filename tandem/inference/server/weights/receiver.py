@@ -399,6 +399,7 @@ class WeightReceiver:
             staged = await asyncio.to_thread(stage)
         except WeightUpdateError as exc:
             raise ControlError(f"{exc}; the previous weights keep serving") from exc
+
         def swap(engine: LLMEngine) -> bool:
             # One engine command: no step runs between the abort and the swap, so no request
             # admitted meanwhile carries a prefix computed by the old weights onto the new ones.
