@@ -1,7 +1,7 @@
 """`HttpFleet`: the `Fleet` interface straight to a fixed list of server addresses over HTTP.
 
 Every operation fans out to its targets (default: every address) at once from one background
-event-loop thread (aiohttp, kept-alive connections) through the servers' `ServerAdapter`, and
+event-loop thread (`ControlClient`, kept-alive connections) through the servers' `ServerAdapter`, and
 collects one `ServerResult` per server: its answer, unreachable, no answer within the
 operation's deadline, or given up (`abandon(address, why)`: an owner that evicted the server stops
 waiting on it at once). A call still unanswered after `SLOW_CALL_S` is logged once, and again when
@@ -19,11 +19,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import aiohttp
-
 from tandem.aio import new_event_loop
 from tandem.fleet import ops
 from tandem.fleet.adapters import Capabilities, ServerAdapter, TandemAdapter
+from tandem.fleet.control_http import ControlClient, Unreachable
 from tandem.fleet.interface import Topology
 from tandem.fleet.ranks import group_ranks
 from tandem.fleet.results import FleetError, FleetResult, ServerResult
@@ -56,7 +55,7 @@ class HttpFleet:
         self._deadlines = deadlines or ops.Deadlines()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = new_event_loop()
-        self._session: aiohttp.ClientSession | None = None
+        self._client: ControlClient | None = None  # made on the loop thread, at the first call
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-fleet", daemon=True)
         self._thread.start()
         self._closed = False
@@ -194,32 +193,31 @@ class HttpFleet:
                 request.cancel()
 
     async def _request(self, op: ops.FleetOp, address: str, call: Any, timeout: float) -> ServerResult:
-        if self._session is None:
-            # No per-host limit: calls fan out. `tandem serve` sets TCP_NODELAY on accepted sockets.
-            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0))
+        if self._client is None:
+            self._client = ControlClient(self._headers)
         try:
-            async with self._session.request(call.method, address + call.path,
-                                             json=call.body if call.method == "POST" else None,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                text = await resp.text()
-                try:
-                    data = json.loads(text) if text else None
-                except ValueError:
-                    data = None
-                answer = self.adapter.answer(op, resp.status, data, text)
-                return ServerResult(address, answer.success, answer.message, answer.value)
+            reply = await self._client.request(call.method, address, call.path,
+                                               json.dumps(call.body).encode() if call.method == "POST" else None,
+                                               timeout=timeout)
         except TimeoutError:
             return ServerResult(address, False, f"no answer within {timeout:.1f}s", no_answer=True)
-        except aiohttp.ClientError as exc:
-            return ServerResult(address, False, f"unreachable: {type(exc).__name__}: {exc}", no_answer=True)
+        except Unreachable as exc:
+            return ServerResult(address, False, f"unreachable: {exc}", no_answer=True)
+        text = reply.text()
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = None
+        answer = self.adapter.answer(op, reply.status, data, text)
+        return ServerResult(address, answer.success, answer.message, answer.value)
 
     def close(self) -> None:
         if self._closed:
             return
 
         async def shutdown() -> None:
-            if self._session is not None:
-                await self._session.close()
+            if self._client is not None:
+                self._client.close()
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._closed = True

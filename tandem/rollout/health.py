@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from tandem.aio import new_event_loop
 from tandem.config.fields import config_field as _f
+from tandem.fleet.control_http import ControlClient, Unreachable
 from tandem.fleet.generation import parse_version
 from tandem.rollout.membership import Membership
 
@@ -41,7 +41,7 @@ class HealthMonitor:
         self._loop = new_event_loop()
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: ControlClient | None = None  # made on the monitor's loop, at its first probe
 
     def start(self) -> None:
         if self._thread is not None:
@@ -62,7 +62,7 @@ class HealthMonitor:
                 self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
         else:
-            self._loop.run_until_complete(self._close_session())
+            self._loop.run_until_complete(self._close_client())
         if not self._loop.is_closed() and not (self._thread and self._thread.is_alive()):
             self._loop.close()
 
@@ -76,7 +76,7 @@ class HealthMonitor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), max(0.0, left))
         finally:
-            await self._close_session()
+            await self._close_client()
 
     async def _round(self) -> None:
         try:
@@ -88,37 +88,33 @@ class HealthMonitor:
             logger.exception("a health round failed")
 
     async def _probe(self, address: str) -> None:
-        if self._session is None:
-            # No connection limit: aiohttp's default of 100 would queue a round's probes behind
-            # stopped servers' (each holding a slot for the timeout) once the fleet passes 100.
-            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
+        if self._client is None:
+            self._client = ControlClient(self._headers)
         what = f"GET {self.health_path}"
         timeout = self.config.timeout_s
         sent_at = self.membership.now()
         try:
-            async with self._session.get(address + self.health_path) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    self.membership.probe_failed(address, f"{what}: HTTP {resp.status} {text[:200]}")
-                    return
-                self.membership.probe_ok(address, _version_in(text), sent_at)
+            reply = await self._client.request("GET", address, self.health_path, timeout=timeout)
         except TimeoutError:
             self.membership.probe_failed(address, f"{what}: no answer within {timeout:g}s")
-        except aiohttp.ClientError as exc:
-            self.membership.probe_failed(address, f"{what}: unreachable: {type(exc).__name__}: {exc}")
+            return
+        except Unreachable as exc:
+            self.membership.probe_failed(address, f"{what}: unreachable: {exc}")
+            return
+        if reply.status != 200:
+            self.membership.probe_failed(address, f"{what}: HTTP {reply.status} {reply.text()[:200]}")
+            return
+        self.membership.probe_ok(address, _version_in(reply.body), sent_at)
 
-    async def _close_session(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    async def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
-def _version_in(text: str) -> int | None:
-    import json
-
+def _version_in(data: bytes) -> int | None:
     try:
-        body: Any = json.loads(text) if text else None
+        body: Any = json.loads(data) if data else None
     except ValueError:
         return None
     if not isinstance(body, dict) or body.get("weight_version") is None:
