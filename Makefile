@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: test test-deps lint install clean demo moe agent ppo lora code distill reward-model vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
+.PHONY: test test-deps lint install clean browser-deps demo moe agent ppo lora code distill reward-model vllm-venv slurm-deps cxx-deps sandbox-deps kernels review gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ lint: $(STAMP)
 # The project's venv, vLLM's venv and Debian's Slurm install side by side: each mostly waits on
 # downloads and unpacking.
 test-deps:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps sandbox-deps
+	@$(MAKE) --no-print-directory -j3 $(STAMP) vllm-venv slurm-deps cxx-deps sandbox-deps browser-deps
 	@$(MAKE) --no-print-directory kernels
 
 test: test-deps lint
@@ -46,6 +46,21 @@ slurm-deps:
 	    ) > .slurm-install.log 2>&1 \
 	 || { echo "apt-get install slurm-wlm munge failed (see .slurm-install.log): $$(tail -n 2 .slurm-install.log | tr '\n' ' ')" > $(SLURM_FAILED); \
 	      cat $(SLURM_FAILED); }
+
+# Debian's Chromium, which the dashboard's browser tests drive through Playwright (tests/dashboard/,
+# Playwright comes with the dev extra; its own browser download is not used). Installed when
+# missing; where that is impossible the reason goes to $(BROWSER_FAILED) and those tests skip
+# printing it.
+BROWSER_FAILED := .browser.failed
+browser-deps:
+	@rm -f $(BROWSER_FAILED)
+	@command -v chromium >/dev/null \
+	 || ( export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get $(APT_WAIT) install -y -q chromium \
+	      || { apt-get $(APT_WAIT) update -q && apt-get $(APT_WAIT) install -y -q chromium; } \
+	    ) > .browser-install.log 2>&1 \
+	 || { echo "apt-get install chromium failed (see .browser-install.log): $$(tail -n 2 .browser-install.log | tr '\n' ' ')" > $(BROWSER_FAILED); \
+	      cat $(BROWSER_FAILED); }
 
 # g++ and ninja build Tandem's CPU kernels (tandem/inference/csrc, built on a server's first start);
 # tcmalloc is the allocator `tandem serve` preloads (tandem/launch/allocator.py). Installed when

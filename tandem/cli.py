@@ -194,6 +194,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="a JSON list of objects with keys address, pid, state, "
                                                        "version, in_flight, tokens_served, last_error")
     p.set_defaults(func=_cmd_fleet)
+
+    p = sub.add_parser("dashboard", help="a live web page of a run (running or finished): fleet, step timeline, "
+                                         "staleness, curves, trajectories (docs/dashboard.md)")
+    p.add_argument("run_dir", help="the run directory (experiment.fileroot/experiment.name/experiment.trial)")
+    p.add_argument("--port", type=int, default=8265, help="the port to serve on (default 8265)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to bind (default loopback; another exposes the run to that network)")
+    p.set_defaults(func=_cmd_dashboard)
     return parser
 
 
@@ -469,6 +477,13 @@ def _cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 
 FLEET_KEYS = ("address", "pid", "state", "version", "in_flight", "tokens_served", "last_error")
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from tandem.dashboard.app import serve  # FastAPI: under a second
+
+    serve(args.run_dir, host=args.host, port=args.port)
+    return 0
 
 
 def _cmd_fleet(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from tandem.algo.config import RECIPES, AlgoConfig, PPOConfig, recipe
 from tandem.config.alloc import parse_allocation_of_kind
 from tandem.config.fields import config_field as _f
 from tandem.config.loader import load_config
+from tandem.dashboard.record import DashboardConfig
 from tandem.data.tasks import TaskError, available_tasks, get_task
 from tandem.errors import ConfigError
 from tandem.launch import vllm
@@ -279,6 +280,7 @@ class TandemConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     recover: RecoverConfig = field(default_factory=RecoverConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

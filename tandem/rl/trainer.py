@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.loader import to_yaml
+from tandem.dashboard.record import RunRecorder
 from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
 from tandem.fleet.interface import call
@@ -42,6 +43,7 @@ from tandem.rl.metrics import MetricsLogger
 from tandem.rl.models import start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
+from tandem.rl.recording import record_step, run_recorder
 from tandem.rl.scorers import check_scorers, start_scorers
 from tandem.rl.trial import TrialPlan, plan_trial
 from tandem.rollout.controller import RolloutController
@@ -204,6 +206,7 @@ class Run:
         self.loader = CursorLoader(task.data.train, cursor=frontier.next_index, skip=frontier.resolved)
         self.eval_agent = task_agent(task.data.task, task.tokenizer, cfg.gen.max_new_tokens)
         summary.time_split = {"generation": 0.0, "train": 0.0, "sync": 0.0}
+        self.recorder: RunRecorder | None = None
 
     def __enter__(self) -> Run:
         with self._stack as stack:
@@ -239,6 +242,8 @@ class Run:
         stack.enter_context(controller_file(plan.run_dir, ControllerFile(
             self.controller.callback_address(), self.controller.join_token, servers.api_key, os.getpid())))
         stack.enter_context(contextlib.closing(self.task.workflow))
+        self.recorder = stack.enter_context(run_recorder(cfg, plan.run_dir, self.task.tokenizer, self.controller.members,
+                                                         servers.api_key, plan.start_step if plan.resume_from else None))
         self.trainer.init_weight_update(meta, self.controller.callback(), verify=cfg.train.verify_weights)
         if plan.resume_from is not None:
             self._resume(plan.resume_from, plan.start_step)
@@ -283,6 +288,8 @@ class Run:
         trajs = controller.prepare_batch(self.loader, self.task.workflow)
         t1 = time.monotonic()
         batch, stats = build_training_batch(trajs, cfg.algo, version=step)
+        if self.recorder is not None:  # before the update: the trainer scores at the step's weights
+            stats["time/dashboard"] = record_step(self.recorder, cfg, trainer, step + 1, step, trajs)
         stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
         if batch is None or len(batch) < dp:
             # Everything was filtered out (e.g. every group solved): no gradient this step, but the

@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 PENDING_ISSUE_26: frozenset[str] = frozenset()  # issue 26 landed: its keys are in the table
 
 T_VALIDATION = "tests/config/test_validation.py::test_refused_at_load_naming_the_key"
+T_DASHBOARD_KEPT = "tests/dashboard/test_run_keys.py::test_trajectories_per_step_and_trainer_logprobs_choose_what_is_kept_and_scored"
+T_VALIDATION_DASHBOARD = "tests/dashboard/test_run_keys.py::test_fleet_interval_s_sets_how_often_the_fleet_is_recorded"
 T_LOADER_CHOICES = "tests/config/test_loader.py::test_choices_and_minimum"
 T_TRIAL_DIR = "tests/rl/test_trial.py::test_a_fresh_trial_starts_at_zero"
 T_OPTIMIZER = "tests/train/test_engine_config_keys.py::test_optimizer_keys_change_the_updates"
@@ -356,6 +358,11 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
                           T_E2E_STALENESS),
     "stats.plot": (T_E2E_ASYNC, T_E2E_STALENESS),
     "stats.wandb_project": ("tests/rl/test_run_keys.py::test_wandb_project_sends_the_metrics_there",),
+    "dashboard.enabled": ("tests/dashboard/test_run_keys.py::test_enabled_records_the_run_and_off_writes_nothing",),
+    "dashboard.trajectories_per_step": (T_DASHBOARD_KEPT, T_VALIDATION_DASHBOARD),
+    "dashboard.trainer_logprobs": (T_DASHBOARD_KEPT, "tests/dashboard/test_browser.py::test_a_live_run_in_the_browser"),
+    "dashboard.fleet_interval_s": (T_VALIDATION_DASHBOARD,
+                                   "tests/dashboard/test_browser.py::test_a_live_run_in_the_browser"),
     # --- recover, cluster
     "recover.mode": ("tests/rl/test_trial.py::test_recover_modes",),
     "recover.retries": ("tests/rl/test_recovery.py::test_retries_relaunch_a_job_whose_trainer_rank_died",),
