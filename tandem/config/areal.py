@@ -497,6 +497,8 @@ def _dataset_path(key: str, value: Any, facts: _Facts) -> list[Mapped | Unmapped
 
 
 def _wandb_mode(key: str, value: Any, facts: _Facts) -> list[Mapped | Unmapped]:
+    if facts.keys.get("stats_logger.wandb.project"):  # Tandem's stats.wandb_mode needs the project
+        return _to("stats.wandb_mode", {m: m for m in ("online", "offline", "disabled")})(key, value, facts)
     if value == "disabled":
         return [Unmapped(key, value, "Tandem logs to W&B only with stats.wandb_project set (unset: off, as here)")]
     return [Unmapped(key, value, "Tandem logs to W&B when stats.wandb_project is set (see stats_logger.wandb.project)")]

@@ -238,7 +238,38 @@ class StatsConfig:
     progress: bool = _f(True, "Show a progress bar.")
     tensorboard: bool = _f(True, "Write TensorBoard event files to the run directory.")
     plot: bool = _f(True, "Write plot.png (reward, accuracy, mismatch, time split) at the end.")
-    wandb_project: str | None = _f(None, "Log to this Weights & Biases project (needs `wandb` installed).")
+    wandb_project: str | None = _f(None, "Log to this Weights & Biases project (needs `wandb` installed): the config, "
+                                         "every step's metrics, plot.png and summary.txt as an artifact.")
+    wandb_mode: str = _f("online", "W&B mode with wandb_project: online (uploads as it runs), offline (files in the "
+                                   "run directory's wandb/, uploaded later by `wandb sync`) or disabled.",
+                         choices=("online", "offline", "disabled"))
+    mlflow_tracking_uri: str | None = _f(None, "Log to the MLflow tracking server or store at this URI (needs "
+                                               "`mlflow-skinny` or `mlflow` installed): the config as params, every "
+                                               "step's metrics, plot.png and summary.txt as artifacts. E.g. "
+                                               "http://host:5000; a database store (sqlite:///mlflow.db) needs the "
+                                               "full `mlflow`, a file: store MLFLOW_ALLOW_FILE_STORE=true.")
+    mlflow_experiment: str | None = _f(None, "MLflow experiment of the run (made if missing); unset: "
+                                             "experiment.name.")
+
+    def check(self, prefix: str) -> None:
+        import importlib.util
+
+        if self.wandb_mode != StatsConfig.wandb_mode and not self.wandb_project:
+            raise ConfigError(f"{prefix}wandb_mode is set but does nothing in this run: it needs "
+                              f"{prefix}wandb_project. Set that, or remove {prefix}wandb_mode")
+        if self.mlflow_experiment and not self.mlflow_tracking_uri:
+            raise ConfigError(f"{prefix}mlflow_experiment is set but does nothing in this run: it needs "
+                              f"{prefix}mlflow_tracking_uri. Set that, or remove {prefix}mlflow_experiment")
+        for key in ("wandb_project", "mlflow_tracking_uri", "mlflow_experiment"):
+            value = getattr(self, key)  # empty: unset
+            if value and value != value.strip():
+                raise ConfigError(f"{prefix}{key}: {value!r} has surrounding spaces; remove them")
+        # The trackers are optional packages: missing ones are named before the run starts anything.
+        wanted = [("wandb_project", "wandb", "wandb"), ("mlflow_tracking_uri", "mlflow", "mlflow-skinny")]
+        for key, module, package in wanted:
+            if getattr(self, key) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"{prefix}{key} is set but {module} is not installed: pip install {package} "
+                                  "(or pip install 'tandem[trackers]')")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tandem.config.loader import to_yaml
 from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
@@ -25,6 +27,7 @@ from tandem.rl.dispatch import model_hidden_size, split_for_ranks
 from tandem.rl.evaluate import check_sandbox, evaluate, reward_function, reward_runner
 from tandem.rl.evaluate_agent import evaluate_agent, task_agent
 from tandem.rl.metrics import MetricsLogger
+from tandem.rl.trackers import start_trackers
 from tandem.rl.trial import run_dir_of
 from tandem.rollout.reward import RewardRunner
 
@@ -45,6 +48,7 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
     examples = CursorLoader([sft_example(item, tokenizer, data.task, cfg.task.system_prompt) for item in used])
     metrics = sft_metrics(cfg, run_dir)
     runner = reward_runner(cfg)
+    failed = True
     try:
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
                             processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs
@@ -63,9 +67,10 @@ def run_sft(cfg: SFTRunConfig) -> tuple[Path, dict[str, float]]:
             if data.eval:  # task.eval_size=0: no evaluation, so no server is started for one
                 result = _evaluate_saved(cfg, scheduler, out, data, tokenizer, runner)
                 metrics.log(cfg.sft.steps, result, phase="sft")
+        failed = False
     finally:
         runner.close()
-        metrics.close()
+        metrics.close(failed=failed)
     return out, result
 
 
@@ -79,9 +84,12 @@ def sft_outputs(cfg: SFTRunConfig) -> tuple[Path, Path]:
 
 
 def sft_metrics(cfg: SFTRunConfig, run_dir: Path) -> MetricsLogger:
-    """sft-metrics.jsonl (and sft-tensorboard/) in the run directory."""
+    """sft-metrics.jsonl (and sft-tensorboard/) in the run directory; the trackers `stats.*` asks
+    for get a run named `name/trial/sft` with the config and the same rows."""
+    trackers = start_trackers(cfg.stats, run_dir, name=f"{cfg.experiment.name}/{cfg.experiment.trial}/sft",
+                              experiment=cfg.experiment.name, config=yaml.safe_load(to_yaml(cfg)))
     return MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
-                         tensorboard_dir="sft-tensorboard")
+                         tensorboard_dir="sft-tensorboard", trackers=trackers)
 
 
 def _evaluate_saved(cfg: SFTRunConfig, scheduler: ProcessScheduler, out: Path, data: TaskData, tokenizer: Any,

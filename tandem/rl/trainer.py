@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tandem.config.loader import to_yaml
 from tandem.dashboard.record import RunRecorder
 from tandem.fleet import ops
@@ -45,6 +47,7 @@ from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
 from tandem.rl.recording import record_step, run_recorder
 from tandem.rl.scorers import check_scorers, start_scorers
+from tandem.rl.trackers import start_trackers
 from tandem.rl.trial import TrialPlan, plan_trial
 from tandem.rollout.controller import RolloutController
 from tandem.rollout.reward import RewardFn, RewardRunner
@@ -122,10 +125,12 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     plan.prepare()
     run_dir = plan.run_dir
     attach_run_log(run_dir)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    config_yaml = to_yaml(cfg)
+    (run_dir / "config.yaml").write_text(config_yaml)
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
     runner = reward_runner(cfg)
     metrics: MetricsLogger | None = None
+    trained = False
     try:
         logger.info("loading the tokenizer and the %s task (%d train / %d eval items)", cfg.task.name,
                     cfg.task.train_size, cfg.task.eval_size)
@@ -134,9 +139,10 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         reward_fn = reward_function(cfg, data.task)
         workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         task = RunTask(data, tokenizer, reward_fn, runner, workflow)
+        trackers = start_trackers(cfg.stats, run_dir, name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
+                                  experiment=cfg.experiment.name, config=yaml.safe_load(config_yaml))
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
-                                tensorboard=cfg.stats.tensorboard, wandb_project=cfg.stats.wandb_project,
-                                run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}")
+                                tensorboard=cfg.stats.tensorboard, trackers=trackers)
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
                             processes=run_processes(cfg)) as scheduler:  # logs: run_dir/logs
             try:
@@ -144,16 +150,21 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
             except Exception:
                 scheduler.log_exits()  # a role that died says so, with its log
                 raise
+        trained = True
     except KeyboardInterrupt:
         raise RunInterrupted(_resume_hint(cfg, run_dir, summary.end_step)) from None
     finally:
         runner.close()
-        if metrics is not None:
-            metrics.close()
-    summary.seconds = time.monotonic() - start_time
-    if cfg.stats.plot:
-        plot_run(metrics.path, run_dir / "plot.png", title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
-    (run_dir / "summary.txt").write_text(summary.describe() + "\n")
+        if metrics is not None and not trained:
+            metrics.close(failed=True)
+    outputs = [run_dir / "plot.png", run_dir / "summary.txt"]
+    try:
+        summary.seconds = time.monotonic() - start_time
+        if cfg.stats.plot:
+            plot_run(metrics.path, outputs[0], title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
+        outputs[1].write_text(summary.describe() + "\n")
+    finally:  # the trackers get the plot and the summary as artifacts
+        metrics.close(artifacts=outputs)
     return summary
 
 

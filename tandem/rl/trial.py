@@ -19,7 +19,8 @@ from tandem.errors import ConfigError
 from tandem.rl.checkpoints import CHECKPOINTS, LoopState, latest_checkpoint, read_loop_state
 from tandem.rl.config import TandemConfig
 
-# What `tandem train` writes into a trial (everything but logs/); overwrite removes exactly these.
+# What `tandem train` writes into a trial (everything but logs/ and W&B's wandb/, which holds every launch's
+# runs, tandem sft's too, until synced); overwrite removes exactly these.
 RL_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.txt", "plot.png", "tensorboard", CHECKPOINTS, "weights")
 
 

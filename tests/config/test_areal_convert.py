@@ -186,7 +186,7 @@ EVERY_RULE = {
     "train_dataset": {"path": "openai/gsm8k", "batch_size": 4},
     "recover": {"mode": "auto", "retries": 1, "freq_steps": 10},
     "evaluator": {"freq_steps": 5},
-    "stats_logger": {"wandb": {"mode": "online", "project": "p"}},
+    "stats_logger": {"wandb": {"mode": "offline", "project": "p"}},
 }
 
 
@@ -198,7 +198,8 @@ def test_every_rule_writes_a_tandem_key(tmp_path):
     assert set(leaves(EVERY_RULE)) <= listed(conversion)
     cfg = loads(conversion, tmp_path)
     assert (cfg.algo.name, cfg.algo.ppo.importance_level, cfg.train.weight_sync, cfg.algo.advantage.gamma, cfg.gen.top_k,
-            cfg.recover.mode, cfg.train.save_every) == ("gspo", "sequence", "disk", 0.99, 20, "auto", 10)
+            cfg.recover.mode, cfg.train.save_every, cfg.stats.wandb_project, cfg.stats.wandb_mode) == (
+        "gspo", "sequence", "disk", 0.99, 20, "auto", 10, "p", "offline")
 
 
 def test_hydra_overrides_and_interpolations(tmp_path):

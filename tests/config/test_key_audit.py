@@ -60,6 +60,10 @@ T_BATCH = "tests/algo/test_config_keys.py::test_the_key_changes_the_training_bat
 T_LOSS = "tests/algo/test_config_keys.py::test_the_key_changes_the_policy_loss"
 T_E2E_STALENESS = "tests/rl/test_train_e2e.py::test_staleness_zero_gives_ratio_one_and_no_mismatch"
 T_E2E_ASYNC = "tests/rl/test_train_e2e.py::test_the_default_asynchronous_loop_keeps_its_bound_and_learns"
+T_TRACKERS_E2E = "tests/rl/test_trackers.py::test_a_run_reaches_wandb_offline_and_mlflow"
+T_TRACKERS_SFT = "tests/rl/test_trackers.py::test_sft_rows_reach_both_trackers"
+T_TRACKERS_REFUSED = "tests/rl/test_trackers.py::test_bad_tracker_settings_are_refused_naming_the_key"
+T_TRACKERS_MISSING = "tests/rl/test_trackers.py::test_a_tracker_that_is_not_installed_is_named_with_how_to_install_it"
 T_TRAINING_BATCH_TEACHER = "tests/rl/test_training_batch.py"
 T_TEACHER_REFUSED = "tests/rl/test_distill.py::test_teacher_settings_are_refused_naming_the_key"
 T_TEACHER_TOKENIZER = "tests/rl/test_distill.py::test_a_teacher_with_another_tokenizer_is_refused_naming_both"
@@ -357,7 +361,11 @@ KEY_TESTS: dict[str, tuple[str, ...]] = {
     "stats.tensorboard": ("tests/rl/test_run_keys.py::test_tensorboard_writes_event_files_only_when_asked", T_E2E_ASYNC,
                           T_E2E_STALENESS),
     "stats.plot": (T_E2E_ASYNC, T_E2E_STALENESS),
-    "stats.wandb_project": ("tests/rl/test_run_keys.py::test_wandb_project_sends_the_metrics_there",),
+    "stats.wandb_project": (T_TRACKERS_E2E, T_TRACKERS_SFT, T_TRACKERS_MISSING),
+    "stats.wandb_mode": (T_TRACKERS_E2E, T_TRACKERS_REFUSED),
+    "stats.mlflow_tracking_uri": (T_TRACKERS_E2E, T_TRACKERS_SFT, T_TRACKERS_MISSING,
+                                  "tests/rl/test_trackers.py::test_a_uri_mlflow_refuses_is_named"),
+    "stats.mlflow_experiment": (T_TRACKERS_E2E, T_TRACKERS_SFT, T_TRACKERS_REFUSED),
     "dashboard.enabled": ("tests/dashboard/test_run_keys.py::test_enabled_records_the_run_and_off_writes_nothing",),
     "dashboard.trajectories_per_step": (T_DASHBOARD_KEPT, T_VALIDATION_DASHBOARD),
     "dashboard.trainer_logprobs": (T_DASHBOARD_KEPT, "tests/dashboard/test_browser.py::test_a_live_run_in_the_browser"),

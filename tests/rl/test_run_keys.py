@@ -1,13 +1,12 @@
 """Run-level keys that `tandem train` hands to its parts, loaded through the run config and shown
 on what those parts build: the task data (`tandem.rl.data.load_task_data`), the weight update of
 the run (`tandem.rl.trainer.weight_update_meta`), the sampling parameters of the workflow
-(`tandem.rl.trainer.workflow_for`) and the metrics logger's W&B run. What the parts then do
-with the values is tested with the parts (the transports, the sampler, the executor)."""
+(`tandem.rl.trainer.workflow_for`) and the metrics logger's event files (its W&B and MLflow runs:
+tests/rl/test_trackers.py). What the parts then do with the values is tested with the parts (the
+transports, the sampler, the executor)."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -107,36 +106,6 @@ def test_generation_keys_are_the_workflows_sampling(tokenizer):
     fields = ("temperature", "top_p", "top_k", "max_new_tokens")
     assert [getattr(default.params, f) for f in fields] == [1.0, 1.0, -1, 16] and default.n_samples == 4
     assert [getattr(configured.params, f) for f in fields] == [0.5, 0.9, 7, 11] and configured.n_samples == 3
-
-
-def test_wandb_project_sends_the_metrics_there(tmp_path, monkeypatch):
-    """Catches `stats.wandb_project` not starting a W&B run (wandb is stood in for by a module that
-    records what it is asked: no network), and the message naming the key when wandb is missing."""
-    calls: list[tuple] = []
-
-    class Run:
-        def log(self, values, step):
-            calls.append(("log", values, step))
-
-        def finish(self):
-            calls.append(("finish",))
-
-    stub = types.ModuleType("wandb")
-    stub.init = lambda **kw: calls.append(("init", kw)) or Run()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "wandb", stub)
-    cfg = load_run_config(None, ["stats.wandb_project=tandem-tests"])
-    logger = MetricsLogger(tmp_path, tensorboard=False, wandb_project=cfg.stats.wandb_project, run_name="e/t")
-    logger.log(1, {"reward/mean": 0.5})
-    logger.close()
-    assert calls == [("init", {"project": "tandem-tests", "name": "e/t", "config": None}),
-                     ("log", {"rl/reward/mean": 0.5}, 1), ("finish",)]
-    (tmp_path / "none").mkdir()
-    MetricsLogger(tmp_path / "none", tensorboard=False, wandb_project=load_run_config(None).stats.wandb_project).close()
-    assert len(calls) == 3  # no project: no W&B run
-    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
-    (tmp_path / "missing").mkdir()
-    with pytest.raises(RuntimeError, match=r"stats\.wandb_project is set but wandb is not installed"):
-        MetricsLogger(tmp_path / "missing", tensorboard=False, wandb_project="tandem-tests")
 
 
 def test_tensorboard_writes_event_files_only_when_asked(tmp_path):
