@@ -4,7 +4,8 @@ Routes: `/` the page (`static/`), `/api/run`, `/api/metrics?since=N`, `/api/step
 `/api/fleet?events=N`, `/api/trajectories?step&min_reward&max_reward&staleness&offset&limit`,
 `/api/trajectory?step&i`, and `/api/events`, server-sent events: `change` whenever a file the page
 shows changed (polled every `poll_s`; each stream ends after `stream_s`, and the browser's
-EventSource reconnects). When the run wrote a key (`dashboard/key`), every route wants it: as
+EventSource reconnects). When the run wrote a key (`dashboard/key`, read at every request), every
+route wants it: as
 `Authorization: Bearer KEY`, or the cookie `GET /?key=KEY` sets (the URL `tandem dashboard`
 prints). See docs/dashboard.md.
 """
@@ -30,10 +31,10 @@ DENIED = ("this run's dashboard needs its key: open the URL `tandem dashboard RU
 
 def create_app(store: RunStore, *, poll_s: float = 0.5, stream_s: float = 300.0) -> FastAPI:
     app = FastAPI(title="tandem dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    key = store.key()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
+        key = store.key()  # read each time: a run that just started writes it after the page started
         if key is None:
             return await call_next(request)
         given = request.headers.get("authorization", "")

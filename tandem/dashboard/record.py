@@ -7,8 +7,8 @@
 - `fleet-steps.jsonl`: at each step's end, how many servers were in each state and at each weight
   version, and the requests in flight and tokens served over all of them, the fleet's history;
 - `steps.jsonl`: per step, the staleness histogram of every trajectory trained on (trainer version
-  minus the oldest version among its generated tokens), reward mean, how many were sampled, and
-  the seconds the recording took;
+  minus the oldest version among its generated tokens), reward mean, how many were kept, and the
+  seconds the writing took (`write_s`);
 - `trajectories/step-NNNNNN.jsonl.gz`: a sample of the step's trajectories (at most
   `trajectories_per_step`, drawn with a generator seeded by the step), each with its tokens as
   text pieces, loss mask, per-token weight version, behaviour logprob and (when the run scores
@@ -17,8 +17,8 @@
   `trajectories/index.jsonl`, one small row per sampled trajectory, for filtering.
 
 A resumed run keeps the rows of the steps up to the one it resumes at and drops the later ones,
-as `metrics.jsonl` does. Writing is synchronous and measured (`seconds` in `steps.jsonl`); the
-fleet is polled on a thread of its own. The files are the contract with `tandem.dashboard.store`.
+as `metrics.jsonl` does. A step's files are written by a thread of the recorder's own, off the
+training loop's path; the fleet is polled on another. The files are the contract with `tandem.dashboard.store`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import gzip
 import json
 import logging
 import os
+import queue
 import random
 import threading
 import time
@@ -53,9 +54,10 @@ class DashboardConfig:
                              "into RUN_DIR/dashboard.")
     trajectories_per_step: int = _f(16, "Trajectories of each step kept for the page's trajectory browser.", min=0)
     fleet_interval_s: float = _f(2.0, "Record the fleet's state this often (and at each step's end).", gt=0.0)
-    trainer_logprobs: bool = _f(True, "Also score the kept trajectories on the trainer (one forward of those "
-                                      "sequences a step, before the update) for the page's per-token "
-                                      "|server - trainer| logprob difference.")
+    trainer_logprobs: bool = _f(False, "Also score the kept trajectories on the trainer (one more forward of "
+                                       "those sequences a step, before the update) for the page's per-token "
+                                       "|server - trainer| logprob difference: 7-13% of a step on CPU "
+                                       "(bench/dashboard.py).")
 
 
 def staleness(traj: Trajectory, version: int) -> int:
@@ -88,7 +90,9 @@ class RunRecorder:
         self._last: dict[str, tuple[Any, ...]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # polls the fleet
+        self._jobs: queue.Queue[tuple | None] = queue.Queue()
+        self._writer: threading.Thread | None = None  # writes the steps
 
     # -- the fleet ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,10 +149,34 @@ class RunRecorder:
         return sorted(random.Random(self._seed * 1_000_003 + step).sample(range(n), k))
 
     def record_step(self, step: int, version: int, trajs: Sequence[Trajectory], kept: Sequence[int],
-                    trainer_logprobs: Sequence[Sequence[float | None]] | None = None) -> float:
+                    trainer_logprobs: Sequence[Sequence[float | None]] | None = None) -> None:
         """Step `step`'s trajectories (trained at trainer version `version`), `kept` (from
         `sample`) written whole with, if given, each one's trainer logprobs (input alignment, None
-        where not scored); -> seconds spent."""
+        where not scored). Queued: the writer thread decodes and writes (`flush` waits for it), so
+        the caller pays for none of it. The trajectories must not change afterwards."""
+        self._jobs.put((step, version, list(trajs), list(kept), trainer_logprobs))
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="tandem-dashboard-writer", daemon=True)
+            self._writer.start()
+
+    def flush(self) -> None:
+        """Return once every step recorded so far is written."""
+        self._jobs.join()
+
+    def _write(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._write_step(*job)
+            except Exception:  # a full disk, say: the run goes on, the page misses this step
+                logger.exception("the dashboard could not record a step")
+            finally:
+                self._jobs.task_done()
+
+    def _write_step(self, step: int, version: int, trajs: list[Trajectory], kept: list[int],
+                    trainer_logprobs: Sequence[Sequence[float | None]] | None) -> None:
         began = time.perf_counter()
         stale = [staleness(t, version) for t in trajs]
         rows, index = [], []
@@ -163,15 +191,13 @@ class RunRecorder:
         with (self.root / "trajectories" / "index.jsonl").open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in index))
         rewards = [t.reward for t in trajs]
-        seconds = time.perf_counter() - began
         with (self.root / "steps.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), "version": version, "n": len(trajs),
                                 "staleness": {str(s): n for s, n in sorted(Counter(stale).items())},
                                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                                "sampled": len(kept), "seconds": seconds}) + "\n")
+                                "sampled": len(kept), "write_s": time.perf_counter() - began}) + "\n")
         self.step = step
         self.record_fleet(step_end=True)
-        return time.perf_counter() - began
 
     def _trajectory(self, step: int, version: int, i: int, t: Trajectory, stale: int,
                     trainer: Sequence[float | None] | None) -> dict[str, Any]:
@@ -184,6 +210,10 @@ class RunRecorder:
                 "trainer_logprobs": None if trainer is None else [None if x is None else round(x, 6) for x in trainer]}
 
     def close(self) -> None:
+        """Write what is queued, stop polling, and record the fleet a last time."""
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer.join(60)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)

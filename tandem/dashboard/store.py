@@ -61,9 +61,11 @@ class RunStore:
         self._cached_steps = cached_steps
 
     def key(self) -> str | None:
-        """The page's key (`dashboard/key`), or None when the run wrote none."""
-        path = self.root / KEY_FILE
-        return path.read_text().strip() if path.is_file() else None
+        """The page's key (`dashboard/key`), or None when the run wrote none (yet)."""
+        try:
+            return (self.root / KEY_FILE).read_text().strip() or None
+        except FileNotFoundError:
+            return None
 
     def run(self) -> dict[str, Any]:
         """The run's name, whether it is going (its controller file exists) and its summary."""

@@ -40,16 +40,20 @@ def run_recorder(cfg: TandemConfig, run_dir: Path, tokenizer: Any, members: Any,
 
 
 def record_step(recorder: RunRecorder, cfg: TandemConfig, trainer: Any, step: int, version: int,
-                trajs: Sequence[Trajectory]) -> float:
+                trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Step `step`'s trajectories recorded (the kept ones scored on `trainer`, the actor's
-    `TrainController`, at `version` when `dashboard.trainer_logprobs`); -> seconds spent."""
+    `TrainController`, at `version` when `dashboard.trainer_logprobs`; the files are written off
+    this thread); -> the seconds the training loop spent, scoring (`time/dashboard_score`) and in
+    all (`time/dashboard`)."""
     began = time.perf_counter()
     kept = recorder.sample(step, len(trajs))
-    scored = None
+    scored, scoring = None, 0.0
     if cfg.dashboard.trainer_logprobs and kept:
+        scoring = time.perf_counter()
         scored = trainer_logprobs(trainer, [trajs[i] for i in kept], cfg.gen.temperature)
+        scoring = time.perf_counter() - scoring
     recorder.record_step(step, version, trajs, kept, scored)
-    return time.perf_counter() - began
+    return {"time/dashboard": time.perf_counter() - began, "time/dashboard_score": scoring}
 
 
 def trainer_logprobs(trainer: Any, trajs: Sequence[Trajectory], temperature: float) -> list[list[float | None]]:

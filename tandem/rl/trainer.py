@@ -300,7 +300,7 @@ class Run:
         t1 = time.monotonic()
         batch, stats = build_training_batch(trajs, cfg.algo, version=step)
         if self.recorder is not None:  # before the update: the trainer scores at the step's weights
-            stats["time/dashboard"] = record_step(self.recorder, cfg, trainer, step + 1, step, trajs)
+            stats.update(record_step(self.recorder, cfg, trainer, step + 1, step, trajs))
         stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
         if batch is None or len(batch) < dp:
             # Everything was filtered out (e.g. every group solved): no gradient this step, but the

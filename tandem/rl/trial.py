@@ -21,7 +21,8 @@ from tandem.rl.config import TandemConfig
 
 # What `tandem train` writes into a trial (everything but logs/ and W&B's wandb/, which holds every launch's
 # runs, tandem sft's too, until synced); overwrite removes exactly these.
-RL_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.txt", "plot.png", "tensorboard", CHECKPOINTS, "weights")
+RL_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.txt", "plot.png", "tensorboard", "dashboard", CHECKPOINTS,
+              "weights")
 
 
 @dataclass(frozen=True)

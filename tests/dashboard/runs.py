@@ -51,7 +51,10 @@ def write_run(run_dir: Path, steps: int, per_step: int, servers: int = 4, key: s
             s["version"], s["tokens_served"] = version, s["tokens_served"] + 100
         if step == steps // 2:
             fleet["servers"][0].update(state="evicted", last_error="3 probes failed in a row")
-        seconds = rec.record_step(step, version, trajs, kept, scored)
+        began = time.perf_counter()
+        rec.record_step(step, version, trajs, kept, scored)
+        rec.flush()  # the fleet above changes at the next step: its step-end row is this one's
+        seconds = time.perf_counter() - began
         metrics.log(step, {"reward/mean": sum(t.reward for t in trajs) / len(trajs),
                            "train/loss": math.exp(-step / 200) + rng.gauss(0, 0.02), "ppo/approx_kl": 0.01,
                            "mismatch/mean": 0.002, "mismatch/max": 0.05, "time/generation": 1 + rng.random(),

@@ -123,3 +123,13 @@ def _an_outside_address() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+def test_a_key_the_run_writes_after_the_page_started_is_wanted_from_then_on(tmp_path):
+    run = tmp_path / "e2e" / "t"
+    (run / "dashboard").mkdir(parents=True)  # a run that has not written its key yet
+    with Dashboard(run) as dash:
+        assert dash.get("/api/run")[0] == 200
+        (run / "dashboard" / "key").write_text("late-key")
+        assert dash.get("/api/run")[0] == 401
+        assert dash.get("/api/run", {"Authorization": "Bearer late-key"})[0] == 200

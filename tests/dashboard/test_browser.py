@@ -71,7 +71,7 @@ def test_a_live_run_in_the_browser(tmp_path, model_dir, browser):
     (tmp_path / "reward.py").write_text(REWARD)
     cfg = write_config(tmp_path, model_dir, train={"total_steps": 8},
                        rollout={"dump_dir": str(dump), "health": HEALTH, "reward": f"{tmp_path / 'reward.py'}:score"},
-                       dashboard={"fleet_interval_s": FLEET_INTERVAL_S})
+                       dashboard={"fleet_interval_s": FLEET_INTERVAL_S, "trainer_logprobs": True})
     proc = subprocess.Popen([TANDEM, "train", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     run = run_dir(tmp_path)
@@ -131,6 +131,7 @@ def test_a_live_run_in_the_browser(tmp_path, model_dir, browser):
             page.wait_for_selector("#traj-detail .facts")
             shoot(page, tmp_path, "trajectory")
             shown_completion = page.text_content("#traj-detail pre.completion")
+            shown_tokens = page.eval_on_selector_all("#traj-detail .tokens span", "els => els.map(e => e.textContent)")
             shown_reward = float(page.inner_text("#traj-detail .reward"))
             titles = page.eval_on_selector_all("#traj-detail .call span[title]", "els => els.map(e => e.title)")
     finally:
@@ -145,11 +146,11 @@ def test_a_live_run_in_the_browser(tmp_path, model_dir, browser):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dumped = [json.loads(line) for f in sorted(dump.glob("*.jsonl")) for line in f.read_text().splitlines()]
-    matches = [t for t in dumped if tokenizer.decode([x for x, m in zip(t["input_ids"], t["loss_mask"],
-                                                                        strict=True) if m]) == shown_completion]
-    assert matches, f"no dumped trajectory has the completion the page shows: {shown_completion!r}"
-    assert all(t["reward"] == pytest.approx(shown_reward, abs=1e-3) for t in matches)
+    matches = [t for t in dumped if tokenizer.batch_decode([[x] for x in t["input_ids"]]) == shown_tokens]
+    assert matches, f"no dumped trajectory has the tokens the page shows: {shown_tokens!r}"
     completion_ids = [x for x, m in zip(matches[0]["input_ids"], matches[0]["loss_mask"], strict=True) if m]
+    assert tokenizer.decode(completion_ids) == shown_completion
+    assert all(t["reward"] == pytest.approx(shown_reward, abs=1e-3) for t in matches)
     assert shown_reward == pytest.approx(sum(completion_ids) % 7 / 7, abs=1e-3)  # the reward, by hand
 
     # The per-token trainer logprobs the page shows for step 1 (trained from version 0, the initial
@@ -174,7 +175,7 @@ def _transformers_logprobs(model_dir: Path, traj: dict) -> list[float]:
 
 def test_a_finished_run_of_1000_steps_and_100000_trajectories_loads_in_under_2_seconds(tmp_path, browser):
     began = time.monotonic()
-    run = write_run(tmp_path / "e2e" / "big", steps=1000, per_step=100, servers=64, key="k", completion_tokens=24)
+    run = write_run(tmp_path / "e2e" / "big", steps=1000, per_step=100, servers=64, key="k", completion_tokens=12)
     written = time.monotonic() - began
     with Dashboard(run) as dash:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -203,3 +204,34 @@ def test_a_finished_run_of_1000_steps_and_100000_trajectories_loads_in_under_2_s
     print(f"1,000 steps: written in {written:.1f} s, page loaded in {loaded:.2f} s, filtered in {filtered:.2f} s")
     assert loaded < 2.0, f"the 1,000-step page took {loaded:.2f} s to load"
     assert 0 < count < 100_000 and filtered < 2.0
+
+
+def test_an_agent_trajectory_shows_each_call_of_its_chain(tmp_path, browser):
+    """A trajectory of two model calls with a tool's output between them (loss mask 0 1 1 0 0 1 1 1):
+    the page shows the prompt, call 1, the context, call 2, each call's tokens coloured apart."""
+    from tandem.dashboard.record import DashboardConfig, RunRecorder
+    from tandem.data.trajectory import Trajectory
+
+    run = tmp_path / "e2e" / "agent"
+    words = {1: "Q", 2: "?", 10: " call", 11: "(x)", 20: " tool", 21: " says", 30: " so", 31: " the", 32: " end"}
+    rec = RunRecorder(run, DashboardConfig(trajectories_per_step=1),
+                      pieces=lambda ids: [words[i] for i in ids], text=lambda ids: "".join(words[i] for i in ids))
+    ids = [1, 2, 10, 11, 20, 21, 30, 31, 32]
+    mask = [0, 0, 1, 1, 0, 0, 1, 1, 1]
+    rec.record_step(1, 0, [Trajectory(ids, mask, [0.0, 0, -0.5, -0.4, 0, 0, -0.3, -0.2, -0.1],
+                                      [-1, -1, 0, 0, -1, -1, 0, 0, 0], reward=1.0, num_turns=2)], [0])
+    rec.close()
+    with Dashboard(run) as dash:
+        page = browser.new_page()
+        try:
+            page.goto(dash.url + "#trajectories")
+            page.wait_for_selector("#traj-list tbody tr")
+            page.click("#traj-list tbody tr")
+            page.wait_for_selector("#traj-detail .facts")
+            blocks = page.eval_on_selector_all("#traj-detail > div.call, #traj-detail > div.context",
+                                               "els => els.map(e => [e.className, e.querySelector('.muted').textContent,"
+                                               " e.querySelector('.tokens').textContent])")
+        finally:
+            page.close()
+    assert blocks == [["context", "prompt", "Q?"], ["call", "call 1", " call(x)"],
+                      ["context", "context (tool output, next turn)", " tool says"], ["call", "call 2", " so the end"]]

@@ -42,6 +42,7 @@ def test_a_step_is_recorded_whole_and_sampled_reproducibly(tmp_path):
     assert rec.sample(6, 6) != kept or rec.sample(7, 6) != kept  # the step seeds the draw
     scored = [[None, None, -0.25, -0.75], [None, None, -0.5, -0.5]]
     rec.record_step(5, 4, trajs, kept, scored)
+    rec.flush()
     step = json.loads((tmp_path / "dashboard/steps.jsonl").read_text())
     assert step["staleness"] == {"0": 3, "1": 3} and step["n"] == 6 and step["sampled"] == 2
     assert step["reward_mean"] == pytest.approx(2.5)
@@ -78,9 +79,11 @@ def test_a_resumed_run_keeps_the_steps_up_to_its_start_and_the_key_is_private(tm
     rec = recorder(tmp_path, key="k1")
     for step in (1, 2, 3):
         rec.record_step(step, step - 1, [traj(1.0, [0])], [0])
+    rec.close()
     resumed = recorder(tmp_path, resume_step=2)
     assert [json.loads(line)["step"] for line in (tmp_path / "dashboard/steps.jsonl").read_text().splitlines()] == [1, 2]
     resumed.record_step(3, 2, [traj(0.0, [2])], [0])
+    resumed.flush()
     store = RunStore(tmp_path)
     assert [r["step"] for r in store.steps()[0]] == [1, 2, 3]
     assert store.trajectory(3, 0)["reward"] == 0.0
@@ -106,6 +109,7 @@ def test_filters_and_missing_trajectories(tmp_path):
     rec = recorder(tmp_path, per_step=4)
     rec.record_step(1, 0, [traj(r, [0]) for r in (0.0, 1.0, 0.5, 1.0)], [0, 1, 2, 3])
     rec.record_step(2, 1, [traj(r, [0]) for r in (1.0, 0.0)], [0, 1])
+    rec.flush()
     store = RunStore(tmp_path)
     assert store.trajectories()["total"] == 6
     assert [(r["step"], r["i"]) for r in store.trajectories(min_reward=1.0)["rows"]] == [(2, 0), (1, 3), (1, 1)]
@@ -116,3 +120,26 @@ def test_filters_and_missing_trajectories(tmp_path):
         store.trajectory(2, 2)
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         RunStore(tmp_path / "missing")
+
+
+def test_a_step_is_written_off_the_callers_thread_and_a_failed_write_leaves_the_next_one(tmp_path, caplog):
+    import time
+
+    slow = []
+
+    def pieces(ids):
+        if not slow:
+            slow.append(1)
+            raise OSError("No space left on device")  # the first step's write fails
+        time.sleep(0.5)
+        return [str(i) for i in ids]
+
+    rec = RunRecorder(tmp_path, DashboardConfig(trajectories_per_step=1), pieces=pieces, text=str)
+    began = time.monotonic()
+    rec.record_step(1, 0, [traj(1.0, [0])], [0])
+    rec.record_step(2, 1, [traj(0.5, [1])], [0])
+    queued = time.monotonic() - began
+    rec.close()  # drains the queue
+    assert queued < 0.2, queued
+    assert "could not record a step" in caplog.text and "No space left" in caplog.text
+    assert [r["step"] for r in RunStore(tmp_path).steps()[0]] == [2]

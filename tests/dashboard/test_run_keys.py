@@ -65,7 +65,8 @@ def test_enabled_records_the_run_and_off_writes_nothing(tmp_path, model_dir):
 
 def test_trajectories_per_step_and_trainer_logprobs_choose_what_is_kept_and_scored(tmp_path, model_dir):
     scorer = Scorer()
-    run = run_one_step(tmp_path / "a", cfg_with(tmp_path, model_dir, trajectories_per_step=3), model_dir, scorer)
+    run = run_one_step(tmp_path / "a", cfg_with(tmp_path, model_dir, trajectories_per_step=3, trainer_logprobs="true"),
+                       model_dir, scorer)
     step = json.loads((run / "dashboard" / "steps.jsonl").read_text())
     assert step["sampled"] == 3 and step["n"] == 5
     assert len(scorer.scored) == 3  # three sequences over two ranks: one each, and one more on rank 0
@@ -75,7 +76,7 @@ def test_trajectories_per_step_and_trainer_logprobs_choose_what_is_kept_and_scor
         i = int(row["reward"])  # token t's logprob is the prediction at t - 1 (input alignment)
         assert row["trainer_logprobs"] == pytest.approx([None, None, -(7 + i) / 1000, -(8 + i) / 1000, -(9 + i) / 1000])
     unscored = Scorer()
-    run = run_one_step(tmp_path / "b", cfg_with(tmp_path, model_dir, trainer_logprobs="false"), model_dir, unscored)
+    run = run_one_step(tmp_path / "b", cfg_with(tmp_path, model_dir), model_dir, unscored)  # the default: off
     assert unscored.scored == []
     with gzip.open(run / "dashboard" / "trajectories" / "step-000001.jsonl.gz", "rt") as f:
         assert all(json.loads(line)["trainer_logprobs"] is None for line in f)

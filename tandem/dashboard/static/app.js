@@ -121,6 +121,15 @@ function renderFleet() {
   const seen = [...new Set(state.fleet.steps.flatMap((r) => Object.keys(r.states)))];
   $("#fleet-history").innerHTML = stackedBars(state.fleet.steps.map((r) => ({ step: r.step, values: seen.map((k) => r.states[k] || 0) })),
     seen.map((k) => [k, STATE_COLOURS[k] || "#888"]), 100);
+  const rows = state.fleet.steps;
+  const newest = (r) => Math.max(...Object.keys(r.versions).map(Number).filter((v) => !Number.isNaN(v)));
+  $("#fleet-curves").innerHTML = [
+    lineChart({ key: "fleet/in_flight", label: "requests in flight at a step's end" }, rows.map((r) => [r.step, r.in_flight])),
+    lineChart({ key: "fleet/tokens", label: "tokens served during the step" },
+      rows.slice(1).map((r, k) => [r.step, r.tokens_served - rows[k].tokens_served])),
+    lineChart({ key: "fleet/at_newest", label: "servers at the newest weight version" },
+      rows.map((r) => [r.step, r.versions[String(newest(r))] || 0])),
+  ].join("");
   $("#fleet-events-count").textContent = state.fleet.events_total > state.fleet.events.length
     ? `the last ${state.fleet.events.length} of ${state.fleet.events_total}` : "";
   $("#fleet-events tbody").innerHTML = [...state.fleet.events].reverse().map((e) =>
@@ -165,7 +174,8 @@ function tokenTitle(t, k) {
 async function showTrajectory(step, i) {
   const t = await get(`/api/trajectory?step=${step}&i=${i}`);
   state.picked = t;
-  const mode = state.colour || (t.trainer_logprobs ? "mismatch" : "version");
+  const mode = state.colour === "mismatch" && !t.trainer_logprobs ? "version"
+    : state.colour || (t.trainer_logprobs ? "mismatch" : "version");
   const segments = [];  // runs of equal mask: context (0) or a model call (1)
   t.mask.forEach((m, k) => {
     if (!segments.length || segments[segments.length - 1].mask !== m) segments.push({ mask: m, tokens: [] });
@@ -182,7 +192,8 @@ async function showTrajectory(step, i) {
   $("#traj-detail").innerHTML =
     `<div class="facts"><span>step <b>${t.step}</b></span><span>reward <b class="reward">${fmt(t.reward)}</b></span>` +
     `<span>staleness <b>${t.staleness}</b></span><span>turns <b>${t.turns}</b></span><span>finish <b>${esc(t.finish.join(", "))}</b></span>` +
-    `<label>colour by <select id="colour"><option value="mismatch">|server − trainer| logprob</option><option value="version">weight version</option><option value="logprob">server logprob</option></select></label></div>` +
+    `<label>colour by <select id="colour">${t.trainer_logprobs ? `<option value="mismatch">|server − trainer| logprob</option>` : ""}<option value="version">weight version</option><option value="logprob">server logprob</option></select></label>` +
+    (t.trainer_logprobs ? "" : `<span class="muted">trainer logprobs not recorded (dashboard.trainer_logprobs=true records them)</span>`) + `</div>` +
     html + `<details><summary>completion as text</summary><pre class="completion">${esc(t.completion)}</pre></details>`;
   $("#colour").value = mode;
   $("#colour").onchange = (e) => { state.colour = e.target.value; showTrajectory(step, i); };
