@@ -106,6 +106,7 @@ def test_a_live_run_in_the_browser(tmp_path, model_dir, browser):
             # Detection (probes: interval x threshold + 1 s; the launcher's watch is faster), then
             # the recorder's next poll and the page's next refresh (server-sent events, 0.5 s polls).
             bound = HEALTH["interval_s"] * HEALTH["failure_threshold"] + 1 + FLEET_INTERVAL_S + 1.5
+            print(f"the page showed the kill after {seen:.2f} s (bound {bound:.1f} s)")
             assert seen < bound, f"the page showed the kill after {seen:.1f} s (bound {bound:.1f} s)"
             shoot(page, tmp_path, "fleet")
             _, err = proc.communicate(timeout=400)
