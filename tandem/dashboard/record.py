@@ -18,7 +18,8 @@
 
 A resumed run keeps the rows of the steps up to the one it resumes at and drops the later ones,
 as `metrics.jsonl` does. A step's files are written by a thread of the recorder's own, off the
-training loop's path; the fleet is polled on another. The files are the contract with `tandem.dashboard.store`.
+training loop's path; the fleet is polled on another. The files are the contract with
+`tandem.dashboard.store`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class DashboardConfig:
     fleet_interval_s: float = _f(2.0, "Record the fleet's state this often (and at each step's end).", gt=0.0)
     trainer_logprobs: bool = _f(False, "Also score the kept trajectories on the trainer (one more forward of "
                                        "those sequences a step, before the update) for the page's per-token "
-                                       "|server - trainer| logprob difference: 7-13% of a step on CPU "
+                                       "|server - trainer| logprob difference: 6-13% of a step on CPU "
                                        "(bench/dashboard.py).")
 
 
@@ -68,11 +69,15 @@ def staleness(traj: Trajectory, version: int) -> int:
 
 
 class RunRecorder:
+    """One run's recorder: `start` polls the fleet, `sample` + `record_step` record each step,
+    `close` writes what is queued and the fleet a last time."""
+
     def __init__(self, run_dir: Path, config: DashboardConfig, *, pieces: Callable[[list[int]], list[str]],
-                 text: Callable[[list[int]], str], members: Callable[[], dict[str, Any]] | None = None, resume_step: int | None = None,
-                 key: str | None = None, seed: int = 0):
-        """`pieces`: token ids -> one text piece per id; `text`: token ids -> their text; `members`: the fleet now (the controller's
-        `members()`); `key`: the page's key, written to `dashboard/key` (0600)."""
+                 text: Callable[[list[int]], str], members: Callable[[], dict[str, Any]] | None = None,
+                 resume_step: int | None = None, key: str | None = None, seed: int = 0):
+        """`pieces`: token ids -> one text piece per id; `text`: token ids -> their text;
+        `members`: the fleet now (the controller's `members()`); `resume_step`: the step a resumed
+        run starts at (None: a fresh run); `key`: the page's key, written to `dashboard/key` (0600)."""
         self.config, self._pieces, self._text, self._members, self._seed = config, pieces, text, members, seed
         self.root = run_dir / DIRECTORY
         (self.root / "trajectories").mkdir(parents=True, exist_ok=True)
