@@ -89,9 +89,9 @@ def moved_keys(schema: type) -> Mapping[str, str]:
     return getattr(schema, "MOVED", {})
 
 
-def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML (what a run records next to its outputs), without its derived
-    keys, so that `load_config` reads it back to an equal config."""
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as nested plain values, without its derived keys: what `to_yaml`
+    writes (and what trackers take as a run's config)."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key in derived_keys(type(cfg)):
         *sections, leaf = key.split(".")
@@ -99,7 +99,13 @@ def to_yaml(cfg: Any) -> str:
         for part in sections:
             node = node[part]  # type: ignore[index]
         del node[leaf]  # type: ignore[union-attr]
-    return OmegaConf.to_yaml(data)
+    return data  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (what a run records next to its outputs), without its derived
+    keys, so that `load_config` reads it back to an equal config."""
+    return OmegaConf.to_yaml(to_dict(cfg))
 
 
 def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:

@@ -1,7 +1,7 @@
 """What `tandem train` records for `tandem dashboard` (`dashboard.*`, tandem/dashboard/record.py):
 the recorder for a run, and each step's kept trajectories scored on the trainer.
 
-`record_step` runs after the batch is built and before the update, so the trainer's logprobs are
+`score_and_record` runs after the batch is built and before the update, so the trainer's logprobs are
 those of the weights the step trains from: the proximal logprobs decoupled PPO uses, whose gap to
 the servers' is `mismatch/*`, token by token. See docs/dashboard.md."""
 
@@ -39,7 +39,7 @@ def run_recorder(cfg: TandemConfig, run_dir: Path, tokenizer: Any, members: Any,
         recorder.close()
 
 
-def record_step(recorder: RunRecorder, cfg: TandemConfig, trainer: Any, step: int, version: int,
+def score_and_record(recorder: RunRecorder, cfg: TandemConfig, trainer: Any, step: int, version: int,
                 trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Step `step`'s trajectories recorded (the kept ones scored on `trainer`, the actor's
     `TrainController`, at `version` when `dashboard.trainer_logprobs`; the files are written off
@@ -67,11 +67,11 @@ def trainer_logprobs(trainer: Any, trajs: Sequence[Trajectory], temperature: flo
     order = list(range(len(seqs))) + [k % len(seqs) for k in range(max(0, dp - len(seqs)))]
     shards = [SequenceBatch([seqs[j] for j in order[r::dp]]) for r in range(dp)]
     outputs = trainer.compute_logprobs(shards, temperature, loss_tokens_only=True)
-    scored: list[list[float | None] | None] = [None] * len(trajs)
+    scored: dict[int, list[float | None]] = {}
     for r, out in enumerate(outputs):
         for j, predicted in zip(order[r::dp], out.logprobs, strict=True):
-            if scored[j] is None:
+            if j not in scored:
                 mask = trajs[j].loss_mask
                 values = predicted.tolist()  # prediction alignment: entry t scores token t + 1
                 scored[j] = [values[t - 1] if t > 0 and mask[t] else None for t in range(len(mask))]
-    return [s if s is not None else [] for s in scored]
+    return [scored[j] for j in range(len(trajs))]

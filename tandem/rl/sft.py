@@ -12,9 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tandem.config.loader import to_yaml
+from tandem.config.loader import to_dict, to_yaml
 from tandem.data.batch import SequenceBatch
 from tandem.data.tasks.chat import sft_example
 from tandem.launch.factory import make_scheduler
@@ -87,7 +85,7 @@ def sft_metrics(cfg: SFTRunConfig, run_dir: Path) -> MetricsLogger:
     """sft-metrics.jsonl (and sft-tensorboard/) in the run directory; the trackers `stats.*` asks
     for get a run named `name/trial/sft` with the config and the same rows."""
     trackers = start_trackers(cfg.stats, run_dir, name=f"{cfg.experiment.name}/{cfg.experiment.trial}/sft",
-                              experiment=cfg.experiment.name, config=yaml.safe_load(to_yaml(cfg)))
+                              experiment=cfg.experiment.name, config=to_dict(cfg))
     return MetricsLogger(run_dir, filename="sft-metrics.jsonl", tensorboard=cfg.stats.tensorboard,
                          tensorboard_dir="sft-tensorboard", trackers=trackers)
 

@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tandem.config.loader import to_yaml
+from tandem.config.loader import to_dict, to_yaml
 from tandem.dashboard.record import RunRecorder
 from tandem.fleet import ops
 from tandem.fleet.generation import GenerationParams
@@ -45,7 +43,7 @@ from tandem.rl.metrics import MetricsLogger
 from tandem.rl.models import start_models
 from tandem.rl.plot import plot_run
 from tandem.rl.progress import Progress
-from tandem.rl.recording import record_step, run_recorder
+from tandem.rl.recording import run_recorder, score_and_record
 from tandem.rl.scorers import check_scorers, start_scorers
 from tandem.rl.trackers import start_trackers
 from tandem.rl.trial import TrialPlan, plan_trial
@@ -125,8 +123,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
     plan.prepare()
     run_dir = plan.run_dir
     attach_run_log(run_dir)
-    config_yaml = to_yaml(cfg)
-    (run_dir / "config.yaml").write_text(config_yaml)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     summary = RunSummary(run_dir, start_step=plan.start_step, end_step=plan.start_step)
     runner = reward_runner(cfg)
     metrics: MetricsLogger | None = None
@@ -140,7 +137,7 @@ def run_rl(cfg: TandemConfig, plan: TrialPlan | None = None) -> RunSummary:
         workflow = workflow_for(cfg, tokenizer, reward_fn, runner)  # before anything starts
         task = RunTask(data, tokenizer, reward_fn, runner, workflow)
         trackers = start_trackers(cfg.stats, run_dir, name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
-                                  experiment=cfg.experiment.name, config=yaml.safe_load(config_yaml))
+                                  experiment=cfg.experiment.name, config=to_dict(cfg))
         metrics = MetricsLogger(run_dir, resume_step=plan.start_step if plan.resume_from else None,
                                 tensorboard=cfg.stats.tensorboard, trackers=trackers)
         with make_scheduler(cfg.scheduler, run_dir, host=cfg.cluster.host_ip,
@@ -300,7 +297,7 @@ class Run:
         t1 = time.monotonic()
         batch, stats = build_training_batch(trajs, cfg.algo, version=step)
         if self.recorder is not None:  # before the update: the trainer scores at the step's weights
-            stats.update(record_step(self.recorder, cfg, trainer, step + 1, step, trajs))
+            stats.update(score_and_record(self.recorder, cfg, trainer, step + 1, step, trajs))
         stats["data/prompt_ids"] = sorted({t.stream_index for t in trajs})  # type: ignore[assignment]
         if batch is None or len(batch) < dp:
             # Everything was filtered out (e.g. every group solved): no gradient this step, but the

@@ -16,7 +16,7 @@ from tandem.data.batch import INPUT_IDS
 from tandem.data.trajectory import Trajectory
 from tandem.errors import ConfigError
 from tandem.rl.config import load_run_config
-from tandem.rl.recording import record_step, run_recorder
+from tandem.rl.recording import run_recorder, score_and_record
 
 FLEET = {"version": 0, "servers": [{"address": "http://127.0.0.1:1", "state": "healthy", "version": 0,
                                     "in_flight": 0, "tokens_served": 0, "last_error": ""}]}
@@ -52,7 +52,7 @@ def run_one_step(tmp_path, cfg, model_dir, scorer) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with run_recorder(cfg, run, tokenizer, lambda: FLEET, api_key="servers-key", resume_step=None) as rec:
         if rec is not None:
-            record_step(rec, cfg, scorer, 1, 0, trajs(5))
+            score_and_record(rec, cfg, scorer, 1, 0, trajs(5))
     return run
 
 
