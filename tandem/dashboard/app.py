@@ -103,6 +103,8 @@ def create_app(store: RunStore, *, poll_s: float = 0.5, stream_s: float = 300.0)
                 if now != last:
                     last = now
                     yield f"event: change\ndata: {json.dumps({'time': time.time()})}\n\n"
+                # The run is another process writing files: their sizes and times are the only
+                # signal there is (no inotify dependency); a poll stats five files.
                 await asyncio.sleep(poll_s)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
